@@ -1,0 +1,23 @@
+"""oscar-hf: OSCAR 2-bit KV-cache quantization for Hugging Face transformers.
+
+Importing the package registers the ``"oscar"`` attention implementation.
+"""
+
+from . import attention  # noqa: F401  (registers attn_implementation="oscar")
+from .cache import OscarCache, OscarLayer
+from .config import METHODS, OscarConfig, TensorQuantConfig
+from .memory import MemoryReport, paper_bits_per_element
+from .rotations import RotationSet
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "MemoryReport",
+    "OscarCache",
+    "OscarConfig",
+    "OscarLayer",
+    "RotationSet",
+    "TensorQuantConfig",
+    "paper_bits_per_element",
+]

@@ -1,0 +1,64 @@
+"""The ``"oscar"`` attention implementation: exact softmax over ``[sink | history | recent | new]``.
+
+transformers hands an attention function the new K/V that ``Cache.update`` returned, never the
+cache. ``OscarCache.update`` records itself as the active cache, and this function finds the
+layer's stored state through it and ``module.layer_idx``. Attention runs in the rotated basis:
+``q·R_K`` against stored ``K·R_K`` (so scores equal ``q·k``), and the output is mapped back with
+``o·R_V^T``. This torch path dequantizes one layer's history transiently; nothing outlives the call.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from .cache import ATTENTION_NAME, OscarLayer, active_cache
+
+
+def oscar_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for layers of an :class:`OscarCache`; plain SDPA for everything else.
+
+    "Everything else" is a forward without an OscarCache (``use_cache=False``, scoring), and layer
+    types the cache keeps in BF16 (sliding windows), whose K/V arrive complete.
+    """
+    layer = _waiting_layer(module, key)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    new_keys, new_values, plan = layer.begin_step(attention_mask)
+    keys, values = layer.dense_rotated(new_keys, new_values)
+    output, _ = sdpa_attention_forward(module, layer.rotate_query(query), keys, values, attention_mask, **kwargs)
+    del keys, values
+    layer.finish_step(new_keys, new_values, plan)
+    return layer.unrotate_values(output), None
+
+
+def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> OscarLayer | None:
+    cache = active_cache()
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    if not isinstance(layer, OscarLayer):
+        return None
+    if layer.owns(key):
+        return layer
+    if layer.has_pending:
+        raise RuntimeError(
+            f"layer {layer_idx}: attention received key states that OscarCache did not return; "
+            "the model changes K/V between the cache update and attention, which OscarCache does not support"
+        )
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, oscar_attention_forward)
+# Without a mask function for the name, transformers silently builds no mask (no causal, no padding).
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

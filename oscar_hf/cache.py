@@ -1,0 +1,449 @@
+"""``OscarCache``: a transformers ``Cache`` whose full-attention layers keep a BF16 sink, an INT2 history
+and a BF16 recent window, all in the rotated basis (K·R_K, V·R_V).
+
+Token lifecycle of one layer (positions in order, oscar-reference.md section 4):
+
+    [ sink: first real tokens ] [ packed history ] [ recent: last `recent`..`recent+block-1` tokens ]
+
+A step (one ``update`` + one attention call) works in three phases so that a chunk always attends
+to its own unquantized K/V, as the reference's prefill does:
+
+1. ``begin_step``: plan where the new tokens go and demote the oldest rows of the recent window
+   (quantized from their stored rotated rows) if the window would overflow;
+2. attention over ``[sink | history | recent | new]`` (``oscar_hf.attention``);
+3. ``finish_step``: store the new tokens; those that land between the sink and the recent window
+   are quantized now, exactly once.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from .config import OscarConfig, TensorQuantConfig, resolve_method
+from .log import get_logger, warning_once
+from .memory import LayerMemory, MemoryReport
+from .quant import quantize
+from .rotations import RotationSet, require_power_of_two
+from .storage import PackedHistory, RowBuffer
+
+logger = get_logger(__name__)
+
+ATTENTION_NAME = "oscar"
+
+# The cache that received the latest ``update`` in this context; the attention function, which never
+# sees the cache, finds its layer through it. A weak reference, so a finished cache can be freed.
+_active_cache: ContextVar[weakref.ReferenceType | None] = ContextVar("oscar_active_cache", default=None)
+
+
+def active_cache() -> "OscarCache | None":
+    ref = _active_cache.get()
+    return None if ref is None else ref()
+
+
+@dataclass
+class StepPlan:
+    """Where the ``new`` tokens of one step go."""
+
+    to_sink: int
+    demote: int  # oldest recent-window rows quantized before attention
+    quantize_new: int  # new rows quantized after attention; the rest join the recent window
+
+
+@dataclass
+class PendingChunk:
+    keys: torch.Tensor  # rotated
+    values: torch.Tensor  # rotated
+    source: torch.Tensor  # the un-rotated key tensor handed to attention, to recognise the call
+
+
+def _rotate(states: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    # fp32 GEMM: a bf16 R is only orthogonal to ~1e-3; the cost is one D×D product per new row
+    return states if rotation is None else (states.float() @ rotation).to(states.dtype)
+
+
+class OscarLayer(CacheLayerMixin):
+    """One full-attention layer of an :class:`OscarCache`."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None):
+        super().__init__()
+        self.config = config
+        self.key_rotation, self.value_rotation = key_rotation, value_rotation
+        self._clear()
+
+    # ----------------------------------------------------------------------------------- state
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self.sink_end: int | None = None  # fixed once every row has shown its first real token
+        self._pending: PendingChunk | None = None
+        self.sink_keys = self.sink_values = self.recent_keys = self.recent_values = None
+        self.history_keys = self.history_values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, head_dim
+
+        def window() -> RowBuffer:
+            return RowBuffer(batch, heads, (head_dim,), self.dtype, self.device)
+
+        self.sink_keys, self.sink_values, self.recent_keys, self.recent_values = window(), window(), window(), window()
+        if self.config.quantized:
+            self.history_keys = self._history(self.config.key, batch, heads)
+            self.history_values = self._history(self.config.value, batch, heads)
+        for name in ("key_rotation", "value_rotation"):
+            rotation = getattr(self, name)
+            if rotation is not None:
+                setattr(self, name, rotation.to(device=self.device, dtype=torch.float32))
+        self.is_initialized = True
+
+    def _history(self, spec: TensorQuantConfig, batch: int, heads: int) -> PackedHistory:
+        group = spec.group_of(self.head_dim)
+        return PackedHistory(batch, heads, self.head_dim, spec.bits, group, self.config.metadata_dtype, self.device)
+
+    def _buffers(self) -> list[RowBuffer]:
+        buffers = [self.sink_keys, self.sink_values, self.recent_keys, self.recent_values]
+        for history in (self.history_keys, self.history_values):
+            if history is not None:
+                buffers.extend(history.buffers())
+        return buffers
+
+    @property
+    def history_length(self) -> int:
+        return 0 if self.history_keys is None else self.history_keys.length
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        pending = 0 if self._pending is None else self._pending.keys.shape[2]
+        return self.sink_keys.length + self.history_length + self.recent_keys.length + pending
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ----------------------------------------------------------------------------------- steps
+    def stash(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Receive a chunk of post-RoPE K/V; it is stored when attention over it has been computed."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending is not None:
+            raise RuntimeError(
+                "OscarCache received new key/value states before attention used the previous ones. "
+                "The model's attention must go through attn_implementation='oscar' for every layer."
+            )
+        if self.config.check_finite:
+            _check_finite(key_states, "key"), _check_finite(value_states, "value")
+        self._pending = PendingChunk(
+            _rotate(key_states, self.key_rotation), _rotate(value_states, self.value_rotation), key_states
+        )
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def owns(self, key_states: torch.Tensor) -> bool:
+        """Whether ``key_states`` is the chunk this layer is waiting to attend over."""
+        return self._pending is not None and self._pending.source is key_states
+
+    def begin_step(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, StepPlan]:
+        """Take the pending chunk, plan its placement and demote overflowing recent rows."""
+        if self._pending is None:
+            raise RuntimeError("begin_step() without a pending chunk: call stash() first")
+        chunk, self._pending = self._pending, None
+        self._observe_padding(attention_mask, chunk.keys.shape[2])
+        plan = self._plan(chunk.keys.shape[2])
+        self._demote(plan.demote)
+        return chunk.keys, chunk.values, plan
+
+    def dense_rotated(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Transient ``[sink | dequantized history | recent | new]`` K and V in the rotated basis."""
+        keys = [self.sink_keys.view()]
+        values = [self.sink_values.view()]
+        if self.history_length:
+            keys.append(self.history_keys.dequantize(self.dtype))
+            values.append(self.history_values.dequantize(self.dtype))
+        keys += [self.recent_keys.view(), new_keys]
+        values += [self.recent_values.view(), new_values]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def finish_step(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: StepPlan) -> None:
+        """Store the chunk: sink part, quantized middle part, recent part."""
+        sink_end, middle_end = plan.to_sink, plan.to_sink + plan.quantize_new
+        self.sink_keys.append(new_keys[:, :, :sink_end])
+        self.sink_values.append(new_values[:, :, :sink_end])
+        if plan.quantize_new:
+            self._append_history(new_keys[:, :, sink_end:middle_end], new_values[:, :, sink_end:middle_end])
+        self.recent_keys.append(new_keys[:, :, middle_end:])
+        self.recent_values.append(new_values[:, :, middle_end:])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain transformers contract: store the chunk and return all K/V, dequantized and un-rotated.
+
+        Used when the model runs another attention implementation; the chunk itself is returned
+        unquantized, so prefill semantics match the ``oscar`` path (but the sink ignores padding).
+        """
+        self.stash(key_states, value_states)
+        new_keys, new_values, plan = self.begin_step(None)
+        keys, values = self.dense_rotated(new_keys, new_values)
+        self.finish_step(new_keys, new_values, plan)
+        return self.unrotate_keys(keys), self.unrotate_values(values)
+
+    def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
+        return _rotate(query, self.key_rotation)
+
+    def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys if self.key_rotation is None else _rotate(keys, self.key_rotation.T)
+
+    def unrotate_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Also maps attention outputs back: ``o = o_rot @ R_V^T``."""
+        return values if self.value_rotation is None else _rotate(values, self.value_rotation.T)
+
+    def _observe_padding(self, attention_mask: torch.Tensor | None, new_tokens: int) -> None:
+        """Fix ``sink_end`` so that the sink holds each row's first ``sink`` real tokens.
+
+        With left padding rows start at different positions; the sink spans up to the latest first
+        real token plus ``sink``, so shorter rows keep a few more BF16 tokens instead of losing
+        their attention sinks to pads. One host sync per layer, only until every row has started.
+        """
+        if self.sink_end is not None:
+            return
+        if attention_mask is None:
+            self.sink_end = self.config.sink
+            return
+        allowed = attention_mask[:, 0, -1, :]  # the last query is the newest token: its row shows every real key
+        if allowed.dtype != torch.bool:
+            allowed = allowed == 0
+        started = allowed.any(dim=-1)
+        if bool(started.all()):
+            self.sink_end = int(allowed.int().argmax(dim=-1).max()) + self.config.sink
+
+    def _plan(self, new_tokens: int) -> StepPlan:
+        length = self.get_seq_length()
+        # Until every row has started, everything seen so far may precede a row's first real token.
+        sink_end = self.sink_end if self.sink_end is not None else length + new_tokens + self.config.sink
+        to_sink = 0
+        if self.history_length == 0 and self.recent_keys.length == 0:
+            to_sink = max(0, min(new_tokens, sink_end - self.sink_keys.length))
+        overflow = 0
+        if self.config.quantized:
+            window = self.recent_keys.length + new_tokens - to_sink
+            if window >= self.config.recent + self.config.block:
+                overflow = window - self.config.recent
+        demote = min(overflow, self.recent_keys.length)
+        return StepPlan(to_sink, demote, overflow - demote)
+
+    def _demote(self, count: int) -> None:
+        if count:
+            self._append_history(self.recent_keys.drop_front(count), self.recent_values.drop_front(count))
+
+    def _append_history(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.history_keys.append(self._quantize(keys, self.config.key))
+        self.history_values.append(self._quantize(values, self.config.value))
+
+    def _quantize(self, rows: torch.Tensor, spec: TensorQuantConfig):
+        return quantize(
+            rows,
+            spec.bits,
+            spec.group_of(self.head_dim),
+            symmetric=spec.symmetric,
+            clip_ratio=spec.clip_ratio,
+            metadata_dtype=self.config.metadata_dtype,
+        )
+
+    # ------------------------------------------------------------------------ cache contract
+    def reset(self) -> None:
+        self._clear()
+
+    def _require_idle(self, operation: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"cannot {operation} an OscarCache layer in the middle of a forward pass")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._require_idle("reorder")
+        if self.is_initialized:
+            for buffer in self._buffers():
+                buffer.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._require_idle("repeat")
+        if self.is_initialized:
+            for buffer in self._buffers():
+                buffer.repeat_batch(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end; only BF16 tokens can go (quantized history cannot be un-quantized).
+
+        A negative value removes that many tokens; a positive one is the length to keep (the
+        transformers 5.17 legacy meaning).
+        """
+        self._require_idle("crop")
+        length = self.get_seq_length()
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, length - tokens_to_remove)
+        if remove == 0:
+            return
+        if remove > self.recent_keys.length and self.history_length:
+            raise ValueError(
+                f"cannot crop {remove} tokens: only the last {self.recent_keys.length} are in the BF16 recent "
+                "window, the rest is already quantized"
+            )
+        if remove > length:
+            raise ValueError(f"cannot crop {remove} tokens from a layer that holds {length}")
+        from_recent = min(remove, self.recent_keys.length)
+        for buffer in (self.recent_keys, self.recent_values):
+            buffer.truncate(buffer.length - from_recent)
+        for buffer in (self.sink_keys, self.sink_values):
+            buffer.truncate(buffer.length - (remove - from_recent))
+
+    def offload(self):
+        raise NotImplementedError("OscarCache does not support offloading: its packed history is already ~7x smaller")
+
+    def prefetch(self):
+        self.offload()
+
+    # ------------------------------------------------------------------------------ reporting
+    def memory(self, layer_idx: int) -> LayerMemory:
+        if not self.is_initialized:
+            return LayerMemory(layer_idx, "oscar", 0, 0, 0, 0, 0, 0, 0, 0)
+        batch, heads = self.sink_keys.data.shape[:2]
+        history = self.history_length
+        code_bytes = metadata_bytes = 0
+        if history:
+            code_bytes = self.history_keys.code_bytes() + self.history_values.code_bytes()
+            metadata_bytes = self.history_keys.metadata_bytes() + self.history_values.metadata_bytes()
+        return LayerMemory(
+            layer=layer_idx,
+            kind="oscar",
+            sink_tokens=self.sink_keys.length,
+            history_tokens=history,
+            recent_tokens=self.recent_keys.length,
+            elements_per_token=2 * batch * heads * self.head_dim,
+            code_bytes=code_bytes,
+            metadata_bytes=metadata_bytes,
+            sink_bytes=self.sink_keys.used_bytes() + self.sink_values.used_bytes(),
+            recent_bytes=self.recent_keys.used_bytes() + self.recent_values.used_bytes(),
+        )
+
+
+def _check_finite(states: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(states).all()):
+        raise ValueError(f"non-finite values (NaN/Inf) in the {name} states given to OscarCache")
+
+
+class OscarCache(Cache):
+    """A transformers ``Cache`` that stores the KV cache at ~2 bits per element with OSCAR rotations.
+
+    Args:
+        config: the model (or its config) this cache serves.
+        method: a name from :data:`oscar_hf.config.METHODS` (``none``, ``naive-int2``, ``quarot-int2``,
+            ``oscar-int2``, ``int4``, ``oscar-k4v2``) or an :class:`OscarConfig`.
+        rotations: per-layer R_K/R_V, required by calibrated methods (``oscar-*``).
+        **overrides: fields of :class:`OscarConfig` to change, e.g. ``sink=64, recent=256, block=8``.
+
+    Full-attention layers become :class:`OscarLayer`; other layer types (sliding windows, linear
+    attention) keep transformers' own layers in the model dtype. Memory and speed benefits need
+    ``model.set_attn_implementation("oscar")``; with any other implementation the cache still works
+    but hands dequantized K/V to that attention.
+
+    Example::
+
+        cache = OscarCache(model, "oscar-int2", rotations=load_rotations(path))
+        model.generate(**inputs, past_key_values=cache)
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig | PreTrainedModel,
+        method: str | OscarConfig = "oscar-int2",
+        rotations: RotationSet | None = None,
+        **overrides,
+    ):
+        model_config = config.config if isinstance(config, PreTrainedModel) else config
+        self.text_config = model_config.get_text_config(decoder=True)
+        self.oscar_config = resolve_method(method, **overrides)
+        head_dim = _head_dim(self.text_config)
+        self.oscar_config.validate(head_dim)
+        stock_layers = DynamicCache(config=model_config).layers
+        quantized_ids = [i for i, layer in enumerate(stock_layers) if type(layer) is DynamicLayer]
+        if not quantized_ids:
+            raise ValueError("this model has no full-attention layers for OscarCache to quantize")
+        rotations = self._resolve_rotations(rotations, head_dim, quantized_ids)
+        layers = [
+            OscarLayer(self.oscar_config, *rotations.for_layer(i)) if i in quantized_ids else layer
+            for i, layer in enumerate(stock_layers)
+        ]
+        super().__init__(layers=layers)
+
+    def _resolve_rotations(self, rotations: RotationSet | None, head_dim: int, layer_ids: list[int]) -> RotationSet:
+        config = self.oscar_config
+        if config.rotation == "identity":
+            return RotationSet.identity(head_dim)
+        if config.rotation == "hadamard":
+            require_power_of_two(head_dim, f"method {config.method!r}")
+            return RotationSet.hadamard(head_dim, layer_ids)
+        if rotations is None:
+            raise ValueError(
+                f"method {config.method!r} uses calibrated rotations: pass rotations= "
+                "(oscar_hf.zoo.load_rotations(...) or oscar_hf.calibration.calibrate(...))"
+            )
+        rotations.check_model(head_dim, layer_ids)
+        missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]
+        if missing:
+            raise ValueError(f"the rotations lack R_K or R_V for layers {missing}")
+        return rotations
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, OscarLayer):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        _active_cache.set(weakref.ref(self))
+        if self.text_config._attn_implementation == ATTENTION_NAME:
+            layer.stash(key_states, value_states)
+            return key_states, value_states
+        warning_once(
+            logger,
+            f"OscarCache is used with attn_implementation={self.text_config._attn_implementation!r}: it works, but "
+            "attention then reads a dequantized BF16 copy of the history and left padding may fill the sink. "
+            "Call model.set_attn_implementation('oscar') for the memory and speed benefits.",
+        )
+        return layer.update(key_states, value_states)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of packed codes, metadata, sink and recent window per layer, with BPE and the BF16 baseline."""
+        entries = []
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, OscarLayer):
+                entries.append(layer.memory(idx))
+            elif isinstance(layer, CacheLayerMixin):
+                entries.append(LayerMemory.dense(idx, layer.keys, layer.values))
+        return MemoryReport(self.oscar_config.method, entries)
+
+    def __deepcopy__(self, memo: dict) -> "OscarCache":
+        # The model config is shared, not copied: the copy must follow the model's attention setting.
+        memo[id(self.text_config)] = self.text_config
+        clone = copy.copy(self)
+        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return clone
+
+
+def _head_dim(text_config: PretrainedConfig) -> int:
+    head_dim = getattr(text_config, "head_dim", None)
+    return head_dim or text_config.hidden_size // text_config.num_attention_heads

@@ -1,0 +1,116 @@
+"""Cache configurations: which bits, rotation, clipping and BF16 windows each named method uses.
+
+Every method is a configuration of the same cache, so comparisons between them are apples to apples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .quant import check_bits
+
+ROTATION_KINDS = ("identity", "hadamard", "calibrated")
+
+
+@dataclass(frozen=True)
+class TensorQuantConfig:
+    """How one of K or V is quantized once it leaves the BF16 windows.
+
+    ``bits`` is 2 or 4; ``group_size`` ``None`` means one (scale, zero) per row (G = head_dim);
+    ``clip_ratio`` 0 disables clipping.
+    """
+
+    bits: int = 2
+    symmetric: bool = False
+    clip_ratio: float = 0.0
+    group_size: int | None = None
+
+    def validate(self, name: str, head_dim: int) -> None:
+        check_bits(self.bits)
+        if not 0.0 <= self.clip_ratio <= 1.0:
+            raise ValueError(f"{name}: clip_ratio must be in [0, 1], got {self.clip_ratio}")
+        group = self.group_of(head_dim)
+        if group <= 0 or head_dim % group or group % (8 // self.bits):
+            raise ValueError(
+                f"{name}: group_size {self.group_size} must be a positive divisor of head_dim {head_dim} "
+                f"and a multiple of {8 // self.bits}"
+            )
+
+    def group_of(self, head_dim: int) -> int:
+        return head_dim if self.group_size is None else self.group_size
+
+
+@dataclass(frozen=True)
+class OscarConfig:
+    """A full cache configuration.
+
+    ``key``/``value`` ``None`` keeps that tensor in the model's dtype (only the ``none`` method does
+    this, for both). ``sink`` first real tokens and the last ``recent`` (up to ``recent + block - 1``)
+    tokens stay in high precision; the window is demoted ``block`` tokens at a time.
+    """
+
+    method: str = "custom"
+    key: TensorQuantConfig | None = field(default_factory=TensorQuantConfig)
+    value: TensorQuantConfig | None = field(default_factory=TensorQuantConfig)
+    rotation: str = "calibrated"
+    sink: int = 64
+    recent: int = 256
+    block: int = 8
+    metadata_dtype: torch.dtype = torch.bfloat16
+    check_finite: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.key is not None
+
+    def validate(self, head_dim: int) -> None:
+        """Raise ``ValueError`` for any setting this cache cannot honour."""
+        if (self.key is None) != (self.value is None):
+            raise ValueError("K and V must both be quantized or both kept in high precision")
+        if self.rotation not in ROTATION_KINDS:
+            raise ValueError(f"rotation must be one of {ROTATION_KINDS}, got {self.rotation!r}")
+        for name, value in (("sink", self.sink), ("recent", self.recent)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number of tokens, got {value!r}")
+        if not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"block must be a positive number of tokens, got {self.block!r}")
+        if self.metadata_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"metadata_dtype must be bfloat16, float16 or float32, got {self.metadata_dtype}")
+        if self.key is not None:
+            self.key.validate("key", head_dim)
+            self.value.validate("value", head_dim)
+
+    def with_overrides(self, **overrides) -> "OscarConfig":
+        """A copy with some fields replaced (e.g. ``sink=4, recent=16`` for tests)."""
+        return replace(self, **overrides)
+
+
+K_CLIP, V_CLIP = 0.96, 0.92
+
+METHODS: dict[str, OscarConfig] = {
+    "none": OscarConfig("none", key=None, value=None, rotation="identity"),
+    "naive-int2": OscarConfig(
+        "naive-int2", TensorQuantConfig(2, symmetric=True), TensorQuantConfig(2, symmetric=True), "identity"
+    ),
+    "quarot-int2": OscarConfig("quarot-int2", TensorQuantConfig(2), TensorQuantConfig(2), "hadamard"),
+    "oscar-int2": OscarConfig(
+        "oscar-int2", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
+    ),
+    "int4": OscarConfig("int4", TensorQuantConfig(4), TensorQuantConfig(4), "hadamard"),
+    "oscar-k4v2": OscarConfig(
+        "oscar-k4v2", TensorQuantConfig(4), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
+    ),
+}
+
+
+def resolve_method(method: str | OscarConfig, **overrides) -> OscarConfig:
+    """Turn a method name (see :data:`METHODS`) or a config into a config, applying field overrides."""
+    if isinstance(method, OscarConfig):
+        config = method
+    elif method in METHODS:
+        config = METHODS[method]
+    else:
+        raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)} or pass an OscarConfig")
+    return config.with_overrides(**overrides) if overrides else config

@@ -1,0 +1,124 @@
+"""Quantization math for rotated K/V rows: clipping, per-token asymmetric/symmetric quantization, packing.
+
+A *row* is one token of one KV head, ``head_dim`` values. Each row is split into groups of
+``group_size`` channels with one (scale, zero) pair per group, as in the reference
+(oscar-reference.md section 3.1):
+
+    scale = max(max - min, 1e-8) / (2^bits - 1)
+    zero  = -min / scale                      # a float zero-point, never rounded
+    code  = floor(x / scale + zero + 0.5)     # round half up
+    x_hat = (code - zero) * scale
+
+Codes are computed with float32 scale/zero and stored with 16-bit metadata by default, as the
+reference's decode kernel reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 4)
+SCALE_FLOOR = 1e-8
+
+
+@dataclass
+class QuantizedRows:
+    """Packed codes ``uint8 [..., head_dim * bits / 8]`` with ``scale``/``zero`` ``[..., head_dim / group_size]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+
+def check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"unsupported bit width {bits}: the cache quantizes to {SUPPORTED_BITS} bits")
+
+
+def clip_index(ratio: float, head_dim: int) -> int:
+    """Index of the order statistic used as the clip threshold: floor(ratio * D), clamped to [0, D-1]."""
+    return min(max(math.floor(ratio * head_dim), 0), head_dim - 1)
+
+
+def clip_rows(rows: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Clamp each row symmetrically at ``sort(|row|)[floor(ratio * D)]``; a ratio <= 0 disables clipping.
+
+    The threshold is an order statistic over the whole row (not per group, no interpolation), which
+    is what the reference's prefill kernel and its unit test use.
+    """
+    if ratio <= 0:
+        return rows
+    if ratio > 1:
+        raise ValueError(f"clip ratio must be in [0, 1], got {ratio}")
+    k = clip_index(ratio, rows.shape[-1]) + 1  # kthvalue is 1-based
+    threshold = rows.abs().kthvalue(k, dim=-1, keepdim=True).values
+    return torch.minimum(torch.maximum(rows, -threshold), threshold)
+
+
+def quantize(
+    rows: torch.Tensor,
+    bits: int,
+    group_size: int,
+    *,
+    symmetric: bool = False,
+    clip_ratio: float = 0.0,
+    metadata_dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedRows:
+    """Clip, quantize per token and group, and pack ``rows [..., D]``.
+
+    ``symmetric`` is the naive baseline: the grid is centred on zero (zero-point fixed at
+    (2^bits - 1) / 2) and spans [-max|x|, max|x|].
+    """
+    check_bits(bits)
+    head_dim = rows.shape[-1]
+    if head_dim % group_size:
+        raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
+    levels = 2**bits - 1
+    groups = clip_rows(rows.float(), clip_ratio).unflatten(-1, (head_dim // group_size, group_size))
+    if symmetric:
+        amax = groups.abs().amax(dim=-1)
+        scale = torch.clamp(2 * amax, min=SCALE_FLOOR) / levels
+        zero = torch.full_like(scale, levels / 2)
+    else:
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = torch.clamp(high - low, min=SCALE_FLOOR) / levels
+        zero = -low / scale
+    codes = torch.floor(groups / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels)
+    packed = pack(codes.flatten(-2).to(torch.uint8), bits)
+    return QuantizedRows(packed, scale.to(metadata_dtype), zero.to(metadata_dtype))
+
+
+def dequantize(quantized: QuantizedRows, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize` (up to the rounding error): ``(code - zero) * scale``."""
+    codes = unpack(quantized.codes, bits).float()
+    groups = codes.unflatten(-1, (codes.shape[-1] // group_size, group_size))
+    values = (groups - quantized.zero.float()[..., None]) * quantized.scale.float()[..., None]
+    return values.flatten(-2).to(dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``uint8`` codes ``[..., D]`` into ``[..., D * bits / 8]`` bytes.
+
+    Byte ``c`` holds dims ``c, c + D/k, c + 2D/k, ...`` (k = 8 / bits codes per byte) from the low
+    bits up: for INT2 that is the reference's "quartered" layout, which lets a kernel unpack k
+    contiguous ``[N, D/k]`` tiles.
+    """
+    check_bits(bits)
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ValueError(f"head_dim {codes.shape[-1]} is not a multiple of {per_byte}")
+    parts = codes.unflatten(-1, (per_byte, codes.shape[-1] // per_byte))
+    packed = parts[..., 0, :].clone()
+    for j in range(1, per_byte):
+        packed |= parts[..., j, :] << (bits * j)
+    return packed
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., D * bits / 8]`` bytes to ``uint8`` codes ``[..., D]``."""
+    check_bits(bits)
+    mask = 2**bits - 1
+    return torch.cat([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1)

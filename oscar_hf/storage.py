@@ -1,0 +1,112 @@
+"""Growable per-layer buffers: ``[batch, heads, capacity, *row]`` tensors whose first ``length`` rows are valid.
+
+Capacity grows geometrically, so appending a token never copies the whole buffer (amortised
+O(1) per token), and a later static mode can preallocate the capacity and write by index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import QuantizedRows, dequantize
+
+_MIN_CAPACITY = 64
+_GROWTH = 1.5
+
+
+class RowBuffer:
+    """Rows appended along dim 2 of a preallocated tensor."""
+
+    def __init__(self, batch: int, heads: int, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.data = torch.empty(batch, heads, 0, *row_shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, :, : self.length]
+
+    def append(self, rows: torch.Tensor) -> None:
+        count = rows.shape[2]
+        if count == 0:
+            return
+        self._reserve(self.length + count)
+        self.data[:, :, self.length : self.length + count] = rows
+        self.length += count
+
+    def drop_front(self, count: int) -> torch.Tensor:
+        """Remove and return the oldest ``count`` rows, shifting the rest to the front."""
+        dropped = self.data[:, :, :count].clone()
+        kept = self.length - count
+        self.data[:, :, :kept] = self.data[:, :, count : self.length].clone()
+        self.length = kept
+        return dropped
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.data = self.data.index_select(0, index.to(self.data.device))
+
+    def repeat_batch(self, repeats: int) -> None:
+        self.data = self.data.repeat_interleave(repeats, dim=0)
+
+    def used_bytes(self) -> int:
+        return self.view().numel() * self.data.element_size()
+
+    def allocated_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self.data.shape[2]
+        if needed <= capacity:
+            return
+        new_capacity = max(needed, int(capacity * _GROWTH), _MIN_CAPACITY)
+        grown = torch.empty(
+            *self.data.shape[:2], new_capacity, *self.data.shape[3:], dtype=self.data.dtype, device=self.data.device
+        )
+        grown[:, :, : self.length] = self.view()
+        self.data = grown
+
+
+class PackedHistory:
+    """The quantized history of one tensor (K or V) of one layer: packed codes plus (scale, zero) per group."""
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        bits: int,
+        group_size: int,
+        metadata_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.bits, self.group_size = bits, group_size
+        groups = head_dim // group_size
+        self.codes = RowBuffer(batch, heads, (head_dim * bits // 8,), torch.uint8, device)
+        self.scale = RowBuffer(batch, heads, (groups,), metadata_dtype, device)
+        self.zero = RowBuffer(batch, heads, (groups,), metadata_dtype, device)
+
+    @property
+    def length(self) -> int:
+        return self.codes.length
+
+    def append(self, rows: QuantizedRows) -> None:
+        self.codes.append(rows.codes)
+        self.scale.append(rows.scale)
+        self.zero.append(rows.zero)
+
+    def packed(self) -> QuantizedRows:
+        return QuantizedRows(self.codes.view(), self.scale.view(), self.zero.view())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """A transient dense copy ``[batch, heads, length, head_dim]``; callers must not keep it."""
+        return dequantize(self.packed(), self.bits, self.group_size, dtype)
+
+    def buffers(self) -> tuple[RowBuffer, RowBuffer, RowBuffer]:
+        return self.codes, self.scale, self.zero
+
+    def code_bytes(self) -> int:
+        return self.codes.used_bytes()
+
+    def metadata_bytes(self) -> int:
+        return self.scale.used_bytes() + self.zero.used_bytes()

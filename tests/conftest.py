@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random-weight models (no downloads) and helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import oscar_hf  # noqa: F401  (registers the "oscar" attention)
+from oscar_hf.compat import cache_keyword
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
+def tiny_model(arch: str, seed: int = 0, attn: str = "oscar"):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, use_sliding_window=False))
+    else:
+        raise ValueError(arch)
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    model.set_attn_implementation(attn)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny(request):
+    return tiny_model(request.param)
+
+
+def generate(model, input_ids, cache, **kwargs):
+    """``model.generate`` with the cache passed under the installed transformers' keyword."""
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("max_new_tokens", 24)
+    kwargs.setdefault("min_new_tokens", kwargs["max_new_tokens"])
+    with torch.no_grad():
+        return model.generate(input_ids, **{cache_keyword(model): cache}, **kwargs)
+
+
+def forward(model, input_ids, cache, **kwargs):
+    with torch.no_grad():
+        return model(input_ids, **{cache_keyword(model): cache}, use_cache=True, **kwargs)

@@ -1,0 +1,85 @@
+"""Rotations R = U·H·P exactly as the reference composes them (oscar-reference.md sections 1.3-1.6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_hf.rotations import (
+    RotationSet,
+    bit_reversal,
+    check_orthogonal,
+    compose_rotation,
+    eigen_permutation,
+    hadamard,
+    rotation_from_covariance,
+)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 8, 64, 128, 256])
+def test_hadamard_is_sylvester_and_orthonormal(dim):
+    h = hadamard(dim)
+    torch.testing.assert_close(h @ h, torch.eye(dim, dtype=torch.float64))
+    torch.testing.assert_close(h, h.T)
+    i, j = 3 % dim, 5 % dim
+    assert h[i, j] == (-1) ** bin(i & j).count("1") / dim**0.5
+
+
+def test_bit_reversal_matches_the_reference_prefix():
+    assert bit_reversal(128)[:16].tolist() == [0, 64, 32, 96, 16, 80, 48, 112, 8, 72, 40, 104, 24, 88, 56, 120]
+
+
+def test_permutation_puts_the_largest_eigen_direction_at_channel_zero_and_the_second_at_half():
+    eig = torch.arange(64, dtype=torch.float64)  # ascending, as eigh returns them
+    perm = eigen_permutation(eig)
+    assert perm[0] == 63 and perm[32] == 62 and perm[16] == 61
+    assert sorted(perm.tolist()) == list(range(64))
+
+
+def test_compose_is_u_then_h_then_column_permutation():
+    torch.manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))
+    eig = torch.rand(16, dtype=torch.float64).sort().values
+    r = compose_rotation(u, eig, "UHP")
+    p = torch.eye(16, dtype=torch.float64)[:, eigen_permutation(eig)]
+    torch.testing.assert_close(r, u @ hadamard(16) @ p)
+    torch.testing.assert_close(compose_rotation(u, eig, "UH"), u @ hadamard(16))
+    torch.testing.assert_close(compose_rotation(u, eig, "HP"), hadamard(16) @ p)
+    torch.testing.assert_close(compose_rotation(u, eig, ""), torch.eye(16, dtype=torch.float64))
+
+
+def test_rotation_from_covariance_uses_ascending_eigh_and_is_orthogonal():
+    torch.manual_seed(1)
+    a = torch.randn(200, 32, dtype=torch.float64) * torch.linspace(0.1, 5, 32, dtype=torch.float64)
+    cov = a.T @ a / 200
+    r, eig = rotation_from_covariance(cov)
+    assert r.dtype == torch.float32 and bool((eig[1:] >= eig[:-1]).all())
+    check_orthogonal(r, "R")
+    values, vectors = torch.linalg.eigh(cov)
+    torch.testing.assert_close(r.double(), compose_rotation(vectors, values), atol=1e-6, rtol=0)
+
+
+def test_rotation_preserves_dot_products():
+    torch.manual_seed(2)
+    r, _ = rotation_from_covariance(torch.eye(64, dtype=torch.float64) + 0.1)
+    q, k = torch.randn(5, 64), torch.randn(7, 64)
+    torch.testing.assert_close((q @ r) @ (k @ r).T, q @ k.T, atol=1e-4, rtol=1e-4)
+
+
+def test_non_power_of_two_head_dim_is_refused_for_hadamard():
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        hadamard(96)
+    with pytest.raises(ValueError, match="head_dim=80"):
+        RotationSet.hadamard(80, [0])
+
+
+def test_rotation_set_checks_shape_and_orthogonality_on_load():
+    with pytest.raises(ValueError, match="expected \\(16, 16\\)"):
+        RotationSet(16, key={0: torch.eye(8)})
+    with pytest.raises(ValueError, match="not orthogonal"):
+        RotationSet(16, key={0: torch.eye(16) * 1.1})
+    rotations = RotationSet.hadamard(16, [0, 1])
+    with pytest.raises(ValueError, match="head_dim=16 but the model has head_dim=32"):
+        rotations.check_model(32, [0, 1])
+    with pytest.raises(ValueError, match="layers \\[1\\]"):
+        rotations.check_model(16, [0])
