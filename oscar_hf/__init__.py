@@ -6,7 +6,7 @@ Importing the package registers the ``"oscar"`` attention implementation.
 from . import attention  # noqa: F401  (registers attn_implementation="oscar")
 from .cache import OscarCache, OscarLayer
 from .config import METHODS, OscarConfig, TensorQuantConfig
-from .memory import MemoryReport, paper_bits_per_element
+from .memory import MemoryReport, bits_per_element
 from .rotations import RotationSet
 
 __version__ = "0.1.0"
@@ -19,5 +19,5 @@ __all__ = [
     "OscarLayer",
     "RotationSet",
     "TensorQuantConfig",
-    "paper_bits_per_element",
+    "bits_per_element",
 ]

@@ -35,7 +35,7 @@ def oscar_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     new_keys, new_values, plan = layer.begin_step(attention_mask)
     keys, values = layer.dense_rotated(new_keys, new_values)
-    output, _ = sdpa_attention_forward(module, layer.rotate_query(query), keys, values, attention_mask, **kwargs)
+    output, _ = sdpa_attention_forward(module, layer.rotate_keys(query), keys, values, attention_mask, **kwargs)
     del keys, values
     layer.finish_step(new_keys, new_values, plan)
     return layer.unrotate_values(output), None

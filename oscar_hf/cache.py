@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .config import OscarConfig, TensorQuantConfig, resolve_method
 from .log import get_logger, warning_once
 from .memory import LayerMemory, MemoryReport
-from .quant import quantize
+from .quant import QuantizedRows, dequantize, quantize
 from .rotations import RotationSet, require_power_of_two
 from .storage import PackedHistory, RowBuffer
 
@@ -65,7 +65,9 @@ class PendingChunk:
 
 def _rotate(states: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
     # fp32 GEMM: a bf16 R is only orthogonal to ~1e-3; the cost is one D×D product per new row
-    return states if rotation is None else (states.float() @ rotation).to(states.dtype)
+    if rotation is None:
+        return states
+    return (states.float() @ rotation.to(states.device)).to(states.dtype)
 
 
 class OscarLayer(CacheLayerMixin):
@@ -145,9 +147,7 @@ class OscarLayer(CacheLayerMixin):
             )
         if self.config.check_finite:
             _check_finite(key_states, "key"), _check_finite(value_states, "value")
-        self._pending = PendingChunk(
-            _rotate(key_states, self.key_rotation), _rotate(value_states, self.value_rotation), key_states
-        )
+        self._pending = PendingChunk(self.rotate_keys(key_states), self.rotate_values(value_states), key_states)
 
     @property
     def has_pending(self) -> bool:
@@ -202,8 +202,12 @@ class OscarLayer(CacheLayerMixin):
         self.finish_step(new_keys, new_values, plan)
         return self.unrotate_keys(keys), self.unrotate_values(values)
 
-    def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
-        return _rotate(query, self.key_rotation)
+    def rotate_keys(self, states: torch.Tensor) -> torch.Tensor:
+        """``x @ R_K``; queries are rotated like keys so that scores are unchanged."""
+        return _rotate(states, self.key_rotation)
+
+    def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
+        return _rotate(states, self.value_rotation)
 
     def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
         return keys if self.key_rotation is None else _rotate(keys, self.key_rotation.T)
@@ -251,17 +255,15 @@ class OscarLayer(CacheLayerMixin):
             self._append_history(self.recent_keys.drop_front(count), self.recent_values.drop_front(count))
 
     def _append_history(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.history_keys.append(self._quantize(keys, self.config.key))
-        self.history_values.append(self._quantize(values, self.config.value))
+        self.history_keys.append(quantize_rows(keys, self.config.key, self.config.metadata_dtype))
+        self.history_values.append(quantize_rows(values, self.config.value, self.config.metadata_dtype))
 
-    def _quantize(self, rows: torch.Tensor, spec: TensorQuantConfig):
-        return quantize(
-            rows,
-            spec.bits,
-            spec.group_of(self.head_dim),
-            symmetric=spec.symmetric,
-            clip_ratio=spec.clip_ratio,
-            metadata_dtype=self.config.metadata_dtype,
+    def history_roundtrip(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What rotated ``keys``/``values`` rows become once stored in this layer's history."""
+        pairs = ((keys, self.config.key), (values, self.config.value))
+        return tuple(
+            dequantize(quantize_rows(rows, spec, self.config.metadata_dtype), spec.bits, spec.group_of(rows.shape[-1]), rows.dtype)
+            for rows, spec in pairs
         )
 
     # ------------------------------------------------------------------------ cache contract
@@ -320,7 +322,7 @@ class OscarLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------ reporting
     def memory(self, layer_idx: int) -> LayerMemory:
         if not self.is_initialized:
-            return LayerMemory(layer_idx, "oscar", 0, 0, 0, 0, 0, 0, 0, 0)
+            return LayerMemory(layer_idx, "oscar", 2, 0, 0, 0, 0, 0, 0, 0, 0)
         batch, heads = self.sink_keys.data.shape[:2]
         history = self.history_length
         code_bytes = metadata_bytes = 0
@@ -330,6 +332,7 @@ class OscarLayer(CacheLayerMixin):
         return LayerMemory(
             layer=layer_idx,
             kind="oscar",
+            dtype_bytes=self.sink_keys.data.element_size(),
             sink_tokens=self.sink_keys.length,
             history_tokens=history,
             recent_tokens=self.recent_keys.length,
@@ -339,6 +342,18 @@ class OscarLayer(CacheLayerMixin):
             sink_bytes=self.sink_keys.used_bytes() + self.sink_values.used_bytes(),
             recent_bytes=self.recent_keys.used_bytes() + self.recent_values.used_bytes(),
         )
+
+
+def quantize_rows(rows: torch.Tensor, spec: TensorQuantConfig, metadata_dtype: torch.dtype) -> QuantizedRows:
+    """Quantize rotated rows as ``spec`` says (clip, then per-token min-max or symmetric)."""
+    return quantize(
+        rows,
+        spec.bits,
+        spec.group_of(rows.shape[-1]),
+        symmetric=spec.symmetric,
+        clip_ratio=spec.clip_ratio,
+        metadata_dtype=metadata_dtype,
+    )
 
 
 def _check_finite(states: torch.Tensor, name: str) -> None:
@@ -377,7 +392,7 @@ class OscarCache(Cache):
         model_config = config.config if isinstance(config, PreTrainedModel) else config
         self.text_config = model_config.get_text_config(decoder=True)
         self.oscar_config = resolve_method(method, **overrides)
-        head_dim = _head_dim(self.text_config)
+        head_dim = head_dim_of(self.text_config)
         self.oscar_config.validate(head_dim)
         stock_layers = DynamicCache(config=model_config).layers
         quantized_ids = [i for i, layer in enumerate(stock_layers) if type(layer) is DynamicLayer]
@@ -444,6 +459,6 @@ class OscarCache(Cache):
         return clone
 
 
-def _head_dim(text_config: PretrainedConfig) -> int:
+def head_dim_of(text_config: PretrainedConfig) -> int:
     head_dim = getattr(text_config, "head_dim", None)
     return head_dim or text_config.hidden_size // text_config.num_attention_heads

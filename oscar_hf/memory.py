@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .config import OscarConfig
+
 BF16_BYTES = 2
 
 
@@ -22,6 +24,7 @@ class LayerMemory:
 
     layer: int
     kind: str  # "oscar" or "dense" (a layer type kept in the model dtype, e.g. sliding window)
+    dtype_bytes: int  # bytes per element of the model's K/V dtype
     sink_tokens: int
     history_tokens: int
     recent_tokens: int
@@ -34,10 +37,10 @@ class LayerMemory:
     @classmethod
     def dense(cls, layer: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> "LayerMemory":
         if keys is None or keys.numel() == 0:
-            return cls(layer, "dense", 0, 0, 0, 0, 0, 0, 0, 0)
+            return cls(layer, "dense", BF16_BYTES, 0, 0, 0, 0, 0, 0, 0, 0)
         batch, heads, tokens, head_dim = keys.shape
         stored = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        return cls(layer, "dense", 0, 0, tokens, 2 * batch * heads * head_dim, 0, 0, 0, stored)
+        return cls(layer, "dense", keys.element_size(), 0, 0, tokens, 2 * batch * heads * head_dim, 0, 0, 0, stored)
 
     @property
     def tokens(self) -> int:
@@ -55,6 +58,11 @@ class LayerMemory:
     def bf16_bytes(self) -> int:
         """What a BF16 DynamicCache would store for the same tokens."""
         return self.elements * BF16_BYTES
+
+    @property
+    def dynamic_bytes(self) -> int:
+        """What a DynamicCache in the model's dtype would store for the same tokens."""
+        return self.elements * self.dtype_bytes
 
 
 @dataclass
@@ -85,6 +93,12 @@ class MemoryReport:
         """How many times smaller than a BF16 DynamicCache holding the same tokens."""
         return self.bf16_bytes / self.total_bytes if self.total_bytes else float("nan")
 
+    @property
+    def compression_vs_dynamic(self) -> float:
+        """How many times smaller than a DynamicCache in the model's dtype (equal to ``compression`` for BF16 models)."""
+        dynamic = self.total("dynamic_bytes")
+        return dynamic / self.total_bytes if self.total_bytes else float("nan")
+
     def summary(self) -> dict:
         """Totals as a JSON-ready dict."""
         return {
@@ -96,8 +110,10 @@ class MemoryReport:
             "recent_bytes": self.total("recent_bytes"),
             "total_bytes": self.total_bytes,
             "bf16_dynamic_cache_bytes": self.bf16_bytes,
+            "model_dtype_dynamic_cache_bytes": self.total("dynamic_bytes"),
             "bits_per_element": round(self.bits_per_element, 4),
             "compression_vs_bf16": round(self.compression, 3),
+            "compression_vs_model_dtype": round(self.compression_vs_dynamic, 3),
         }
 
     def to_dict(self) -> dict:
@@ -129,11 +145,15 @@ class MemoryReport:
         )
 
 
-def paper_bits_per_element(
-    context: int, head_dim: int = 128, bits: int = 2, group_size: int | None = None, sink: int = 64, recent: int = 256
-) -> float:
-    """BPE of a cache with ``sink + recent`` BF16 tokens and a history with 16-bit scale and zero per group."""
-    group_size = group_size or head_dim
-    window = min(context, sink + recent)
-    history_bits = bits + 32 / group_size
-    return (window * 16 + (context - window) * history_bits) / context
+def bits_per_element(config: OscarConfig, context: int, head_dim: int, window_bits: int = 16) -> float:
+    """BPE of ``config`` holding ``context`` tokens right after a prefill (``sink + recent`` high-precision tokens).
+
+    Metadata bits come from ``config.metadata_dtype``; the paper's 2.28 at 128K is
+    ``bits_per_element(METHODS["oscar-int2"], 131072, 128)``.
+    """
+    if not config.quantized:
+        return float(window_bits)
+    metadata_bits = 2 * torch.finfo(config.metadata_dtype).bits
+    history_bits = sum(spec.bits + metadata_bits / spec.group_of(head_dim) for spec in (config.key, config.value)) / 2
+    window = min(context, config.sink + config.recent)
+    return (window * window_bits + (context - window) * history_bits) / context

@@ -1,0 +1,110 @@
+"""Perplexity and KL divergence from the unquantized cache, per cache method, on long text windows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from .cache import OscarCache, head_dim_of
+from .memory import bits_per_element
+from .rotations import RotationSet
+from .teacher_forcing import teacher_forced_logits
+
+
+@dataclass
+class MethodScore:
+    """Scores of one method over all evaluated positions (those after ``sink + recent``)."""
+
+    method: str
+    perplexity: float
+    kl_from_none: float  # mean KL(p_none || p_method) in nats
+    top1_agreement: float  # share of positions whose argmax equals the unquantized one
+    bits_per_element: float
+    positions: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def window_starts(n_tokens: int, context: int, windows: int) -> list[int]:
+    """Start of each of ``windows`` windows spread evenly: window k starts at k * floor((n - ctx) / (N - 1))."""
+    if n_tokens < context:
+        raise ValueError(f"the text has {n_tokens} tokens, fewer than one window of {context}")
+    if windows < 1:
+        raise ValueError("windows must be at least 1")
+    stride = (n_tokens - context) // (windows - 1) if windows > 1 else 0
+    return [k * stride for k in range(windows)]
+
+
+class _Totals:
+    def __init__(self) -> None:
+        self.nll = self.kl = self.agree = 0.0
+        self.count = 0
+
+    def add(self, log_probs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> None:
+        self.nll -= log_probs.gather(-1, targets[:, None]).sum().item()
+        self.kl += (reference.exp() * (reference - log_probs)).sum().item()
+        self.agree += (log_probs.argmax(-1) == reference.argmax(-1)).sum().item()
+        self.count += targets.numel()
+
+
+@torch.no_grad()
+def evaluate_methods(
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    methods: Sequence[str],
+    rotations: RotationSet | None = None,
+    context: int = 2048,
+    windows: int = 6,
+    progress: bool = True,
+    **overrides,
+) -> list[MethodScore]:
+    """Teacher-forced perplexity, KL from ``none`` and top-1 agreement for each method.
+
+    ``token_ids`` is one long 1-D sequence; ``windows`` windows of ``context`` tokens are spread
+    over it. Positions before ``sink + recent`` never see quantized keys and are not scored.
+    """
+    caches = {m: OscarCache(model, m, rotations=rotations, **overrides) for m in dict.fromkeys(["none", *methods])}
+    config = caches["none"].oscar_config
+    first = config.sink + config.recent
+    if first >= context - 1:
+        raise ValueError(f"context {context} leaves no position after sink + recent = {first}")
+    totals = {m: _Totals() for m in methods}
+    device = next(model.parameters()).device
+    starts = window_starts(token_ids.numel(), context, windows)
+    for start in tqdm(starts, desc="windows", disable=not progress):
+        ids = token_ids[start : start + context][None].to(device)
+        targets = ids[0, first + 1 :]
+        reference = _log_probs(teacher_forced_logits(model, ids, caches["none"]), first)
+        for method in methods:
+            log_probs = reference if method == "none" else _log_probs(teacher_forced_logits(model, ids, caches[method]), first)
+            totals[method].add(log_probs, reference, targets)
+    head_dim = head_dim_of(caches["none"].text_config)
+    return [_score(m, totals[m], bits_per_element(caches[m].oscar_config, context, head_dim)) for m in methods]
+
+
+def _log_probs(logits: torch.Tensor, first: int) -> torch.Tensor:
+    return logits[0, first:-1].float().log_softmax(dim=-1)
+
+
+def _score(method: str, totals: _Totals, bpe: float) -> MethodScore:
+    n = totals.count
+    return MethodScore(
+        method=method,
+        perplexity=round(float(torch.tensor(totals.nll / n).exp()), 4),
+        kl_from_none=round(totals.kl / n, 5),
+        top1_agreement=round(totals.agree / n, 4),
+        bits_per_element=round(bpe, 3),
+        positions=n,
+    )
+
+
+def scores_to_markdown(scores: Sequence[MethodScore]) -> str:
+    rows = ["| method | BPE | perplexity | KL from none (nats) | top-1 agreement |", "|---|---|---|---|---|"]
+    for s in scores:
+        rows.append(f"| {s.method} | {s.bits_per_element:.2f} | {s.perplexity:.3f} | {s.kl_from_none:.4f} | {s.top1_agreement:.3f} |")
+    return "\n".join(rows)

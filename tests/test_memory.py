@@ -1,0 +1,53 @@
+"""Memory accounting: the paper's BPE formula and a real cache agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from oscar_hf import METHODS, OscarCache, bits_per_element
+from tests.conftest import TINY, forward
+
+
+def test_paper_bits_per_element():
+    assert bits_per_element(METHODS["oscar-int2"], 131072, 128) == pytest.approx(2.2836, abs=1e-4)
+    assert bits_per_element(METHODS["oscar-int2"], 32768, 128) == pytest.approx(2.384, abs=1e-3)
+    assert bits_per_element(METHODS["none"], 4096, 128) == 16
+    assert bits_per_element(METHODS["oscar-k4v2"], 131072, 128) == pytest.approx(3.28, abs=1e-2)
+
+
+def test_a_real_128k_cache_reports_the_paper_bpe():
+    """One layer, one KV head, head_dim 128, BF16, 131072 tokens prefilled in chunks: BPE 2.28, ~7x smaller."""
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_attention_heads": 1,
+                            "head_dim": 128, "hidden_size": 128})
+    cache = OscarCache(config, "quarot-int2")
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(16):
+        chunk = torch.randn(1, 1, 8192, 128, generator=g).bfloat16()
+        layer.update(chunk, chunk)
+    report = cache.memory_report()
+    summary = report.summary()
+    assert summary["tokens"] == 131072
+    assert (layer.sink_keys.length, layer.recent_keys.length) == (64, 256)
+    assert summary["bits_per_element"] == pytest.approx(bits_per_element(cache.oscar_config, 131072, 128), abs=1e-4)
+    assert summary["bits_per_element"] == pytest.approx(2.2836, abs=1e-4)
+    assert summary["compression_vs_bf16"] > 7.0
+    # 72 bytes per token per head for K+V history: 2 x (32 code bytes + 2 x 2 metadata bytes)
+    assert summary["code_bytes"] + summary["metadata_bytes"] == (131072 - 320) * 72
+    assert summary["bf16_dynamic_cache_bytes"] == 131072 * 128 * 2 * 2
+
+
+def test_report_per_layer_and_markdown(tiny):
+    cache = OscarCache(tiny, "naive-int2", sink=4, recent=8, block=2)
+    forward(tiny, torch.randint(3, 200, (2, 40)), cache)
+    report = cache.memory_report()
+    assert [m.layer for m in report.layers] == [0, 1]
+    m = report.layers[0]
+    assert (m.sink_tokens, m.history_tokens, m.recent_tokens) == (4, 28, 8)
+    # fp32 tiny model: windows take 4 bytes per element, the history 2 bits + 2 x 16 bits per 16 channels
+    assert m.sink_bytes == 2 * 2 * 2 * 4 * 16 * 4
+    assert m.code_bytes == 2 * 2 * 2 * 28 * 16 // 4 and m.metadata_bytes == 2 * 2 * 2 * 28 * 2 * 2
+    assert "| **all** |" in report.to_markdown() and "bits per element" in report.to_markdown()
+    assert report.to_dict()["layers"][0]["total_bytes"] == m.total_bytes
