@@ -49,15 +49,24 @@ def _environment(argv: list[str]) -> dict:
     }
 
 
-def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
-    from .demo import demo_prompt, format_run, run_method
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load(args: argparse.Namespace):
     from .models import load_model
 
-    model, tokenizer = load_model(args.model)
+    return load_model(args.model, dtype=_DTYPES[args.dtype])
+
+
+def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
+    from .demo import demo_prompt, format_run, run_method
+
+    model, tokenizer = _load(args)
     rotations = _rotations_for(args.model, args.rotations)
     prompt = demo_prompt(tokenizer)
     if not args.json:
-        print(f"Prompt: {prompt.shape[1]} tokens; question: the lighthouse keeper's dog (answer: Biscuit)\n")
+        print(f"Prompt: {prompt.shape[1]} tokens, model in {model.dtype}; question: the lighthouse keeper's dog "
+              "(the answer, Biscuit, is in the middle of the document, i.e. in the 2-bit history)\n")
     runs = []
     for method in args.methods:
         run = run_method(model, tokenizer, prompt, method, rotations, args.max_new_tokens)
@@ -70,9 +79,8 @@ def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
 
 def cmd_eval_kl(args: argparse.Namespace, argv: list[str]) -> None:
     from .evaluation import evaluate_methods, scores_to_markdown
-    from .models import load_model
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = _load(args)
     rotations = _rotations_for(args.model, args.rotations)
     text = Path(args.text).read_text(encoding="utf-8")
     token_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
@@ -93,14 +101,35 @@ def cmd_eval_kl(args: argparse.Namespace, argv: list[str]) -> None:
     print(json.dumps(result) if args.json else scores_to_markdown(scores))
 
 
+def cmd_memory(args: argparse.Namespace, argv: list[str]) -> None:
+    from .demo import filled_context, prefill_report
+
+    model, tokenizer = _load(args)
+    rotations = _rotations_for(args.model, args.rotations)
+    ids = filled_context(tokenizer, args.tokens, Path(args.text) if args.text else None)
+    reports = [prefill_report(model, ids, method, rotations) for method in args.methods]
+    if args.json:
+        print(json.dumps({**_environment(argv), "model": args.model, "dtype": str(model.dtype),
+                          "reports": [r.to_dict() if args.per_layer else r.summary() for r in reports]}))
+        return
+    for report in reports:
+        print(f"## {report.method}\n\n{report.to_markdown() if args.per_layer else report}\n")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
+    parser.add_argument("--rotations", help="rotation directory (default: the bundled ones for the default model)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
+                        help="model dtype; auto = float32 on CPU, bfloat16 on GPU (windows are stored in it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV-cache quantization for transformers")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="answer a question about a ~1,500-token document with BF16 and OSCAR INT2")
-    demo.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
-    demo.add_argument("--rotations", help="rotation directory (default: the bundled ones for the default model)")
+    _add_model_options(demo)
     demo.add_argument("--methods", type=_methods, default=["none", "oscar-int2"])
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
@@ -108,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="evaluations").add_subparsers(dest="evaluation", required=True)
     kl = evaluate.add_parser("kl", help="teacher-forced perplexity and KL from BF16 per method")
-    kl.add_argument("--model", default="default")
-    kl.add_argument("--rotations")
+    _add_model_options(kl)
     kl.add_argument("--text", required=True, help="a UTF-8 text file, read in place")
     kl.add_argument("--ctx", type=int, default=2048)
     kl.add_argument("--windows", type=int, default=6)
@@ -117,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     kl.add_argument("--json", action="store_true")
     kl.add_argument("--out", help="also write the JSON result to this file")
     kl.set_defaults(handler=cmd_eval_kl)
+
+    memory = commands.add_parser("memory", help="prefill a long text and print each method's memory report")
+    _add_model_options(memory)
+    memory.add_argument("--tokens", type=int, default=4096)
+    memory.add_argument("--text", help="text to prefill (default: the demo document, repeated)")
+    memory.add_argument("--methods", type=_methods, default=["none", "int4", "oscar-k4v2", "oscar-int2"])
+    memory.add_argument("--per-layer", action="store_true", help="print the per-layer table")
+    memory.add_argument("--json", action="store_true")
+    memory.set_defaults(handler=cmd_memory)
     return parser
 
 

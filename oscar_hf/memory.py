@@ -140,8 +140,8 @@ class MemoryReport:
         s = self.summary()
         return (
             f"{self.method}: {s['total_bytes'] / 2**20:.2f} MiB for {s['tokens']} tokens "
-            f"({s['bits_per_element']} bits/element, {s['compression_vs_bf16']}x smaller than BF16 "
-            f"{s['bf16_dynamic_cache_bytes'] / 2**20:.2f} MiB)"
+            f"({s['bits_per_element']:.2f} bits/element); a BF16 DynamicCache holds them in "
+            f"{s['bf16_dynamic_cache_bytes'] / 2**20:.2f} MiB (ratio {s['compression_vs_bf16']:.2f}x)"
         )
 
 

@@ -288,7 +288,7 @@ def test_no_history_sized_dense_tensor_outlives_a_step(tiny):
     dense = [
         t
         for t in gc.get_objects()
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3 and t.shape[-1] == 16
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() and t.dim() >= 3 and t.shape[-1] == 16
         and t.shape[-2] >= history
     ]
     assert dense == []

@@ -1,0 +1,18 @@
+"""Where local evaluation data lives. Files are read in place and never copied into the repository."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_DIR_ENV = "OSCAR_HF_DATA_DIR"
+WIKITEXT2_TEST = "wikitext2_raw/wiki.test.raw"
+
+
+def data_dir(default: str | Path | None = None) -> Path | None:
+    """``$OSCAR_HF_DATA_DIR`` if set, else ``default`` (e.g. a checkout's ``../shared/data``); ``None`` if neither exists."""
+    candidate = os.environ.get(DATA_DIR_ENV) or default
+    if candidate is None:
+        return None
+    path = Path(candidate).expanduser()
+    return path if path.is_dir() else None

@@ -1,0 +1,82 @@
+"""The real default model (SmolLM2-135M-Instruct, CPU) with OSCAR INT2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from oscar_hf import OscarCache
+from oscar_hf.cli import _rotations_for, main
+from oscar_hf.data import WIKITEXT2_TEST, data_dir
+from oscar_hf.demo import demo_prompt, run_method
+from oscar_hf.evaluation import evaluate_methods
+from oscar_hf.models import load_model
+from tests.conftest import generate
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+DATA = data_dir(REPO.parent / "shared" / "data")
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model, tokenizer = load_model("default")
+    return model, tokenizer, _rotations_for("default", None)
+
+
+def chat(tokenizer, text):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
+    return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+
+
+def test_answers_a_factual_question_with_oscar_int2(smollm):
+    model, tokenizer, rotations = smollm
+    ids = chat(tokenizer, "What is the capital of France?")
+    # small windows, so that the question itself is stored at 2 bits
+    cache = OscarCache(model, "oscar-int2", rotations=rotations, sink=4, recent=8)
+    out = generate(model, ids, cache, max_new_tokens=12, min_new_tokens=1)
+    assert cache.layers[0].history_length > 10
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+def test_retrieves_a_fact_from_the_int2_history(smollm):
+    model, tokenizer, rotations = smollm
+    prompt = demo_prompt(tokenizer)
+    run = run_method(model, tokenizer, prompt, "oscar-int2", rotations, max_new_tokens=20)
+    assert "Biscuit" in run.answer
+    assert run.memory["tokens"] > 1500 and run.memory["compression_vs_model_dtype"] > 3
+
+
+@pytest.mark.skipif(DATA is None, reason="needs the WikiText-2 test file (set OSCAR_HF_DATA_DIR)")
+def test_kl_ranks_oscar_below_quarot_below_naive_on_wikitext(smollm):
+    model, tokenizer, rotations = smollm
+    text = (DATA / WIKITEXT2_TEST).read_text(encoding="utf-8")[:200_000]
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    scores = {s.method: s for s in evaluate_methods(
+        model, ids, ["naive-int2", "quarot-int2", "oscar-int2"], rotations, context=2048, windows=1, progress=False
+    )}
+    assert scores["oscar-int2"].kl_from_none < scores["quarot-int2"].kl_from_none < scores["naive-int2"].kl_from_none
+    assert scores["oscar-int2"].perplexity < scores["quarot-int2"].perplexity
+
+
+def test_cli_eval_kl_json(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"Sentence number {i} is about the sea and the harbour." for i in range(120)))
+    main(["eval", "kl", "--model", "default", "--text", str(text), "--ctx", "512", "--windows", "2",
+          "--methods", "none,naive-int2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert [s["method"] for s in result["scores"]] == ["none", "naive-int2"]
+    assert result["scores"][0]["kl_from_none"] == 0 and result["scores"][1]["kl_from_none"] > 0
+    assert result["command"].startswith("oscar-hf eval kl")
+
+
+def test_cli_demo_json(capsys):
+    main(["demo", "--json", "--max-new-tokens", "4"])
+    result = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in result["runs"]] == ["none", "oscar-int2"]
+    none, oscar = (r["memory"] for r in result["runs"])
+    assert oscar["total_bytes"] < none["total_bytes"] / 3
+    assert result["prompt_tokens"] > 1400 and all(r["decode_tokens_per_second"] > 0 for r in result["runs"])
