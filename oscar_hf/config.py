@@ -5,7 +5,7 @@ Every method is a configuration of the same cache, so comparisons between them a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -113,4 +113,9 @@ def resolve_method(method: str | OscarConfig, **overrides) -> OscarConfig:
         config = METHODS[method]
     else:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)} or pass an OscarConfig")
+    if "offloading" in overrides:
+        raise ValueError("OscarCache does not support offloading: its packed history is already ~7x smaller than BF16")
+    unknown = sorted(set(overrides) - {f.name for f in fields(OscarConfig)})
+    if unknown:
+        raise ValueError(f"unknown OscarCache option(s) {unknown}; OscarConfig fields are {[f.name for f in fields(OscarConfig)]}")
     return config.with_overrides(**overrides) if overrides else config

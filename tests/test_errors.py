@@ -61,6 +61,13 @@ def test_non_power_of_two_head_dim_with_a_hadamard_method(method):
     OscarCache(config(head_dim=24), "naive-int2")  # identity-based methods are fine
 
 
+def test_offloading_and_unknown_options_are_refused():
+    with pytest.raises(ValueError, match="does not support offloading"):
+        OscarCache(config(), "naive-int2", offloading=True)
+    with pytest.raises(ValueError, match="unknown OscarCache option.*'sinks'"):
+        OscarCache(config(), "naive-int2", sinks=4)
+
+
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown method 'int3'"):
         OscarCache(config(), "int3")
