@@ -18,6 +18,7 @@ to its own unquantized K/V, as the reference's prefill does:
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from .storage import PackedHistory, RowBuffer
 logger = get_logger(__name__)
 
 ATTENTION_NAME = "oscar"
+# Set on a model config by oscar_hf.absorption: the fingerprint of the R_V folded into its weights.
+ABSORBED_ATTRIBUTE = "oscar_absorbed_value_rotation"
 
 # The cache that received the latest ``update`` in this context; the attention function, which never
 # sees the cache, finds its layer through it. A weak reference, so a finished cache can be freed.
@@ -260,10 +263,9 @@ class OscarLayer(CacheLayerMixin):
 
     def history_roundtrip(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What rotated ``keys``/``values`` rows become once stored in this layer's history."""
-        pairs = ((keys, self.config.key), (values, self.config.value))
-        return tuple(
-            dequantize(quantize_rows(rows, spec, self.config.metadata_dtype), spec.bits, spec.group_of(rows.shape[-1]), rows.dtype)
-            for rows, spec in pairs
+        return (
+            roundtrip_rows(keys, self.config.key, self.config.metadata_dtype),
+            roundtrip_rows(values, self.config.value, self.config.metadata_dtype),
         )
 
     # ------------------------------------------------------------------------ cache contract
@@ -356,6 +358,12 @@ def quantize_rows(rows: torch.Tensor, spec: TensorQuantConfig, metadata_dtype: t
     )
 
 
+def roundtrip_rows(rows: torch.Tensor, spec: TensorQuantConfig, metadata_dtype: torch.dtype) -> torch.Tensor:
+    """Rows as they come back out of a history quantized with ``spec``."""
+    quantized = quantize_rows(rows, spec, metadata_dtype)
+    return dequantize(quantized, spec.bits, spec.group_of(rows.shape[-1]), rows.dtype)
+
+
 def _check_finite(states: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(states).all()):
         raise ValueError(f"non-finite values (NaN/Inf) in the {name} states given to OscarCache")
@@ -399,14 +407,50 @@ class OscarCache(Cache):
         if not quantized_ids:
             raise ValueError("this model has no full-attention layers for OscarCache to quantize")
         rotations = self._resolve_rotations(rotations, head_dim, quantized_ids)
-        layers = [
-            OscarLayer(self.oscar_config, *rotations.for_layer(i)) if i in quantized_ids else layer
-            for i, layer in enumerate(stock_layers)
-        ]
+        self.rotations = rotations
+        layers = [self._layer(i, rotations) if i in quantized_ids else layer for i, layer in enumerate(stock_layers)]
         super().__init__(layers=layers)
+
+    def _layer(self, layer_id: int, rotations: RotationSet) -> OscarLayer:
+        config = self.oscar_config.for_layer(rotations.key_clip.get(layer_id), rotations.value_clip.get(layer_id))
+        key_rotation, value_rotation = rotations.for_layer(layer_id)
+        if self.values_prerotated:
+            value_rotation = None  # v_proj already emits v @ R_V and o_proj expects rotated outputs
+        return OscarLayer(config, key_rotation, value_rotation)
+
+    @classmethod
+    def from_zoo(
+        cls,
+        model: PreTrainedModel,
+        rotations: str | Path = "default",
+        method: str | OscarConfig = "oscar-int2",
+        **kwargs,
+    ) -> "OscarCache":
+        """An OscarCache with published or bundled rotations; see :func:`oscar_hf.zoo.resolve_rotations`.
+
+        ``rotations`` is ``"default"`` (bundled for the default model), a local directory (ours or the
+        official RotationZoo layout), or a hub repo id; hub options (``revision``, ``subfolder``,
+        ``calibration``, ...) go through ``kwargs``, cache options (``sink``, ``recent``, ...) too.
+        """
+        from .zoo import ZOO_OPTIONS, resolve_rotations
+
+        zoo_options = {k: kwargs.pop(k) for k in list(kwargs) if k in ZOO_OPTIONS}
+        return cls(model, method, rotations=resolve_rotations(model, rotations, **zoo_options), **kwargs)
+
+    @property
+    def values_prerotated(self) -> bool:
+        """Whether the model's weights already apply R_V (``oscar_hf.absorption``)."""
+        return getattr(self.text_config, ABSORBED_ATTRIBUTE, None) is not None
 
     def _resolve_rotations(self, rotations: RotationSet | None, head_dim: int, layer_ids: list[int]) -> RotationSet:
         config = self.oscar_config
+        absorbed = getattr(self.text_config, ABSORBED_ATTRIBUTE, None)
+        if absorbed is not None and (config.rotation != "calibrated" or rotations is None
+                                     or rotations.value_fingerprint() != absorbed):
+            raise ValueError(
+                "this model has R_V folded into its v_proj/o_proj weights; only a calibrated method with the "
+                "same rotations it was folded with can use it (or reload the model without absorption)"
+            )
         if config.rotation == "identity":
             return RotationSet.identity(head_dim)
         if config.rotation == "hadamard":

@@ -38,14 +38,31 @@ CALIBRATION_ATTENTION = "oscar_calibration"
 _MIN_WEIGHT_SUM = 1e-12
 
 
+OBJECTIVES = ("qqt_sst", "ktk_vtv")
+
+
 @dataclass
 class LayerCovariances:
-    """Calibration targets of one full-attention layer: ``query`` is C_Q ``[D, D]`` and ``value`` is C_S
-    ``[D_v, D_v]`` (both float64, symmetric); ``tokens`` is the number of calibration tokens seen."""
+    """Calibration targets of one full-attention layer, float64 and symmetric.
+
+    ``query`` is C_Q and ``value`` is C_S (OSCAR's attention-aware targets); ``key_gram`` (K^T K / n)
+    and ``value_gram`` (V^T V / n), pooled over KV heads, are the tensor-reconstruction targets of
+    the paper's ablation. ``tokens`` is the number of calibration tokens seen.
+    """
 
     query: torch.Tensor
     value: torch.Tensor
+    key_gram: torch.Tensor
+    value_gram: torch.Tensor
     tokens: int
+
+    def targets(self, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(covariance for R_K, covariance for R_V) of an objective in :data:`OBJECTIVES`."""
+        if objective == "qqt_sst":
+            return self.query, self.value
+        if objective == "ktk_vtv":
+            return self.key_gram, self.value_gram
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
 class _LayerSums:
@@ -53,6 +70,8 @@ class _LayerSums:
 
     def __init__(self) -> None:
         self.query_outer: torch.Tensor | None = None  # [H_kv, D, D]: sum of q q^T over the group's query rows
+        self.key_outer: torch.Tensor | None = None  # [D, D]: sum of k k^T over KV heads and tokens
+        self.value_outer: torch.Tensor | None = None  # [D_v, D_v]: sum of v v^T over KV heads and tokens
         self.group_size = 0
         self.tokens = 0
         self.query_per_head: torch.Tensor | None = None  # [H_kv, D, D]: C_Q^(h), set between the passes
@@ -60,7 +79,8 @@ class _LayerSums:
         self.weight_sum: torch.Tensor | None = None  # [H_kv]
         self.value_tokens = 0
 
-    def add_queries(self, query: torch.Tensor, kv_heads: int) -> None:
+    def add_queries(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        kv_heads = key.shape[1]
         batch, query_heads, length, dim = query.shape
         if query_heads % kv_heads:
             raise ValueError(f"{query_heads} query heads cannot be grouped onto {kv_heads} KV heads")
@@ -69,6 +89,11 @@ class _LayerSums:
         grouped = query.to(torch.float64).reshape(batch, kv_heads, group, length, dim)
         outer = torch.einsum("bhgti,bhgtj->hij", grouped, grouped)
         self.query_outer = outer if self.query_outer is None else self.query_outer + outer
+        key_outer = torch.einsum("bhti,bhtj->ij", key.to(torch.float64), key.to(torch.float64))
+        value_outer = torch.einsum("bhti,bhtj->ij", value.to(torch.float64), value.to(torch.float64))
+        self.key_outer = key_outer if self.key_outer is None else self.key_outer + key_outer
+        self.value_outer = value_outer if self.value_outer is None else self.value_outer + value_outer
+        self.kv_heads = kv_heads
         self.group_size = group
         self.tokens += batch * length
 
@@ -96,7 +121,14 @@ class _LayerSums:
             )
         query = _symmetrise(self.query_per_head.mean(dim=0))
         per_head_value = self.weighted_value_outer / self.weight_sum.clamp_min(_MIN_WEIGHT_SUM)[:, None, None]
-        return LayerCovariances(query, _symmetrise(per_head_value.mean(dim=0)), self.tokens)
+        rows = self.tokens * self.kv_heads
+        return LayerCovariances(
+            query,
+            _symmetrise(per_head_value.mean(dim=0)),
+            _symmetrise(self.key_outer / rows),
+            _symmetrise(self.value_outer / rows),
+            self.tokens,
+        )
 
 
 def _symmetrise(matrix: torch.Tensor) -> torch.Tensor:
@@ -111,13 +143,16 @@ def _declared_full_attention(model: PreTrainedModel) -> Callable[[int], bool]:
     return lambda layer_id: layer_types[layer_id] == "full_attention"
 
 
-class _Recorder:
-    """Routes the attention inputs of full-attention layers into one of the two passes."""
+LayerObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-    def __init__(self, is_full_attention: Callable[[int], bool]) -> None:
+
+class _Recorder:
+    """Hands the attention inputs of full-attention layers to ``observer(layer_id, query, key, value)``."""
+
+    def __init__(self, is_full_attention: Callable[[int], bool], observer: LayerObserver) -> None:
         self.is_full_attention = is_full_attention
-        self.layers: dict[int, _LayerSums] = {}
-        self.value_pass = False
+        self.observer = observer
+        self.seen = False
 
     def observe(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict
@@ -129,14 +164,12 @@ class _Recorder:
         sliding = getattr(module, "sliding_window", None) is not None or kwargs.get("sliding_window") is not None
         if sliding or not self.is_full_attention(layer_id):
             return
-        if self.value_pass:
-            self.layers[layer_id].add_values(key, value)
-        else:
-            self.layers.setdefault(layer_id, _LayerSums()).add_queries(query, key.shape[1])
+        self.seen = True
+        self.observer(layer_id, query, key, value)
 
 
-# The registry is global, so the registered function reads the recorder of the calibration in progress
-# instead of capturing one (which would keep its sums alive in the registry afterwards).
+# The registry is global, so the registered function reads the recorder of the pass in progress
+# instead of capturing one (which would keep its statistics alive in the registry afterwards).
 _active_recorder: _Recorder | None = None
 
 
@@ -154,13 +187,6 @@ def _calibration_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _forward_all(model: PreTrainedModel, batches: Sequence[torch.Tensor], description: str, progress: bool) -> None:
-    # Only the attention inputs matter; keeping one logit skips most of the LM head where the model allows it.
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    for batch in tqdm(batches, desc=description, unit="batch", disable=not progress):
-        model(input_ids=batch.to(model.device), use_cache=False, **extra)
-
-
 def _as_batches(batches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if len(batches) == 0:
         raise ValueError("calibration needs at least one batch of token ids")
@@ -171,44 +197,69 @@ def _as_batches(batches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return rows
 
 
-def collect_covariances(
-    model: PreTrainedModel, batches: Sequence[torch.LongTensor], progress: bool = True
-) -> dict[int, LayerCovariances]:
-    """Exact float64 C_Q and C_S of every full-attention layer over ``batches``, keyed by global layer id.
+def observe_attention(
+    model: PreTrainedModel,
+    batches: Sequence[torch.LongTensor],
+    observer: LayerObserver,
+    description: str = "OSCAR calibration",
+    progress: bool = True,
+) -> None:
+    """Run ``batches`` through ``model`` and call ``observer(layer_id, query, key, value)`` in every full-attention layer.
 
-    Each batch is a ``[batch, seq_len]`` (or ``[seq_len]``) LongTensor of real tokens: there is no
-    attention mask, so every token counts and batches must not contain padding. Sliding-window
-    layers are skipped. The model runs twice over the batches in eval mode with ``use_cache=False``;
-    its attention implementation and training mode are restored afterwards, also on error.
+    Query and key are post-RoPE (and post q/k-norm), the value raw, exactly what the model's attention
+    receives. Batches are ``[batch, seq_len]`` LongTensors of real tokens (no attention mask, so no
+    padding). The model runs in eval mode with ``use_cache=False``; its attention implementation and
+    training mode are restored afterwards, also on error.
     """
     global _active_recorder
     rows = _as_batches(batches)
-    recorder = _Recorder(_declared_full_attention(model))
+    recorder = _Recorder(_declared_full_attention(model), observer)
     AttentionInterface.register(CALIBRATION_ATTENTION, _calibration_attention)
     # Without a registered mask function under the same name, create_causal_mask silently returns None.
     AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
     previous = _attention_implementations(model)
     was_training = model.training
+    # Only the attention inputs matter; keeping one logit skips most of the LM head where the model allows it.
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         _active_recorder = recorder
         model.eval()
         model.set_attn_implementation(CALIBRATION_ATTENTION)
         with torch.no_grad():
-            _forward_all(model, rows, "OSCAR calibration 1/2 (queries)", progress)
-            if not recorder.layers:
-                raise ValueError(
-                    f"{type(model).__name__} ran no full-attention layer through the attention interface: it has "
-                    "none, or it does not support set_attn_implementation"
-                )
-            for sums in recorder.layers.values():
-                sums.finish_queries()
-            recorder.value_pass = True
-            _forward_all(model, rows, "OSCAR calibration 2/2 (values)", progress)
+            for batch in tqdm(rows, desc=description, unit="batch", disable=not progress):
+                model(input_ids=batch.to(model.device), use_cache=False, **extra)
     finally:
         _active_recorder = None
         model.set_attn_implementation(previous)
         model.train(was_training)
-    covariances = {layer_id: recorder.layers[layer_id].result() for layer_id in sorted(recorder.layers)}
+    if not recorder.seen:
+        raise ValueError(
+            f"{type(model).__name__} ran no full-attention layer through the attention interface: it has "
+            "none, or it does not support set_attn_implementation"
+        )
+
+
+def collect_covariances(
+    model: PreTrainedModel, batches: Sequence[torch.LongTensor], progress: bool = True
+) -> dict[int, LayerCovariances]:
+    """Exact float64 calibration targets of every full-attention layer over ``batches``, keyed by global layer id.
+
+    Two passes (see :func:`observe_attention` for what a batch must be); sliding-window layers are skipped.
+    """
+    sums: dict[int, _LayerSums] = {}
+    observe_attention(
+        model,
+        batches,
+        lambda layer_id, q, k, v: sums.setdefault(layer_id, _LayerSums()).add_queries(q, k, v),
+        "OSCAR calibration 1/2 (queries)",
+        progress,
+    )
+    for layer_sums in sums.values():
+        layer_sums.finish_queries()
+    observe_attention(
+        model, batches, lambda layer_id, q, k, v: sums[layer_id].add_values(k, v), "OSCAR calibration 2/2 (values)", progress
+    )
+    covariances = {layer_id: sums[layer_id].result() for layer_id in sorted(sums)}
     logger.info("calibrated %d layers on %d tokens", len(covariances), next(iter(covariances.values())).tokens)
     return covariances
 
@@ -224,28 +275,39 @@ def _attention_implementations(model: PreTrainedModel) -> dict[str, str]:
     return implementations
 
 
-def calibrate(
-    model: PreTrainedModel, batches: Sequence[torch.LongTensor], factors: str = "UHP", progress: bool = True
+def rotations_from_covariances(
+    covariances: dict[int, LayerCovariances], objective: str = "qqt_sst", factors: str = "UHP"
 ) -> RotationSet:
-    """OSCAR rotations of every full-attention layer: R_K from C_Q and R_V from C_S, each ``U·H·P`` by default.
+    """R_K and R_V of every layer from its targets: ``qqt_sst`` (OSCAR: C_Q, C_S) or ``ktk_vtv`` (K^T K, V^T V).
 
     ``factors`` selects the composition (see ``rotations.compose_rotation``); the ascending
     eigenvalues of both covariances are kept in the returned set.
     """
-    covariances = collect_covariances(model, batches, progress)
     key, value, key_eigenvalues, value_eigenvalues = {}, {}, {}, {}
     for layer_id, layer in covariances.items():
-        key[layer_id], key_eigenvalues[layer_id] = rotation_from_covariance(layer.query, factors)
-        value[layer_id], value_eigenvalues[layer_id] = rotation_from_covariance(layer.value, factors)
+        key_target, value_target = layer.targets(objective)
+        key[layer_id], key_eigenvalues[layer_id] = rotation_from_covariance(key_target, factors)
+        value[layer_id], value_eigenvalues[layer_id] = rotation_from_covariance(value_target, factors)
     first = next(iter(covariances.values()))
     return RotationSet(
         head_dim=first.query.shape[0],
         key=key,
         value=value,
-        description=f"OSCAR qqt_sst rotations ({factors or 'identity'}), {first.tokens} calibration tokens",
+        description=f"OSCAR {objective} rotations ({factors or 'identity'}), {first.tokens} calibration tokens",
         key_eigenvalues=key_eigenvalues,
         value_eigenvalues=value_eigenvalues,
     )
+
+
+def calibrate(
+    model: PreTrainedModel,
+    batches: Sequence[torch.LongTensor],
+    factors: str = "UHP",
+    progress: bool = True,
+    objective: str = "qqt_sst",
+) -> RotationSet:
+    """OSCAR rotations of every full-attention layer: R_K from C_Q and R_V from C_S, each ``U·H·P`` by default."""
+    return rotations_from_covariances(collect_covariances(model, batches, progress), objective, factors)
 
 
 def token_batches(

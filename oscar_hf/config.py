@@ -48,7 +48,9 @@ class OscarConfig:
 
     ``key``/``value`` ``None`` keeps that tensor in the model's dtype (only the ``none`` method does
     this, for both). ``sink`` first real tokens and the last ``recent`` (up to ``recent + block - 1``)
-    tokens stay in high precision; the window is demoted ``block`` tokens at a time.
+    tokens stay in high precision; the window is demoted ``block`` tokens at a time. With
+    ``layer_clip``, per-layer clip ratios stored with calibrated rotations replace the fixed ratio
+    of every tensor the method clips.
     """
 
     method: str = "custom"
@@ -60,6 +62,7 @@ class OscarConfig:
     block: int = 8
     metadata_dtype: torch.dtype = torch.bfloat16
     check_finite: bool = False
+    layer_clip: bool = True
 
     @property
     def quantized(self) -> bool:
@@ -81,6 +84,17 @@ class OscarConfig:
         if self.key is not None:
             self.key.validate("key", head_dim)
             self.value.validate("value", head_dim)
+
+    def for_layer(self, key_clip: float | None, value_clip: float | None) -> "OscarConfig":
+        """This config with a layer's calibrated clip ratios applied (see ``layer_clip``)."""
+        if not (self.layer_clip and self.quantized and self.rotation == "calibrated"):
+            return self
+        key, value = self.key, self.value
+        if key_clip is not None and key.clip_ratio > 0:
+            key = replace(key, clip_ratio=float(key_clip))
+        if value_clip is not None and value.clip_ratio > 0:
+            value = replace(value, clip_ratio=float(value_clip))
+        return replace(self, key=key, value=value)
 
     def with_overrides(self, **overrides) -> "OscarConfig":
         """A copy with some fields replaced (e.g. ``sink=4, recent=16`` for tests)."""

@@ -8,6 +8,7 @@ all heads of that layer.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -109,8 +110,14 @@ class RotationSet:
     description: str = ""
     key_eigenvalues: dict[int, torch.Tensor] = field(default_factory=dict)
     value_eigenvalues: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_clip: dict[int, float] = field(default_factory=dict)
+    value_clip: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for kind, table in (("key_clip", self.key_clip), ("value_clip", self.value_clip)):
+            for layer_id, ratio in table.items():
+                if not 0.0 <= float(ratio) <= 1.0:
+                    raise ValueError(f"{kind} of layer {layer_id} must be in [0, 1], got {ratio}")
         for kind, table in (("R_K", self.key), ("R_V", self.value)):
             for layer_id, rotation in table.items():
                 if tuple(rotation.shape) != (self.head_dim, self.head_dim):
@@ -134,6 +141,14 @@ class RotationSet:
     def for_layer(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(R_K, R_V) of a layer; ``None`` stands for the identity."""
         return self.key.get(layer_id), self.value.get(layer_id)
+
+    def value_fingerprint(self) -> str:
+        """A short hash of all R_V, to recognise the rotations a model's weights were folded with."""
+        digest = hashlib.sha256()
+        for layer_id in sorted(self.value):
+            digest.update(str(layer_id).encode())
+            digest.update(self.value[layer_id].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def check_model(self, head_dim: int, layer_ids: list[int]) -> None:
         """Raise a clear error if these rotations were made for another model shape."""
