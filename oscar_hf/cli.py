@@ -22,12 +22,12 @@ logger = get_logger(__name__)
 def _rotations_for(model_name: str, rotations_dir: str | None) -> RotationSet | None:
     """Rotations from ``--rotations``, else the ones bundled for the default model, else none."""
     from .models import DEFAULT_MODEL
-    from .zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, load_rotations
+    from .zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained
 
     if rotations_dir:
-        return load_rotations(rotations_dir)
+        return from_pretrained(rotations_dir)
     if model_name == DEFAULT_MODEL:
-        return load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
+        return from_pretrained(bundled_rotations_dir(DEFAULT_ROTATIONS))
     return None
 
 

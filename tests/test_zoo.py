@@ -1,0 +1,543 @@
+"""Rotation files: our format, the official RotationZoo layout, the hub (faked: no network) and OscarCache.from_zoo."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import huggingface_hub
+import pytest
+import torch
+from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+from huggingface_hub.utils import filter_repo_objects
+from safetensors.torch import load_file, save_file
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from oscar_hf import OscarCache, zoo
+from oscar_hf.rotations import RotationSet
+from oscar_hf.zoo import (
+    CONFIG_FILE,
+    OFFICIAL_KEY_FILE,
+    OFFICIAL_VALUE_FILE,
+    ROTATION_ZOO,
+    TENSORS_FILE,
+    RotationsNotFoundError,
+    convert_official,
+    from_pretrained,
+    load_official,
+    load_rotation_config,
+    push_to_hub,
+    resolve_rotations,
+    save_pretrained,
+)
+from tests.conftest import forward
+
+HEAD_DIM = 16
+TINY_LLAMA = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+)
+QWEN_FOLDER = "Qwen3-8B/seq20000_prompt83_group128"
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def orthogonal(dim: int = HEAD_DIM, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))[0].float()
+
+
+def rotation_set(layer_ids=(0, 1), head_dim: int = HEAD_DIM, clips: bool = True) -> RotationSet:
+    n = len(layer_ids)
+    return RotationSet(
+        head_dim,
+        key={i: orthogonal(head_dim, i) for i in layer_ids},
+        value={i: orthogonal(head_dim, 100 + i) for i in layer_ids},
+        description="test rotations",
+        key_eigenvalues={i: torch.linspace(0, 1, head_dim) + i for i in layer_ids},
+        value_eigenvalues={i: torch.linspace(1, 2, head_dim) + i for i in layer_ids},
+        key_clip=dict(zip(layer_ids, [0.96, 0.9][:n])) if clips else {},
+        value_clip=dict(zip(layer_ids, [0.92, 0.875][:n])) if clips else {},
+    )
+
+
+def assert_same(a: RotationSet, b: RotationSet, eigenvalues: bool = True) -> None:
+    assert a.head_dim == b.head_dim
+    tables = ["key", "value"] + (["key_eigenvalues", "value_eigenvalues"] if eigenvalues else [])
+    for table in tables:
+        left, right = getattr(a, table), getattr(b, table)
+        assert sorted(left) == sorted(right), table
+        assert all(torch.equal(left[i], right[i]) for i in left), table
+    assert a.key_clip == b.key_clip and a.value_clip == b.value_clip
+
+
+def official_layers(layer_ids, head_dim=HEAD_DIM, seed=0, str_keys=False, eigenvalues=True) -> dict:
+    layers = {}
+    for i in layer_ids:
+        entry = {"layer_id": i, "rotation": orthogonal(head_dim, seed + i)}
+        if eigenvalues:
+            entry["eigenvalues"] = torch.rand(head_dim, generator=torch.Generator().manual_seed(i)).sort().values
+        layers[str(i) if str_keys else i] = entry
+    return layers
+
+
+def write_official(directory: Path, layer_ids=(0, 1), head_dim=HEAD_DIM, str_keys=False, eigenvalues=True,
+                   value_layer_ids=None) -> Path:
+    """A folder in the exact RotationZoo format (oscar-reference.md section 7.1)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, objective, ids, seed in (
+        (OFFICIAL_KEY_FILE, "qqt_r_h_pbr", layer_ids, 0),
+        (OFFICIAL_VALUE_FILE, "sst_r_h_pbr", value_layer_ids or layer_ids, 100),
+    ):
+        data = {"format_version": 1, "objective": objective, "source_grouping": "layer",
+                "layers": official_layers(ids, head_dim, seed, str_keys, eigenvalues)}
+        torch.save(data, directory / name)
+    return directory
+
+
+def tiny_llama(name_or_path: str = "") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+    model.config._name_or_path = name_or_path
+    model.set_attn_implementation("oscar")
+    return model
+
+
+class FakeHub:
+    """``snapshot_download`` over a local folder laid out like a hub repo: copies what allow_patterns select."""
+
+    def __init__(self, repo_root: Path, cache: Path):
+        self.repo_root, self.cache, self.calls = repo_root, cache, []
+
+    def __call__(self, repo_id, **kwargs):
+        self.calls.append({"repo_id": repo_id, **kwargs})
+        files = [p.relative_to(self.repo_root).as_posix() for p in self.repo_root.rglob("*") if p.is_file()]
+        snapshot = self.cache / f"snapshot{len(self.calls)}"
+        snapshot.mkdir(parents=True)
+        for name in filter_repo_objects(files, allow_patterns=kwargs.get("allow_patterns")):
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.repo_root / name, snapshot / name)
+        return str(snapshot)
+
+
+_REAL_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Any hub access a test did not fake fails at once (instead of waiting on an unreachable hub)."""
+
+    def cache_only(repo_id, **kwargs):
+        if not kwargs.get("local_files_only"):
+            raise AssertionError(f"test tried to reach the hub for {repo_id}")
+        return _REAL_SNAPSHOT_DOWNLOAD(repo_id, **kwargs)
+
+    def no_api(*args, **kwargs):
+        raise AssertionError("test tried to use huggingface_hub.HfApi")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cache_only)
+    monkeypatch.setattr(huggingface_hub, "HfApi", no_api)
+
+
+@pytest.fixture
+def online(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def fake_zoo(tmp_path, monkeypatch, online) -> FakeHub:
+    """The RotationZoo as a fake hub: Qwen3-8B at one calibration, Qwen3-4B at two."""
+    root = tmp_path / "hub-repo"
+    write_official(root / QWEN_FOLDER)
+    write_official(root / "Qwen3-4B" / "seq20000_prompt83_group128")
+    write_official(root / "Qwen3-4B" / "seq5000_prompt20_group64")
+    (root / "README.md").write_text("RotationZoo")
+    hub = FakeHub(root, tmp_path / "hub-cache")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    return hub
+
+
+# --- our format ----------------------------------------------------------------------------------
+
+
+def test_round_trip_with_clip_ratios(tmp_path) -> None:
+    rotations = rotation_set()
+    metadata = {"model_id": "tiny", "revision": "abc", "objective": "qqt_sst", "group_size": 16, "sink": 4}
+    out = save_pretrained(rotations, tmp_path / "rot", metadata)
+    assert {p.name for p in out.iterdir()} == {TENSORS_FILE, CONFIG_FILE}
+    tensors = load_file(str(out / TENSORS_FILE))
+    assert tensors["layers.0.key_clip"].dtype == torch.float32 and tensors["layers.1.value_clip"].numel() == 1
+    loaded = from_pretrained(out)
+    assert_same(loaded, rotations)
+    assert loaded.key_clip == {0: 0.96, 1: 0.9} and loaded.value_clip == {0: 0.92, 1: 0.875}  # exact, not float32 noise
+    config = load_rotation_config(out)
+    assert config["layer_ids"] == [0, 1] and {k: config[k] for k in metadata} == metadata
+
+
+def test_round_trip_without_clip_ratios_and_clip_only_layers(tmp_path) -> None:
+    rotations = rotation_set(clips=False)
+    assert_same(from_pretrained(save_pretrained(rotations, tmp_path / "a")), rotations)
+    clip_only = RotationSet(HEAD_DIM, key_clip={3: 0.5})
+    loaded = from_pretrained(save_pretrained(clip_only, tmp_path / "b"))
+    assert loaded.key_clip == {3: 0.5} and loaded.key == {} and load_rotation_config(tmp_path / "b")["layer_ids"] == [3]
+
+
+def test_clip_tensors_may_be_0d_but_not_longer(tmp_path) -> None:
+    out = save_pretrained(rotation_set(clips=False), tmp_path)
+    tensors = load_file(str(out / TENSORS_FILE))
+    save_file({**tensors, "layers.0.key_clip": torch.tensor(0.96)}, str(out / TENSORS_FILE))
+    assert from_pretrained(out).key_clip == {0: 0.96}
+    save_file({**tensors, "layers.0.key_clip": torch.tensor([0.9, 0.8])}, str(out / TENSORS_FILE))
+    with pytest.raises(ValueError, match="single clip ratio"):
+        from_pretrained(out)
+    save_file({**tensors, "layers.0.key_clip": torch.tensor([1.5])}, str(out / TENSORS_FILE))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        from_pretrained(out)
+
+
+def test_bundled_artifact_without_clip_tensors_still_loads() -> None:
+    rotations = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    assert rotations.head_dim == 64 and len(rotations.key) == 30 and rotations.key_clip == {} == rotations.value_clip
+
+
+def test_from_pretrained_local_errors(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(str(tmp_path / "missing"))  # an absolute path is never taken for a hub id
+    with pytest.raises(FileNotFoundError, match="holds no rotations"):
+        from_pretrained(tmp_path)
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        from_pretrained(tmp_path / "file.txt")
+
+
+# --- the official RotationZoo layout -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("str_keys", [False, True])
+@pytest.mark.parametrize("eigenvalues", [True, False])
+def test_load_official_reads_the_files_as_they_are(tmp_path, str_keys, eigenvalues) -> None:
+    folder = write_official(tmp_path / QWEN_FOLDER, (0, 2, 5), str_keys=str_keys, eigenvalues=eigenvalues)
+    rotations = load_official(folder)
+    assert rotations.head_dim == HEAD_DIM and sorted(rotations.key) == sorted(rotations.value) == [0, 2, 5]
+    assert torch.equal(rotations.key[2], orthogonal(HEAD_DIM, 2))
+    assert torch.equal(rotations.value[5], orthogonal(HEAD_DIM, 105))
+    assert sorted(rotations.key_eigenvalues) == ([0, 2, 5] if eigenvalues else [])
+    assert "Qwen3-8B/seq20000_prompt83_group128" in rotations.description
+    assert_same(from_pretrained(folder), rotations)  # from_pretrained detects the official layout
+
+
+@pytest.mark.parametrize("str_keys", [False, True])
+def test_convert_official_round_trip(tmp_path, str_keys) -> None:
+    src = write_official(tmp_path / "zoo" / QWEN_FOLDER, (3, 7), str_keys=str_keys)
+    official = load_official(src)
+    out = convert_official(src, tmp_path / "converted", metadata={"model_id": "Qwen/Qwen3-8B"})
+    assert_same(from_pretrained(out), official)
+    config = load_rotation_config(out)
+    assert config["objective"] == "qqt_sst" and config["composition"] == "r_h_pbr"
+    assert config["key_objective"] == "qqt_r_h_pbr" and config["value_objective"] == "sst_r_h_pbr"
+    assert config["calibration"] == "seq20000_prompt83_group128" and config["model_name"] == "Qwen3-8B"
+    assert config["source_path"] == str(src.resolve()) and config["model_id"] == "Qwen/Qwen3-8B"
+    assert config["layer_ids"] == [3, 7]
+
+
+def test_other_objectives_and_identity_files(tmp_path) -> None:
+    folder = tmp_path / "identity"
+    folder.mkdir()
+    eye = {"format_version": "identity-v1", "objective": "hadamard", "source_grouping": "layer",
+           "layers": {0: {"layer_id": 0, "rotation": torch.eye(HEAD_DIM)}}}
+    torch.save(eye, folder / "k_rotation_hadamard.pt")
+    torch.save(eye, folder / "v_rotation_hadamard.pt")
+    assert torch.equal(load_official(folder).key[0], torch.eye(HEAD_DIM))
+    assert load_rotation_config(convert_official(folder, tmp_path / "out"))["objective"] == "hadamard"
+
+
+def rewrite(path: Path, edit) -> None:
+    data = torch.load(path, weights_only=True)
+    edit(data)
+    torch.save(data, path)
+
+
+def test_official_errors(tmp_path) -> None:
+    folder = write_official(tmp_path / "a")
+    (folder / OFFICIAL_VALUE_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=OFFICIAL_VALUE_FILE):
+        load_official(folder)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_official(tmp_path / "missing")
+
+    cases = {
+        "no 'layers' key": lambda d: d.pop("layers"),
+        "shape": lambda d: d["layers"][0].update(rotation=torch.eye(HEAD_DIM)[:, :8]),
+        "eigenvalues of layer 1": lambda d: d["layers"][1].update(eigenvalues=torch.zeros(3)),
+        "orthogonal": lambda d: d["layers"][0].update(rotation=torch.ones(HEAD_DIM, HEAD_DIM)),
+        "layer_id=5": lambda d: d["layers"][0].update(layer_id=5),
+        "format_version": lambda d: d.update(format_version=2),
+        "not a layer id": lambda d: d["layers"].update(bad={}),
+        "no 'rotation'": lambda d: d["layers"][1].pop("rotation"),
+    }
+    for message, edit in cases.items():
+        folder = write_official(tmp_path / message.replace(" ", "_").replace("'", ""))
+        rewrite(folder / OFFICIAL_KEY_FILE, edit)
+        with pytest.raises(ValueError, match=message):
+            load_official(folder)
+
+    mismatched = write_official(tmp_path / "mismatch", (0, 1), value_layer_ids=(0, 2))
+    message = r"k_rotation_qqt_r_h_pbr.pt has layers \[0, 1\] but v_rotation_sst_r_h_pbr.pt has layers \[0, 2\]"
+    with pytest.raises(ValueError, match=message):
+        load_official(mismatched)
+    sizes = write_official(tmp_path / "sizes")
+    torch.save({"format_version": 1, "layers": official_layers((0, 1), head_dim=8)}, sizes / OFFICIAL_VALUE_FILE)
+    with pytest.raises(ValueError, match="different shapes"):
+        load_official(sizes)
+    garbage = write_official(tmp_path / "garbage")
+    (garbage / OFFICIAL_KEY_FILE).write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="not a torch-saved RotationZoo file"):
+        load_official(garbage)
+
+
+# --- the hub (faked) -----------------------------------------------------------------------------
+
+
+def test_from_pretrained_official_zoo_on_the_hub(fake_zoo) -> None:
+    rotations = from_pretrained(ROTATION_ZOO, subfolder=QWEN_FOLDER, revision="v1")
+    assert_same(rotations, load_official(fake_zoo.repo_root / QWEN_FOLDER))
+    (call,) = fake_zoo.calls
+    assert call["repo_id"] == ROTATION_ZOO and call["revision"] == "v1" and call["local_files_only"] is False
+    assert all(pattern.startswith(QWEN_FOLDER + "/") for pattern in call["allow_patterns"])
+    fetched = sorted(p.name for p in (fake_zoo.cache / "snapshot1").rglob("*") if p.is_file())
+    assert fetched == [OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE]  # only this folder's files, not the whole zoo
+
+
+def test_from_pretrained_our_format_on_the_hub(tmp_path, monkeypatch, online) -> None:
+    root = tmp_path / "repo"
+    rotations = rotation_set()
+    save_pretrained(rotations, root)
+    hub = FakeHub(root, tmp_path / "cache")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    assert_same(from_pretrained("someone/my-rotations", cache_dir=tmp_path / "c"), rotations)
+    assert hub.calls[0]["cache_dir"] == tmp_path / "c"
+    assert TENSORS_FILE in hub.calls[0]["allow_patterns"] and CONFIG_FILE in hub.calls[0]["allow_patterns"]
+
+
+def test_hub_folder_without_rotations(fake_zoo) -> None:
+    with pytest.raises(RotationsNotFoundError, match="holds no rotation files matching"):
+        from_pretrained(ROTATION_ZOO, subfolder="Qwen3-8B/no-such-calibration")
+    with pytest.raises(RotationsNotFoundError, match="pass subfolder='<Model>/<calibration>'"):
+        from_pretrained(ROTATION_ZOO)
+
+
+def test_offline_error_is_actionable(monkeypatch) -> None:
+    def offline(repo_id, **kwargs):
+        assert kwargs["local_files_only"] is True  # HF_HUB_OFFLINE=1 is honoured
+        raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(RotationsNotFoundError) as info:
+        from_pretrained(ROTATION_ZOO, subfolder=QWEN_FOLDER)
+    message = str(info.value)
+    assert "offline mode is on" in message and ROTATION_ZOO in message and OFFICIAL_KEY_FILE[:11] in message
+    assert f"hf download {ROTATION_ZOO} --include '{QWEN_FOLDER}/*'" in message
+    assert f"from_pretrained('DIR/{QWEN_FOLDER}')" in message and "HF_HUB_OFFLINE" in message
+    # Deriving the folder from the model needs the zoo too; a local copy of its root then works as is.
+    with pytest.raises(RotationsNotFoundError, match=r"--include 'Qwen3-8B/\*'.*OscarCache.from_zoo\(model, 'DIR'\)"):
+        OscarCache.from_zoo(tiny_llama("Qwen/Qwen3-8B"), ROTATION_ZOO)
+
+
+def test_unreachable_hub_error(monkeypatch, online) -> None:
+    def unreachable(repo_id, **kwargs):
+        raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(RotationsNotFoundError, match="hub is unreachable.*pass the local directory instead"):
+        from_pretrained("someone/rotations")
+
+
+def test_real_snapshot_download_offline_with_empty_cache(tmp_path, monkeypatch) -> None:
+    # The real huggingface_hub, told to stay offline: it must fail from the (empty) cache, without network.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RotationsNotFoundError, match="offline mode is on"):
+        from_pretrained(ROTATION_ZOO, subfolder=QWEN_FOLDER, cache_dir=tmp_path)
+
+
+def test_missing_hub_repo(monkeypatch, online) -> None:
+    def missing(repo_id, **kwargs):
+        response = SimpleNamespace(headers={}, status_code=404, request=None)
+        raise RepositoryNotFoundError("404 Repository Not Found", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", missing)
+    with pytest.raises(RotationsNotFoundError, match="no local directory 'nobody/nothing' either"):
+        from_pretrained("nobody/nothing")
+
+
+class FakeHfApi:
+    instances: list["FakeHfApi"] = []
+
+    def __init__(self, token=None):
+        self.token, self.calls = token, []
+        FakeHfApi.instances.append(self)
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        # What upload_folder would send: the folder's files that allow_patterns select, read now.
+        files = [p.name for p in Path(folder_path).iterdir()]
+        uploaded = sorted(filter_repo_objects(files, allow_patterns=kwargs.get("allow_patterns")))
+        self.calls.append(("upload_folder", repo_id, uploaded, kwargs))
+        return f"https://huggingface.co/{repo_id}/commit/123"
+
+
+@pytest.fixture
+def fake_api(monkeypatch):
+    FakeHfApi.instances = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    return FakeHfApi
+
+
+def test_push_rotation_set(fake_api) -> None:
+    commit = push_to_hub(rotation_set(), "me/rot", private=True, commit_message="add", token="hf_x")
+    assert commit == "https://huggingface.co/me/rot/commit/123"
+    (api,) = fake_api.instances
+    assert api.token == "hf_x"
+    (_, repo, create), (_, repo2, uploaded, upload) = api.calls
+    assert repo == repo2 == "me/rot" and create == {"private": True, "exist_ok": True}
+    assert uploaded == [CONFIG_FILE, TENSORS_FILE] and upload["commit_message"] == "add"
+
+
+def test_push_directory_uploads_only_rotation_files(tmp_path, fake_api) -> None:
+    out = save_pretrained(rotation_set(), tmp_path / "rot")
+    (out / "notes.txt").write_text("private notes")
+    push_to_hub(out, "me/rot")
+    assert fake_api.instances[0].calls[1][2] == [CONFIG_FILE, TENSORS_FILE]
+    official = write_official(tmp_path / "official")
+    push_to_hub(official, "me/zoo")
+    assert fake_api.instances[1].calls[1][2] == [OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE]
+
+
+def test_push_refuses_a_broken_directory(tmp_path, fake_api) -> None:
+    out = save_pretrained(rotation_set(), tmp_path / "rot")
+    (out / TENSORS_FILE).unlink()
+    with pytest.raises(FileNotFoundError):
+        push_to_hub(out, "me/rot")
+    assert fake_api.instances == []
+
+
+# --- resolve_rotations and OscarCache.from_zoo ---------------------------------------------------
+
+
+def test_from_zoo_with_a_local_directory(tmp_path) -> None:
+    model = tiny_llama()
+    rotations = rotation_set()
+    cache = OscarCache.from_zoo(model, save_pretrained(rotations, tmp_path / "rot"), sink=2, recent=2)
+    assert_same(cache.rotations, rotations)
+    assert cache.oscar_config.sink == 2
+    forward(model, torch.randint(3, 256, (1, 12)), cache)
+    assert cache.layers[0].history_length > 0
+
+
+def test_from_zoo_rejects_mismatched_rotations(tmp_path) -> None:
+    model = tiny_llama("someone/tiny")
+    with pytest.raises(ValueError, match="head_dim=32 but someone/tiny has head_dim=16"):
+        OscarCache.from_zoo(model, save_pretrained(rotation_set(head_dim=32), tmp_path / "a"))
+    with pytest.raises(ValueError, match=r"cover layers \[0-2\] but the full-attention layers of someone/tiny "
+                                         r"are \[0, 1\] \(extra \[2\]\)"):
+        OscarCache.from_zoo(model, save_pretrained(rotation_set((0, 1, 2), clips=False), tmp_path / "b"))
+    with pytest.raises(ValueError, match=r"missing \[1\]"):
+        resolve_rotations(model, rotation_set((0,)))
+
+
+def test_layer_types_select_the_full_attention_layers(tmp_path) -> None:
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=HEAD_DIM, num_hidden_layers=4, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    assert zoo.full_attention_layer_ids(config) == [1, 3]
+    sparse = write_official(tmp_path / "gemma", (1, 3))
+    assert sorted(resolve_rotations(config, sparse).key) == [1, 3]
+    with pytest.raises(ValueError, match="full-attention layers"):
+        resolve_rotations(config, write_official(tmp_path / "dense", (0, 1, 2, 3)))
+
+
+def test_from_zoo_derives_the_rotation_zoo_folder(fake_zoo) -> None:
+    cache = OscarCache.from_zoo(tiny_llama("Qwen/Qwen3-8B"), ROTATION_ZOO, revision="main")
+    assert_same(cache.rotations, load_official(fake_zoo.repo_root / QWEN_FOLDER))
+    first, second = fake_zoo.calls
+    assert first["allow_patterns"] == ["Qwen3-8B/*/k_rotation_*.pt", "Qwen3-8B/*/v_rotation_*.pt"]
+    assert all(p.startswith(QWEN_FOLDER + "/") for p in second["allow_patterns"])
+    assert first["revision"] == second["revision"] == "main"
+
+
+def test_from_zoo_with_several_calibrations(fake_zoo) -> None:
+    model = tiny_llama("Qwen/Qwen3-4B")
+    with pytest.raises(ValueError, match=r"several calibrations for Qwen3-4B: \['seq20000_prompt83_group128', "
+                                         r"'seq5000_prompt20_group64'\]; pick one with calibration="):
+        OscarCache.from_zoo(model, ROTATION_ZOO)
+    cache = OscarCache.from_zoo(model, ROTATION_ZOO, calibration="seq5000_prompt20_group64")
+    assert_same(cache.rotations, load_official(fake_zoo.repo_root / "Qwen3-4B" / "seq5000_prompt20_group64"))
+    assert all(p.startswith("Qwen3-4B/seq5000_prompt20_group64/") for p in fake_zoo.calls[-1]["allow_patterns"])
+
+
+def test_from_zoo_model_missing_from_the_zoo_lists_what_is_there(fake_zoo, monkeypatch) -> None:
+    files = [p.relative_to(fake_zoo.repo_root).as_posix() for p in fake_zoo.repo_root.rglob("*") if p.is_file()]
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: SimpleNamespace(list_repo_files=lambda repo, revision: files))
+    with pytest.raises(ValueError, match=r"no rotations for 'Llama-3-8B'.*Qwen3-4B/seq5000_prompt20_group64.*"
+                                         r"Qwen3-8B/seq20000_prompt83_group128"):
+        resolve_rotations(tiny_llama("meta/Llama-3-8B"), ROTATION_ZOO)
+    with pytest.raises(ValueError, match="no name_or_path"):
+        resolve_rotations(tiny_llama(""), ROTATION_ZOO)
+
+
+def test_from_zoo_with_a_local_copy_of_the_zoo(tmp_path) -> None:
+    root = tmp_path / "zoo"
+    write_official(root / QWEN_FOLDER)
+    model = tiny_llama("/models/Qwen3-8B")
+    assert_same(resolve_rotations(model, root), load_official(root / QWEN_FOLDER))
+    assert_same(resolve_rotations(model, root, subfolder=QWEN_FOLDER), load_official(root / QWEN_FOLDER))
+    with pytest.raises(ValueError, match="not a RotationZoo root"):
+        resolve_rotations(model, root / QWEN_FOLDER, calibration="x")
+
+
+def test_default_without_a_bundled_set_explains_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"no rotations are bundled.*smollm2-135m-instruct \(for "
+                                         r"HuggingFaceTB/SmolLM2-135M-Instruct\).*oscar-hf calibrate"):
+        OscarCache.from_zoo(tiny_llama("someone/tiny"))
+    with pytest.raises(ValueError, match="not to 'default'"):
+        resolve_rotations(tiny_llama(), "default", subfolder="x")
+
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize(
+    "name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/root/.cache/oscar_hf/models/SmolLM2-135M-Instruct.Q4_1-0123"]
+)
+def test_default_matches_the_bundled_set_by_name_or_signature(name) -> None:
+    config = LlamaConfig(**SMOLLM2)  # a config only: no weights are built
+    config._name_or_path = name
+    rotations = resolve_rotations(config, "default")
+    assert rotations.head_dim == 64 and sorted(rotations.key) == list(range(30))
+    config.num_hidden_layers = 28  # same name, other shape: caught by the check, not silently used
+    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(ValueError, match="full-attention layers"):
+        resolve_rotations(config, "default")
+
+
+@pytest.mark.slow
+def test_from_zoo_default_model_offline(monkeypatch) -> None:
+    from oscar_hf.models import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load_model("default")
+    cache = OscarCache.from_zoo(model)
+    assert cache.rotations.head_dim == 64 and len(cache.rotations.key) == 30
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    forward(model, ids, cache)
