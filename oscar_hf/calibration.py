@@ -17,14 +17,13 @@ reference's (oscar-reference.md section 1.2):
 from __future__ import annotations
 
 import inspect
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -308,46 +307,3 @@ def calibrate(
 ) -> RotationSet:
     """OSCAR rotations of every full-attention layer: R_K from C_Q and R_V from C_S, each ``U·H·P`` by default."""
     return rotations_from_covariances(collect_covariances(model, batches, progress), objective, factors)
-
-
-def token_batches(
-    tokenizer: PreTrainedTokenizerBase,
-    texts: Sequence[str],
-    budget: int = 20000,
-    seq_len: int = 2048,
-    seed: int = 0,
-) -> list[torch.LongTensor]:
-    """Calibration batches of exactly ``budget`` tokens (fewer if the texts are shorter), as ``[1, <=seq_len]`` rows.
-
-    The texts are tokenized without special tokens and joined with EOS into one stream, which is cut
-    into consecutive ``seq_len`` windows; ``seed`` picks which windows are used (so the budget is
-    spread over all texts rather than taken from the first), and the last one is shortened to fit
-    the budget. Every row is real text, so no padding is needed.
-    """
-    if budget <= 0 or seq_len <= 0:
-        raise ValueError(f"budget and seq_len must be positive, got {budget} and {seq_len}")
-    stream = _token_stream(tokenizer, texts)
-    starts = list(range(0, max(len(stream) - seq_len, 0) + 1, seq_len))
-    random.Random(seed).shuffle(starts)
-    rows, remaining = [], budget
-    for start in starts:
-        row = stream[start : start + min(seq_len, remaining)]
-        rows.append(torch.tensor(row, dtype=torch.long)[None])
-        remaining -= len(row)
-        if remaining == 0:
-            break
-    if remaining:
-        logger.warning("the calibration texts hold only %d of the %d requested tokens", budget - remaining, budget)
-    return rows
-
-
-def _token_stream(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[int]:
-    separator = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    stream: list[int] = []
-    for text in texts:
-        if stream:
-            stream += separator
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not stream:
-        raise ValueError("the calibration texts are empty")
-    return stream

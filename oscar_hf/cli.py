@@ -116,6 +116,16 @@ def cmd_memory(args: argparse.Namespace, argv: list[str]) -> None:
         print(f"## {report.method}\n\n{report.to_markdown() if args.per_layer else report}\n")
 
 
+def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
+    from .calibrate_command import format_summary, run_calibration
+
+    if args.clip_search and (args.objective != "qqt_sst" or args.factors != "UHP"):
+        raise SystemExit("--clip-search chooses between U·H·P and H·P itself; leave --objective and --factors alone")
+    model, tokenizer = _load(args)
+    _, summary = run_calibration(args, model, tokenizer, argv)
+    print(json.dumps(summary) if args.json else format_summary(summary))
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
     parser.add_argument("--rotations", help="rotation directory (default: the bundled ones for the default model)")
@@ -145,6 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     kl.add_argument("--json", action="store_true")
     kl.add_argument("--out", help="also write the JSON result to this file")
     kl.set_defaults(handler=cmd_eval_kl)
+
+    calibrate = commands.add_parser("calibrate", help="fit OSCAR rotations (and clip ratios) to a model")
+    calibrate.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
+    calibrate.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
+    calibrate.add_argument("--data", nargs="+", required=True,
+                           help="text files (documents) and/or .jsonl files (one prompt or chat per line), read in place")
+    calibrate.add_argument("--tokens", type=int, default=20000, help="calibration token budget")
+    calibrate.add_argument("--out", required=True, help="directory to write the rotations to")
+    calibrate.add_argument("--clip-search", action="store_true",
+                           help="choose each layer's clip ratios and rotation variant by attention-output error")
+    calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
+    calibrate.add_argument("--seq-len", type=int, default=2048)
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--objective", choices=["qqt_sst", "ktk_vtv"], default="qqt_sst")
+    calibrate.add_argument("--factors", choices=["UHP", "UH", "UP", "HP", "H", "U", ""], default="UHP")
+    calibrate.add_argument("--json", action="store_true")
+    calibrate.set_defaults(handler=cmd_calibrate)
 
     memory = commands.add_parser("memory", help="prefill a long text and print each method's memory report")
     _add_model_options(memory)

@@ -52,7 +52,6 @@ class _Totals:
         self.count += targets.numel()
 
 
-@torch.no_grad()
 def evaluate_methods(
     model: PreTrainedModel,
     token_ids: torch.Tensor,
@@ -63,28 +62,50 @@ def evaluate_methods(
     progress: bool = True,
     **overrides,
 ) -> list[MethodScore]:
-    """Teacher-forced perplexity, KL from ``none`` and top-1 agreement for each method.
+    """Teacher-forced perplexity, KL from ``none`` and top-1 agreement for each named method.
 
     ``token_ids`` is one long 1-D sequence; ``windows`` windows of ``context`` tokens are spread
     over it. Positions before ``sink + recent`` never see quantized keys and are not scored.
     """
-    caches = {m: OscarCache(model, m, rotations=rotations, **overrides) for m in dict.fromkeys(["none", *methods])}
-    config = caches["none"].oscar_config
+    caches = {m: OscarCache(model, m, rotations=rotations, **overrides) for m in methods}
+    return evaluate_caches(model, token_ids, caches, context, windows, progress)
+
+
+@torch.no_grad()
+def evaluate_caches(
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    caches: dict[str, OscarCache],
+    context: int = 2048,
+    windows: int = 6,
+    progress: bool = True,
+) -> list[MethodScore]:
+    """:func:`evaluate_methods` for arbitrary labelled cache configurations (e.g. ablation variants).
+
+    The caches only supply configurations and rotations; the reference is an unquantized forward.
+    """
+    reference_cache = OscarCache(model, "none")
+    config = next(iter(caches.values())).oscar_config
     first = config.sink + config.recent
     if first >= context - 1:
         raise ValueError(f"context {context} leaves no position after sink + recent = {first}")
-    totals = {m: _Totals() for m in methods}
+    if any((c.oscar_config.sink, c.oscar_config.recent) != (config.sink, config.recent) for c in caches.values()):
+        raise ValueError("all compared caches must use the same sink and recent window, so they score the same positions")
+    totals = {label: _Totals() for label in caches}
     device = next(model.parameters()).device
-    starts = window_starts(token_ids.numel(), context, windows)
-    for start in tqdm(starts, desc="windows", disable=not progress):
+    for start in tqdm(window_starts(token_ids.numel(), context, windows), desc="windows", disable=not progress):
         ids = token_ids[start : start + context][None].to(device)
         targets = ids[0, first + 1 :]
-        reference = _log_probs(teacher_forced_logits(model, ids, caches["none"]), first)
-        for method in methods:
-            log_probs = reference if method == "none" else _log_probs(teacher_forced_logits(model, ids, caches[method]), first)
-            totals[method].add(log_probs, reference, targets)
-    head_dim = head_dim_of(caches["none"].text_config)
-    return [_score(m, totals[m], bits_per_element(caches[m].oscar_config, context, head_dim)) for m in methods]
+        reference = _log_probs(teacher_forced_logits(model, ids, reference_cache), first)
+        for label, cache in caches.items():
+            quantized = cache.oscar_config.quantized
+            log_probs = _log_probs(teacher_forced_logits(model, ids, cache), first) if quantized else reference
+            totals[label].add(log_probs, reference, targets)
+    head_dim = head_dim_of(reference_cache.text_config)
+    return [
+        _score(label, totals[label], bits_per_element(cache.oscar_config, context, head_dim))
+        for label, cache in caches.items()
+    ]
 
 
 def _log_probs(logits: torch.Tensor, first: int) -> torch.Tensor:

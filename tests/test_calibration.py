@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar_hf import calibration
-from oscar_hf.calibration import CALIBRATION_ATTENTION, calibrate, collect_covariances, token_batches
+from oscar_hf.calibration import CALIBRATION_ATTENTION, calibrate, collect_covariances
 from oscar_hf.rotations import RotationSet, check_orthogonal, rotation_from_covariance
 from oscar_hf.zoo import (
     CONFIG_FILE,
@@ -224,28 +224,6 @@ def test_rejects_bad_batches() -> None:
         collect_covariances(model, [], progress=False)
     with pytest.raises(ValueError, match="LongTensor"):
         collect_covariances(model, [torch.zeros(1, 4)], progress=False)
-
-
-class WordTokenizer:
-    """Just what token_batches needs: one id per character, EOS = 0."""
-
-    eos_token_id = 0
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        assert not add_special_tokens
-        return {"input_ids": [1 + ord(ch) % 100 for ch in text]}
-
-
-def test_token_batches_are_deterministic_and_exact() -> None:
-    texts = ["a" * 50, "b" * 40, "c" * 30]
-    rows = token_batches(WordTokenizer(), texts, budget=45, seq_len=20, seed=3)
-    assert [tuple(row.shape) for row in rows] == [(1, 20), (1, 20), (1, 5)]
-    assert all(row.dtype == torch.long for row in rows)
-    again = token_batches(WordTokenizer(), texts, budget=45, seq_len=20, seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(rows, again))
-    whole = token_batches(WordTokenizer(), texts, budget=10_000, seq_len=200)
-    stream = whole[0][0].tolist()
-    assert len(whole) == 1 and len(stream) == 122 and stream.count(0) == 2  # EOS between texts only
 
 
 def random_rotation_set(layer_ids: list[int], head_dim: int = HEAD_DIM) -> RotationSet:

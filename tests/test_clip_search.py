@@ -1,0 +1,87 @@
+"""Per-layer clip ratios and rotation variants: chosen by attention-output error, stored, and used by the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from oscar_hf import OscarCache
+from oscar_hf.calibration import collect_covariances, rotations_from_covariances
+from oscar_hf.clip_search import CLIP_GRID, search_layers
+from oscar_hf.config import METHODS
+from tests.conftest import tiny_model
+
+SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    batches = [torch.randint(3, 256, (1, 64)) for _ in range(3)]
+    covariances = collect_covariances(model, batches, progress=False)
+    rotations, choices = search_layers(model, batches[:2], covariances, SMALL, max_queries=32, progress=False)
+    return model, covariances, rotations, choices
+
+
+def test_every_layer_gets_the_candidate_with_the_smallest_error(searched):
+    _, _, rotations, choices = searched
+    assert sorted(choices) == [0, 1]
+    for layer_id, choice in choices.items():
+        assert len(choice.key_errors) == len(choice.value_errors) == 2 * len(CLIP_GRID)
+        assert min(choice.key_errors, key=choice.key_errors.get) == f"{choice.key_factors}@{choice.key_clip}"
+        assert min(choice.value_errors, key=choice.value_errors.get) == f"{choice.value_factors}@{choice.value_clip}"
+        assert all(0 < e < 1 for e in choice.key_errors.values())
+        assert rotations.key_clip[layer_id] == choice.key_clip and rotations.value_clip[layer_id] == choice.value_clip
+
+
+def test_the_chosen_variant_matrices_are_stored(searched):
+    _, covariances, rotations, choices = searched
+    for layer_id, choice in choices.items():
+        expected = rotations_from_covariances(covariances, "qqt_sst", choice.key_factors)
+        torch.testing.assert_close(rotations.key[layer_id], expected.key[layer_id])
+        expected = rotations_from_covariances(covariances, "qqt_sst", choice.value_factors)
+        torch.testing.assert_close(rotations.value[layer_id], expected.value[layer_id])
+
+
+def test_the_cache_uses_per_layer_clip_ratios_where_the_method_clips(searched):
+    model, _, rotations, choices = searched
+    cache = OscarCache(model, "oscar-int2", rotations=rotations)
+    for layer_id, choice in choices.items():
+        assert cache.layers[layer_id].config.key.clip_ratio == choice.key_clip
+        assert cache.layers[layer_id].config.value.clip_ratio == choice.value_clip
+    fixed = OscarCache(model, "oscar-int2", rotations=rotations, layer_clip=False)
+    assert fixed.layers[0].config.key.clip_ratio == 0.96
+    k4v2 = OscarCache(model, "oscar-k4v2", rotations=rotations)
+    assert k4v2.layers[0].config.key.clip_ratio == 0.0  # the method does not clip its 4-bit keys
+    assert k4v2.layers[0].config.value.clip_ratio == choices[0].value_clip
+
+
+def test_rows_too_short_for_the_window_are_refused():
+    model = tiny_model("llama")
+    batches = [torch.randint(3, 256, (1, 10))]
+    covariances = collect_covariances(model, batches, progress=False)
+    with pytest.raises(ValueError, match="too short for the clip search"):
+        search_layers(model, batches, covariances, SMALL, progress=False)
+
+
+@pytest.mark.slow
+def test_calibrate_command_on_the_default_model(tmp_path, capsys):
+    from oscar_hf.cli import main
+    from oscar_hf.zoo import from_pretrained, load_rotation_config
+
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
+    out = tmp_path / "rotations"
+    main(["calibrate", "--model", "default", "--data", str(data), "--tokens", "1200", "--seq-len", "600",
+          "--clip-search", "--out", str(out), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["out"] == str(out) and summary["layers"] == 30 and summary["tokens"] == 1200
+    assert len(summary["per_layer"]) == 30 and "key" in summary["per_layer"][0]
+    rotations = from_pretrained(out)
+    assert len(rotations.key_clip) == 30
+    config = load_rotation_config(out)
+    assert config["tokens"] == 1200 and config["model_signature"]["head_dim"] == 64
+    assert len(config["calibration_data"]["files"]["text.txt"]) == 64  # sha256 of the data file
