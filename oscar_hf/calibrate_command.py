@@ -16,7 +16,7 @@ from .calibration import LayerCovariances, collect_covariances, rotations_from_c
 from .calibration_data import calibration_batches, read_calibration_files
 from .clip_search import LayerChoice, search_layers
 from .config import K_CLIP, METHODS, V_CLIP
-from .rotations import RotationSet
+from .rotations import COMPOSITION_NAMES, RotationSet
 
 SEARCH_ROWS = 2  # calibration rows the clip search measures errors on (~20 s each on the default model, CPU)
 
@@ -41,7 +41,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
         "model_signature": model_signature(model),
         "objective": args.objective,
-        "composition": "per-layer (clip search)" if args.clip_search else args.factors,
+        "composition": "per-layer r_h_pbr or h_pbr (clip search)" if args.clip_search else COMPOSITION_NAMES[args.factors],
         "group_size": rotations.head_dim,
         "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
         "sink": METHODS["oscar-int2"].sink,

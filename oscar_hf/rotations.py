@@ -15,6 +15,8 @@ import torch
 
 ORTHOGONALITY_TOLERANCE = 1e-3
 FACTOR_CHOICES = ("UHP", "UH", "UP", "HP", "H", "U", "")
+# The reference script's names for the same compositions (compute_kv_rotation.py --composition).
+COMPOSITION_NAMES = {"UHP": "r_h_pbr", "UH": "r_h", "UP": "br", "HP": "h_pbr", "H": "hadamard", "U": "plain", "": "identity"}
 
 
 def is_power_of_two(n: int) -> bool:

@@ -1,0 +1,120 @@
+"""Shared pieces of the OSCAR Triton kernels, installed as ``oscar_hf.kernels``, each beside its torch reference.
+
+* ``oscar_hf.kernels.quantize.quantize_pack``: the fused write path (clip, quantize, pack), a drop-in
+  for :func:`oscar_hf.quant.quantize` with bit-identical codes and metadata.
+* ``oscar_hf.kernels.decode_attention.decode_attention``: split-K decode attention over
+  ``[sink | packed history | recent | new]``.
+
+Each public function runs its Triton kernel for CUDA tensors (and for CPU tensors when the kernels
+were imported with ``TRITON_INTERPRET=1``) and its torch reference otherwise: without Triton, with
+``OSCAR_KERNELS=torch``, or for shapes the kernels do not cover (non-power-of-two head dims). The
+kernels are also the torch custom ops ``torch.ops.oscar.quantize_pack`` and
+``torch.ops.oscar.decode_attention``, with fake implementations, so ``torch.compile`` traces them.
+
+The folder has no ``__init__.py`` on purpose: with the repository root on ``sys.path`` (``python -m
+pytest``), a regular package named ``kernels`` there would shadow Hugging Face's ``kernels`` package,
+which transformers imports to probe for it; a namespace folder is ignored by that probe.
+
+Triton is optional: without it these modules still import (``@triton.jit`` functions become inert
+stubs) and everything falls back to the torch references. ``TRITON_INTERPRET=1`` is read by Triton
+when a kernel is *decorated*, i.e. when these modules are imported, so it is captured once here as
+:data:`INTERPRET`; setting it later has no effect on kernels already defined.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the library works without Triton, through the torch references
+    HAS_TRITON = False
+
+    def _jit(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    triton = SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b))
+    tl = SimpleNamespace(constexpr=object)
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Let the Triton 3.6 interpreter use runtime scalars as ``range`` bounds under NumPy >= 2.4.
+
+    The interpreter holds scalars as 1-element arrays and converts them with ``int(array)``, which
+    NumPy 2.4 turned into a TypeError, so every loop with a runtime bound fails. This applies the
+    upstream fix (triton-lang/triton#9172, squeeze before ``int``) and only in interpreter mode.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_oscar_scalar_index", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._oscar_scalar_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if HAS_TRITON and INTERPRET:
+    _patch_interpreter_scalar_index()
+
+
+# OSCAR_KERNELS=torch forces the torch references (read once, like TRITON_INTERPRET, so that the
+# dispatch below is plain attribute checks that torch.compile traces without graph breaks).
+ENABLED = HAS_TRITON and os.environ.get("OSCAR_KERNELS", "auto").lower() != "torch"
+
+
+def runs_triton(tensor: torch.Tensor) -> bool:
+    """Pick Triton for CUDA tensors, or for CPU tensors when the kernels were built for the interpreter."""
+    if not ENABLED:
+        return False
+    # The interpreter copies CUDA arguments to the host and back, so it also serves CUDA tensors (slowly).
+    return tensor.is_cuda or (INTERPRET and tensor.device.type == "cpu")
+
+
+def define_op(qualname: str, implementation, fake) -> None:
+    """Register ``implementation`` as the custom op ``qualname`` (schema from its type hints), once.
+
+    Ops are global to the process, so a re-imported kernel module must not define them again; the
+    implementations look their launcher up at call time instead (see ``quantize._quantize_pack_op``).
+    """
+    namespace, name = qualname.split("::")
+    if hasattr(getattr(torch.ops, namespace), name):
+        return
+    op = torch.library.custom_op(qualname, mutates_args=())(implementation)
+    op.register_fake(fake)
+
+
+def is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+@triton.jit
+def to_dtype(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``x.to(DTYPE)`` for float32 ``x``, rounding to nearest-even also in the interpreter.
+
+    Triton 3.6's interpreter truncates float32 -> bfloat16 conversions (compiled kernels and torch
+    round to nearest-even), so there the rounding is done on the bit pattern first, after which the
+    truncating conversion is exact. Compiled kernels (``INTERPRETED`` false) use the plain conversion.
+    """
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)

@@ -1,0 +1,273 @@
+"""Triton kernels against their torch references.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton
+is imported) at small shapes; on a GPU the same tests run compiled, plus the large-shape tests.
+The write path must match bit for bit; attention within float32 / bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+TRITON_IMPORTED_BEFORE = "triton" in sys.modules
+if not CUDA:
+    # Read by Triton when a function is decorated (import time) and by some of its lazy imports: it
+    # stays set for the rest of the session, which only matters to code that runs Triton on CPU.
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton): the kernels are untested")
+
+
+def _reinterpret_triton_language() -> None:
+    """Make Triton's own library functions (``tl.max``, ``tl.sum``, ...) runnable by the interpreter.
+
+    Triton decorates them when it is first imported, and ``import oscar_hf`` in conftest.py already
+    imports it (through transformers) before this module can set ``TRITON_INTERPRET``: they are then
+    compiled-mode functions that an interpreted kernel cannot call. Only done on CPU-only machines.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("triton.language") and module is not None:
+            for attribute, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    setattr(module, attribute, InterpretedFunction(value.fn))
+
+
+if not CUDA and TRITON_IMPORTED_BEFORE:
+    _reinterpret_triton_language()
+
+from oscar_hf.quant import quantize  # noqa: E402
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+
+
+def _import_kernels():
+    """The kernel modules as ``oscar_hf.kernels.*``, from the installed mapping or straight from ``kernels/``.
+
+    ``kernels/`` has no ``__init__.py`` on purpose: with the repository root on ``sys.path`` a regular
+    package there would shadow Hugging Face's ``kernels`` package, which transformers probes on import.
+    """
+    try:
+        importlib.import_module("oscar_hf.kernels._triton")
+    except ImportError:
+        spec = importlib.machinery.ModuleSpec("oscar_hf.kernels", None, is_package=True)
+        spec.submodule_search_locations = [str(KERNELS_DIR)]
+        sys.modules["oscar_hf.kernels"] = importlib.util.module_from_spec(spec)
+    names = ("_triton", "quantize", "decode_attention")
+    return tuple(importlib.import_module(f"oscar_hf.kernels.{name}") for name in names)
+
+
+_triton, _quantize, _decode = _import_kernels()
+if not CUDA and not _triton.INTERPRET:
+    # Imported earlier (by another test module) without the interpreter: import the modules again.
+    for name in [n for n in sys.modules if n.startswith("oscar_hf.kernels.")]:
+        del sys.modules[name]
+    _triton, _quantize, _decode = _import_kernels()
+
+quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
+decode_attention, decode_attention_reference = _decode.decode_attention, _decode.decode_attention_reference
+
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="large shapes need a CUDA GPU (compiled Triton)")
+
+
+def test_kernels_are_selected():
+    """Guard against comparing the reference with itself: these tensors must take the Triton path."""
+    assert _triton.runs_triton(torch.empty(1, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------ write path
+
+
+def _rows(count: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows with heavy-ish tails plus the awkward ones: constant, zero, ties at the clip threshold."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(count, head_dim, generator=generator) * torch.rand(count, 1, generator=generator) * 4
+    rows[:, :3] *= 6  # a few outlier channels, as rotated K has before clipping
+    rows[1] = 0.75  # constant row: range 0, scale at its floor
+    rows[2] = 0.0
+    rows[3, : head_dim // 2] = 2.0  # many equal magnitudes around the order statistic
+    rows[3, head_dim // 2 :] = -2.0
+    return rows.to(dtype).to(DEVICE)
+
+
+def _assert_same(got, want) -> None:
+    assert torch.equal(got.codes, want.codes), f"{(got.codes != want.codes).sum().item()} code bytes differ"
+    assert torch.equal(got.scale, want.scale)
+    assert torch.equal(got.zero, want.zero)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("clip_ratio", [0.0, 0.92])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_quantize_pack_bit_exact(head_dim, bits, symmetric, clip_ratio, groups):
+    rows = _rows(19, head_dim, torch.bfloat16, seed=head_dim + bits)  # 19 rows: a partial second program
+    group_size = head_dim // groups
+    got = quantize_pack(rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio)
+    want = quantize_pack_reference(rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio)
+    _assert_same(got, want)
+
+
+# A constant group has scale 1e-8/3, so its zero-point overflows float16 to -inf, in the reference too.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize(
+    "dtype, metadata_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)],
+)
+def test_quantize_pack_dtypes_and_leading_dims(dtype, metadata_dtype):
+    rows = _rows(2 * 3 * 5, 128, dtype, seed=7).view(2, 3, 5, 128)  # [B, H, T, D], as the cache passes them
+    got = quantize_pack(rows, 2, 32, clip_ratio=0.96, metadata_dtype=metadata_dtype)
+    want = quantize(rows, 2, 32, clip_ratio=0.96, metadata_dtype=metadata_dtype)
+    assert got.codes.shape == (2, 3, 5, 32) and got.scale.dtype == metadata_dtype
+    _assert_same(got, want)
+
+
+def test_quantize_pack_strided_and_empty_rows():
+    window = _rows(12, 64, torch.bfloat16, seed=3).view(2, 6, 64)[:, 1:4]  # a view, like RowBuffer.view()
+    _assert_same(quantize_pack(window, 4, 64, clip_ratio=0.96), quantize(window, 4, 64, clip_ratio=0.96))
+    empty = quantize_pack(window[:, :0], 2, 64)
+    assert empty.codes.shape == (2, 0, 16) and empty.scale.shape == (2, 0, 1)
+
+
+def test_quantize_pack_falls_back_and_validates():
+    rows = _rows(4, 96, torch.bfloat16, seed=1)  # 96 is no power of two: the torch reference runs
+    _assert_same(quantize_pack(rows, 2, 96, clip_ratio=0.96), quantize(rows, 2, 96, clip_ratio=0.96))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_pack(rows, 2, 40)
+    with pytest.raises(ValueError, match="bit width"):
+        quantize_pack(rows, 3, 96)
+
+
+# ------------------------------------------------------------------------------ decode attention
+
+
+def _history(batch, kv_heads, length, head_dim, bits, group_size, generator):
+    rows = torch.randn(batch, kv_heads, length, head_dim, generator=generator) * 2
+    packed = quantize(rows, bits, group_size, clip_ratio=0.96)
+    return [t.to(DEVICE) for t in (packed.codes, packed.scale, packed.zero)]
+
+
+def _decode_inputs(batch, q_heads, kv_heads, head_dim, sink, history, recent, new, dtype, k_bits=4, v_bits=2,
+                   k_groups=1, v_groups=1, pads=None, seed=0):  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+
+    def dense(length):
+        return (torch.randn(batch, kv_heads, length, head_dim, generator=generator) * 2).to(dtype).to(DEVICE)
+
+    q = torch.randn(batch, q_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    k_hist = _history(batch, kv_heads, history, head_dim, k_bits, head_dim // k_groups, generator)
+    v_hist = _history(batch, kv_heads, history, head_dim, v_bits, head_dim // v_groups, generator)
+    args = (q, dense(sink), dense(sink), *k_hist, *v_hist, dense(recent), dense(recent), dense(new), dense(new))
+    mask = None
+    if pads is not None:  # left padding: the first pads[b] keys of row b (all in the sink) are pads
+        positions = torch.arange(sink + history + recent + new)
+        mask = (positions[None, :] >= torch.tensor(pads)[:, None]).to(DEVICE)
+    return args, dict(k_bits=k_bits, v_bits=v_bits, key_mask=mask)
+
+
+# (batch, q heads, kv heads, head_dim, sink, history, recent, new, splits, block_n, pads, k/v bits, k/v groups)
+DECODE_CASES = {
+    "empty-history-mha": (1, 2, 2, 64, 4, 0, 3, 1, 0, 16, None, (4, 2), (1, 1)),
+    "history-below-one-block-gqa3": (2, 6, 2, 64, 5, 7, 9, 1, 0, 16, None, (4, 2), (1, 1)),
+    "several-splits-gqa4-padded-sink": (3, 8, 2, 64, 8, 150, 20, 1, 3, 16, [0, 5, 8], (4, 2), (1, 2)),
+    "multi-block-splits-gqa8": (1, 16, 2, 128, 4, 100, 5, 1, 2, 16, None, (4, 2), (2, 1)),
+    "auto-splits-int2-both-block64": (2, 8, 2, 128, 3, 40, 17, 1, 0, 64, [2, 0], (2, 2), (1, 1)),
+    "no-sink-no-recent": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (2, 4), (2, 2)),
+    "head-dim-256": (1, 4, 1, 256, 4, 20, 6, 1, 2, 16, [1], (4, 2), (1, 2)),
+}
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def _run_decode_case(case, dtype):
+    batch, hq, hkv, dim, sink, hist, recent, new, splits, block_n, pads, (kb, vb), (kg, vg) = case
+    args, options = _decode_inputs(batch, hq, hkv, dim, sink, hist, recent, new, dtype, kb, vb, kg, vg, pads)
+    scale = dim**-0.5
+    got = torch.ops.oscar.decode_attention(*args, options["key_mask"], kb, vb, scale, splits, block_n, 0, 0)
+    want = decode_attention_reference(*args, sm_scale=scale, **options)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_attention_matches_reference(name, dtype):
+    got, want = _run_decode_case(DECODE_CASES[name], dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+def test_decode_attention_splits_do_not_change_the_result():
+    """The log-sum-exp merge is exact: 1 split and 5 splits agree to float32 rounding."""
+    args, options = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
+    one = torch.ops.oscar.decode_attention(*args, options["key_mask"], 4, 2, 0.125, 1, 16, 0, 0)
+    five = torch.ops.oscar.decode_attention(*args, options["key_mask"], 4, 2, 0.125, 5, 16, 0, 0)
+    torch.testing.assert_close(one, five, atol=1e-6, rtol=1e-5)
+
+
+def test_decode_attention_dispatcher_and_masked_rows():
+    args, options = _decode_inputs(2, 4, 2, 64, 3, 10, 4, 1, torch.float32)
+    options["key_mask"] = torch.ones(2, 18, dtype=torch.bool, device=DEVICE)
+    options["key_mask"][1] = False  # a row with nothing to attend to gives zeros, not NaN
+    got = decode_attention(*args, **options)
+    torch.testing.assert_close(got, decode_attention_reference(*args, **options), **TOLERANCE[torch.float32])
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    with pytest.raises(ValueError, match="key_mask"):
+        decode_attention(*args, k_bits=4, v_bits=2, key_mask=options["key_mask"][:, 1:])
+
+
+# ------------------------------------------------------------------------------------ custom ops
+
+
+def test_custom_ops_trace_under_torch_compile():
+    rows = _rows(5, 64, torch.bfloat16, seed=2)
+    args, options = _decode_inputs(1, 4, 2, 64, 2, 9, 3, 1, torch.bfloat16, pads=[1])
+
+    def step(rows, *decode_args):
+        packed = quantize_pack(rows * 2, 2, 64, clip_ratio=0.9)
+        return packed.codes, packed.scale, decode_attention(*decode_args, **options) + 1
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(rows, *args), step(rows, *args)):
+        assert torch.equal(got, want)
+
+
+def test_custom_ops_pass_opcheck():
+    rows = _rows(4, 64, torch.bfloat16, seed=4)
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (rows, 4, 32, False, 0.5, torch.bfloat16))
+    args, options = _decode_inputs(1, 2, 1, 64, 2, 5, 2, 1, torch.float32)
+    torch.library.opcheck(torch.ops.oscar.decode_attention.default, (*args, None, 4, 2, 0.125, 0, 16, 0, 0))
+
+
+# ---------------------------------------------------------------------------- GPU, large shapes
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bits, symmetric, clip_ratio, groups", [(2, False, 0.96, 1), (2, False, 0.92, 2),
+                                                                   (4, False, 0.96, 1), (2, True, 0.0, 4)])  # fmt: skip
+def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, groups):
+    rows = (torch.randn(8, 8, 4096, head_dim, device=DEVICE) * 3).bfloat16()
+    group_size = head_dim // groups
+    got = quantize_pack(rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio)
+    _assert_same(got, quantize(rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio))
+
+
+@gpu_only
+@pytest.mark.parametrize("batch, history", [(1, 100_000), (8, 32_768), (3, 4_099)])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (24, 8, 128), (16, 16, 64), (16, 2, 256)])
+def test_decode_attention_large(batch, history, q_heads, kv_heads, head_dim):
+    pads = [index * 7 % 64 for index in range(batch)]
+    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, pads=pads)
+    got = decode_attention(*args, **options)
+    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
