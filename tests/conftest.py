@@ -24,12 +24,13 @@ TINY = dict(
 )
 
 
-def tiny_model(arch: str, seed: int = 0, attn: str = "oscar"):
+def tiny_model(arch: str, seed: int = 0, attn: str = "oscar", **config_overrides):
+    """A tiny random-weight Llama or Qwen3 (``config_overrides`` change its config, e.g. ``attention_bias``)."""
     torch.manual_seed(seed)
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY))
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY, **config_overrides}))
     elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**TINY, use_sliding_window=False))
+        model = Qwen3ForCausalLM(Qwen3Config(**{**TINY, "use_sliding_window": False, **config_overrides}))
     else:
         raise ValueError(arch)
     model.eval()

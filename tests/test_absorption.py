@@ -10,8 +10,6 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
@@ -21,29 +19,20 @@ from transformers import (
 from oscar_hf import OscarCache, RotationSet
 from oscar_hf.absorption import absorb_value_rotations, absorbed_fingerprint
 from oscar_hf.cache import ABSORBED_ATTRIBUTE
-from tests.conftest import TINY, forward, generate
+from tests.conftest import TINY, forward, generate, tiny_model
 
 WINDOWS = dict(sink=4, recent=8, block=2)  # small, so a 40-token prompt fills the INT2 history
 ARCHS = ("llama", "llama-bias", "qwen3")
 
 
 def build(arch: str, seed: int = 0, attn: str = "sdpa"):
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY))
-    elif arch == "llama-bias":
-        model = LlamaForCausalLM(LlamaConfig(**TINY, attention_bias=True))
-        with torch.no_grad():  # biases start at zero: make them matter
-            for module in model.modules():
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    module.bias.normal_(0.0, 0.5)
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**TINY, use_sliding_window=False, attention_bias=False))
-    else:
-        raise ValueError(arch)
-    model.eval()
-    model.generation_config.pad_token_id = 0
-    model.set_attn_implementation(attn)
+    if arch != "llama-bias":
+        return tiny_model(arch, seed, attn)
+    model = tiny_model("llama", seed, attn, attention_bias=True)
+    with torch.no_grad():  # biases start at zero: make them matter
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
     return model
 
 
