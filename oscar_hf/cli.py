@@ -123,7 +123,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
         raise SystemExit("--clip-search chooses between U·H·P and H·P itself; leave --objective and --factors alone")
     model, tokenizer = _load(args)
     _, summary = run_calibration(args, model, tokenizer, argv)
-    print(json.dumps(summary) if args.json else format_summary(summary))
+    print(json.dumps({**_environment(argv), **summary}) if args.json else format_summary(summary))
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
