@@ -421,19 +421,27 @@ class OscarCache(Cache):
     @classmethod
     def from_zoo(
         cls,
-        model: PreTrainedModel,
+        model: PreTrainedModel | PretrainedConfig | str,
         rotations: str | Path = "default",
         method: str | OscarConfig = "oscar-int2",
         **kwargs,
     ) -> "OscarCache":
         """An OscarCache with published or bundled rotations; see :func:`oscar_hf.zoo.resolve_rotations`.
 
-        ``rotations`` is ``"default"`` (bundled for the default model), a local directory (ours or the
+        ``model`` is the model (best: the cache then follows its attention setting), its config, or a
+        model id (``"default"`` for the default model), whose config is loaded; a cache made from an id
+        assumes the model runs ``attn_implementation="oscar"`` and raises a clear error otherwise.
+        ``rotations`` is ``"default"`` (bundled for the model), a local directory (ours or the
         official RotationZoo layout), or a hub repo id; hub options (``revision``, ``subfolder``,
         ``calibration``, ...) go through ``kwargs``, cache options (``sink``, ``recent``, ...) too.
         """
         from .zoo import ZOO_OPTIONS, resolve_rotations
 
+        if isinstance(model, str):
+            from .models import load_config
+
+            model = load_config(model)
+            model._attn_implementation = ATTENTION_NAME
         zoo_options = {k: kwargs.pop(k) for k in list(kwargs) if k in ZOO_OPTIONS}
         return cls(model, method, rotations=resolve_rotations(model, rotations, **zoo_options), **kwargs)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -139,6 +140,12 @@ def load_model(
         import oscar_hf.attention  # noqa: F401
     model.set_attn_implementation(attn_implementation)
     return model, tokenizer
+
+
+def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
+    """The config of a model, without its weights (``"default"``: SmolLM2-135M-Instruct's)."""
+    source = _default_checkpoint() if name_or_path == DEFAULT_MODEL else name_or_path
+    return AutoConfig.from_pretrained(source)
 
 
 def _default_device() -> torch.device:

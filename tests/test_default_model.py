@@ -80,3 +80,17 @@ def test_cli_demo_json(capsys):
     none, oscar = (r["memory"] for r in result["runs"])
     assert oscar["total_bytes"] < none["total_bytes"] / 3
     assert result["prompt_tokens"] > 1400 and all(r["decode_tokens_per_second"] > 0 for r in result["runs"])
+
+
+def test_from_zoo_with_the_default_model_id(smollm):
+    model, tokenizer, _ = smollm
+    cache = OscarCache.from_zoo("default", sink=4, recent=8)
+    ids = chat(tokenizer, "What is the capital of France?")
+    out = generate(model, ids, cache, max_new_tokens=12, min_new_tokens=1)
+    assert cache.layers[0].history_length > 10 and "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(RuntimeError, match="attn_implementation='oscar'"):
+            generate(model, ids, OscarCache.from_zoo("default"), max_new_tokens=2)
+    finally:
+        model.set_attn_implementation("oscar")
