@@ -139,17 +139,8 @@ def quantize_pack_triton(
 # -------------------------------------------------------------------------------- torch reference
 
 
-def quantize_pack_reference(
-    rows: torch.Tensor,
-    bits: int,
-    group_size: int,
-    *,
-    symmetric: bool = False,
-    clip_ratio: float = 0.0,
-    metadata_dtype: torch.dtype = torch.bfloat16,
-) -> QuantizedRows:
-    """The torch reference and CPU fallback: :func:`oscar_hf.quant.quantize` itself."""
-    return quantize(rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio, metadata_dtype=metadata_dtype)
+# The torch reference and CPU fallback is the library's quantizer itself, same signature and results.
+quantize_pack_reference = quantize
 
 
 # ------------------------------------------------------------------------------------ custom op

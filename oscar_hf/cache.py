@@ -149,7 +149,8 @@ class OscarLayer(CacheLayerMixin):
                 "The model's attention must go through attn_implementation='oscar' for every layer."
             )
         if self.config.check_finite:
-            _check_finite(key_states, "key"), _check_finite(value_states, "value")
+            _check_finite(key_states, "key")
+            _check_finite(value_states, "value")
         self._pending = PendingChunk(self.rotate_keys(key_states), self.rotate_values(value_states), key_states)
 
     @property
