@@ -13,9 +13,14 @@ Everything is in the rotated basis: ``q`` is ``q·R_K`` and the output is in the
 
 Stage 1 (one launch for all tiers): program ``(b, kv head [x head block], slot)`` handles one split
 of one tier for all ``Hq/Hkv`` query heads of its KV head, so every KV tile is read once per group.
-History tiles are loaded as contiguous packed bytes and dequantized in registers, ``(code - zero) *
-scale`` in float32 then cast to the query dtype, exactly as :func:`oscar_hf.quant.dequantize`;
-nothing dense is written. Byte ``c`` of a packed row holds dims ``c, c + D/k, ...`` (k codes per
+History tiles are loaded as contiguous packed bytes and never dequantized: with one (scale, zero) per
+row and group, dequantization is affine, so ``q·k = scale * (q·c - zero * sum(q))`` moves it from the
+``N x D`` key tile to the ``H x N`` scores, and ``sum_n p_n (c_n - zero_n) scale_n`` becomes a dot of
+the weights ``p * scale`` with the codes minus one correction per head. Codes enter the dots as exact
+16-bit floats ``OFFSET + c`` built with two integer operations (:func:`_code_block`), and the offset
+is folded into the same corrections. A first version dequantized each element in float32 (an
+int-to-float conversion, a subtract, a multiply and a cast) and was bound by that arithmetic, not
+by memory. Byte ``c`` of a packed row holds dims ``c, c + D/k, ...`` (k codes per
 byte), so shift ``j`` of the byte tile is the column block ``j`` of the rows: every tile (q, K, V, the
 accumulator) is handled as k column blocks, and ``q·k`` as a sum of k dots. Only loads, shifts and
 ``tl.dot`` are used: a first version that rebuilt full-width tiles with ``tl.interleave`` passed in
@@ -33,11 +38,19 @@ import torch
 
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
-from ._triton import INTERPRET, define_op, is_power_of_two, next_power_of_two, runs_triton, tl, to_dtype, triton
+from ._triton import (
+    INTERPRET, define_op, is_power_of_two, next_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
+)  # fmt: skip
 
 _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a couple of splits each
+# Dense tiles stay small: the kernel's shared memory is sized by its largest branch, and wide dense
+# tiles (pipelined) would cap how many history programs fit on a multiprocessor.
+_DENSE_BLOCK_N = 16
 _MIN_SPLIT_TOKENS = 256  # below this a history split costs more in the merge than it saves
 _MAX_SPLITS = 256  # bounds the stage-2 merge and the partial buffers
+# Codes enter the dots as OFFSET + code: int16 bits of a power of two whose ulp is 1, OR-ed with the
+# code (see _code_block); float32 converts codes directly.
+_CODE_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0), torch.float32: (0, 0.0)}
 
 # ------------------------------------------------------------------------------------ jit helpers
 
@@ -67,13 +80,7 @@ def _attend(
     scores = _dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)
     if K_PARTS == 4:
         scores += _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
-    scores = tl.where(valid[None, :], scores * sm_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    # A fully masked tile keeps m at -inf; subtracting 0 instead avoids exp(-inf - -inf) = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(scores - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i, sm_scale)
     p = to_dtype(p, v0.dtype, INTERPRETED)
     a0 = a0 * alpha[:, None] + _dot(p, v0, INTERPRETED)
     a1 = a1 * alpha[:, None] + _dot(p, v1, INTERPRETED)
@@ -107,50 +114,149 @@ def _load_parts(BASE, stride_n, rows, valid, D: tl.constexpr, PARTS: tl.constexp
 
 
 @triton.jit
-def _dequantize_part(
-    raw, J: tl.constexpr, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, row_scale, row_zero,
-    DTYPE: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
-    """Column block ``J`` of packed rows: bits ``J*BITS..`` of each byte are dims ``J*D/k + c`` (k = 8/BITS).
+def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """Column block ``J`` of packed bytes (``int16``) as ``DTYPE`` values ``OFFSET + code``, exactly.
 
-    ``((code - zero) * scale).to(DTYPE)`` in float32, as :func:`oscar_hf.quant.dequantize` computes it.
+    Bits ``J*BITS..`` of byte ``c`` are dim ``J*D/k + c`` (k = 8/BITS codes per byte). For 16-bit
+    floats the code is OR-ed into the mantissa of a power of two whose ulp is 1 (``MAGIC``: bf16
+    128.0, fp16 1024.0), two integer operations and a free bitcast: an int-to-float conversion runs
+    at a quarter of the ALU rate and was the bottleneck of the dequantizing first version. float32
+    (``MAGIC`` 0, offset 0) converts directly.
     """
-    DP: tl.constexpr = D * BITS // 8
-    codes = ((raw >> (J * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    if GROUPS == 1:
-        scale, zero = row_scale[:, None], row_zero[:, None]
+    codes = (raw >> (J * BITS)) & ((1 << BITS) - 1)
+    # (Triton compiles the statements after a returning static branch too, hence the else.)
+    if MAGIC == 0:
+        values = codes.to(DTYPE)
     else:
-        group = ((J * DP + tl.arange(0, DP)) // (D // GROUPS))[None, :]
-        scale = tl.load(SCALE + rows[:, None] * scale_stride_n + group, mask=valid[:, None], other=0.0)
-        zero = tl.load(ZERO + rows[:, None] * zero_stride_n + group, mask=valid[:, None], other=0.0)
-        scale, zero = scale.to(tl.float32), zero.to(tl.float32)
-    return to_dtype((codes - zero) * scale, DTYPE, INTERPRETED)
+        values = (codes | MAGIC).to(DTYPE, bitcast=True)
+    return values
 
 
 @triton.jit
-def _packed_parts(
-    CODES, codes_stride_n, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-    DTYPE: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, INTERPRETED: tl.constexpr,
+def _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr, OFFSET: tl.constexpr):
+    """Per row of a tile, ``scale`` and ``OFFSET + zero`` of one group, float32 (0 for invalid rows)."""
+    scale = tl.load(SCALE + rows * scale_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
+    zero = tl.load(ZERO + rows * zero_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
+    return scale, zero + OFFSET
+
+
+@triton.jit
+def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
+    return (J * D * BITS // 8) // (D // GROUPS)
+
+
+@triton.jit
+def _affine(dots, q_sum, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr,
+            OFFSET: tl.constexpr):  # fmt: skip
+    """Scores from code dots: ``q·k = scale * (q·(OFFSET + c) - (OFFSET + zero) * sum(q))`` per key row."""
+    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, OFFSET)
+    return scale[None, :] * (dots - zero[None, :] * q_sum[:, None])
+
+
+@triton.jit
+def _packed_scores(
+    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, raw, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+    D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """Packed rows as dequantized column blocks, like :func:`_load_parts`: one contiguous byte load."""
-    DP: tl.constexpr = D * BITS // 8
-    raw = tl.load(CODES + rows[:, None] * codes_stride_n + tl.arange(0, DP)[None, :], mask=valid[:, None], other=0)
-    raw = raw.to(tl.int32)
-    # Group 0 of each row; the whole row's metadata when there is one group (the default layout).
-    row_scale = tl.load(SCALE + rows * scale_stride_n, mask=valid, other=0.0).to(tl.float32)
-    row_zero = tl.load(ZERO + rows * zero_stride_n, mask=valid, other=0.0).to(tl.float32)
-    x0 = _dequantize_part(raw, 0, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, row_scale, row_zero,
-                          DTYPE, D, BITS, GROUPS, INTERPRETED)  # fmt: skip
-    x1 = _dequantize_part(raw, 1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, row_scale, row_zero,
-                          DTYPE, D, BITS, GROUPS, INTERPRETED)  # fmt: skip
-    if BITS == 2:
-        x2 = _dequantize_part(raw, 2, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, row_scale, row_zero,
-                              DTYPE, D, BITS, GROUPS, INTERPRETED)  # fmt: skip
-        x3 = _dequantize_part(raw, 3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, row_scale, row_zero,
-                              DTYPE, D, BITS, GROUPS, INTERPRETED)  # fmt: skip
+    """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
+
+    Per-row metadata makes dequantization affine, so it moves from the ``N x D`` key tile to the
+    ``H x N`` scores. ``q_sum`` is the float32 sum of q, ``s_j`` that of its column block ``j``;
+    each column block lies within one group (the dispatcher checks that groups are that wide).
+    """
+    PARTS: tl.constexpr = 8 // BITS
+    dtype = q0.dtype
+    d0 = _dot(q0, tl.trans(_code_block(raw, 0, BITS, dtype, MAGIC)), INTERPRETED)
+    d1 = _dot(q1, tl.trans(_code_block(raw, 1, BITS, dtype, MAGIC)), INTERPRETED)
+    if PARTS == 4:
+        d2 = _dot(q2, tl.trans(_code_block(raw, 2, BITS, dtype, MAGIC)), INTERPRETED)
+        d3 = _dot(q3, tl.trans(_code_block(raw, 3, BITS, dtype, MAGIC)), INTERPRETED)
+    if GROUPS == 1:  # one (scale, zero) per row: one correction for the sum of the block dots
+        if PARTS == 4:
+            d0 += d2 + d3
+        scores = _affine(d0 + d1, q_sum, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, 0, OFFSET)
     else:
-        x2, x3 = x0, x1
-    return x0, x1, x2, x3
+        scores = _affine(d0, s0, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                         _group_of(0, D, BITS, GROUPS), OFFSET)  # fmt: skip
+        scores += _affine(d1, s1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                          _group_of(1, D, BITS, GROUPS), OFFSET)  # fmt: skip
+        if PARTS == 4:
+            scores += _affine(d2, s2, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                              _group_of(2, D, BITS, GROUPS), OFFSET)  # fmt: skip
+            scores += _affine(d3, s3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                              _group_of(3, D, BITS, GROUPS), OFFSET)  # fmt: skip
+    return scores
+
+
+@triton.jit
+def _value_weights(p, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr,
+                   OFFSET: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """``p * scale`` as the dot operand, and its products with ``OFFSET + zero`` summed per head.
+
+    ``sum_n p_n (c_n - zero_n) scale_n = (p*scale)·(OFFSET + c) - sum_n (p*scale)_n (OFFSET + zero_n)``:
+    the second term, from the same rounded weights, is subtracted once at the end of the span.
+    """
+    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, OFFSET)
+    weights = to_dtype(p * scale[None, :], DTYPE, INTERPRETED)
+    return weights, tl.sum(weights.to(tl.float32) * zero[None, :], axis=1)
+
+
+@triton.jit
+def _packed_span(
+    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, m_i, l_i, a0, a1, a2, a3,
+    KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n, start, end, MASK, position, sm_scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr,
+    V_BITS: tl.constexpr, V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
+    V_PARTS: tl.constexpr = 8 // V_BITS
+    dtype = q0.dtype
+    # Value offsets (sum of weights * (OFFSET + zero)) per column block, rescaled like the accumulators.
+    c0 = tl.zeros(l_i.shape, tl.float32)
+    c1, c2, c3 = c0, c0, c0
+    for block in range(start, end, BLOCK_N):
+        rows = block + tl.arange(0, BLOCK_N)
+        valid = _key_valid(rows, end, MASK, position, HAS_MASK)
+        raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
+        scores = _packed_scores(
+            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, raw_k.to(tl.int16), KS, ks_n, KZ, kz_n, rows, valid,
+            D, K_BITS, K_GROUPS, MAGIC, OFFSET, INTERPRETED,
+        )  # fmt: skip
+        m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i, sm_scale)
+        raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
+        raw_v = raw_v.to(tl.int16)
+        w0, o0 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(0, D, V_BITS, V_GROUPS), OFFSET, dtype, INTERPRETED)
+        w1, o1, w2, o2, w3, o3 = w0, o0, w0, o0, w0, o0
+        if V_GROUPS > 1:
+            w1, o1 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(1, D, V_BITS, V_GROUPS), OFFSET, dtype,
+                                    INTERPRETED)  # fmt: skip
+            if V_PARTS == 4:
+                w2, o2 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(2, D, V_BITS, V_GROUPS), OFFSET, dtype,
+                                        INTERPRETED)  # fmt: skip
+                w3, o3 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(3, D, V_BITS, V_GROUPS), OFFSET, dtype,
+                                        INTERPRETED)  # fmt: skip
+        a0 = a0 * alpha[:, None] + _dot(w0, _code_block(raw_v, 0, V_BITS, dtype, MAGIC), INTERPRETED)
+        a1 = a1 * alpha[:, None] + _dot(w1, _code_block(raw_v, 1, V_BITS, dtype, MAGIC), INTERPRETED)
+        c0, c1 = c0 * alpha + o0, c1 * alpha + o1
+        if V_PARTS == 4:
+            a2 = a2 * alpha[:, None] + _dot(w2, _code_block(raw_v, 2, V_BITS, dtype, MAGIC), INTERPRETED)
+            a3 = a3 * alpha[:, None] + _dot(w3, _code_block(raw_v, 3, V_BITS, dtype, MAGIC), INTERPRETED)
+            c2, c3 = c2 * alpha + o2, c3 * alpha + o3
+    return m_i, l_i, a0 - c0[:, None], a1 - c1[:, None], a2 - c2[:, None], a3 - c3[:, None]
+
+
+@triton.jit
+def _online_softmax(scores, valid, m_i, l_i, sm_scale):
+    """One online-softmax step: new max and sum, the rescale factor of older terms, and the weights."""
+    scores = tl.where(valid[None, :], scores * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A fully masked tile keeps m at -inf; subtracting 0 instead avoids exp(-inf - -inf) = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
 
 
 @triton.jit
@@ -172,28 +278,6 @@ def _dense_span(
     return m_i, l_i, a0, a1, a2, a3
 
 
-@triton.jit
-def _packed_span(
-    q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n,
-    start, end, MASK, position, sm_scale,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr,
-    V_BITS: tl.constexpr, V_GROUPS: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
-    """Attend over packed history rows ``[start, end)`` of one KV head."""
-    for block in range(start, end, BLOCK_N):
-        rows = block + tl.arange(0, BLOCK_N)
-        valid = _key_valid(rows, end, MASK, position, HAS_MASK)
-        k0, k1, k2, k3 = _packed_parts(KC, kc_n, KS, ks_n, KZ, kz_n, rows, valid, q0.dtype, D, K_BITS, K_GROUPS,
-                                       INTERPRETED)  # fmt: skip
-        v0, v1, v2, v3 = _packed_parts(VC, vc_n, VS, vs_n, VZ, vz_n, rows, valid, q0.dtype, D, V_BITS, V_GROUPS,
-                                       INTERPRETED)  # fmt: skip
-        m_i, l_i, a0, a1, a2, a3 = _attend(
-            q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, sm_scale,
-            8 // K_BITS, 8 // V_BITS, INTERPRETED,
-        )  # fmt: skip
-    return m_i, l_i, a0, a1, a2, a3
-
-
 # ---------------------------------------------------------------------------------------- kernels
 
 
@@ -206,8 +290,10 @@ def _decode_stage1_kernel(
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
     MASK, mask_stride_b, PM, PL, PACC, sm_scale, hist_splits, dense_splits, n_slots,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
-    V_GROUPS: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
+    V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_MASK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -228,13 +314,21 @@ def _decode_stage1_kernel(
     # Slots: history splits first, then `dense_splits` for each of sink, recent and new.
     if slot < hist_splits:
         start = slot * chunk_hist
+        # Sums of q as the dots see it (rounded to the K dtype), for the zero-point corrections.
+        s0, s1 = tl.sum(q0.to(tl.float32), axis=1), tl.sum(q1.to(tl.float32), axis=1)
+        s2, s3 = s0, s1
+        if K_PARTS == 4:
+            s2, s3 = tl.sum(q2.to(tl.float32), axis=1), tl.sum(q3.to(tl.float32), axis=1)
+            q_sum = s0 + s1 + s2 + s3
+        else:
+            q_sum = s0 + s1
         m_i, l_i, a0, a1, a2, a3 = _packed_span(
-            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3,
+            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, m_i, l_i, a0, a1, a2, a3,
             KC + b * kc_st[0] + kv_head * kc_st[1], kc_st[2], KS + b * ks_st[0] + kv_head * ks_st[1], ks_st[2],
             KZ + b * kz_st[0] + kv_head * kz_st[1], kz_st[2], VC + b * vc_st[0] + kv_head * vc_st[1], vc_st[2],
             VS + b * vs_st[0] + kv_head * vs_st[1], vs_st[2], VZ + b * vz_st[0] + kv_head * vz_st[1], vz_st[2],
             start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, sm_scale,
-            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, HAS_MASK, INTERPRETED,
+            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, HAS_MASK, INTERPRETED,
         )  # fmt: skip
     else:
         tier = (slot - hist_splits) // dense_splits
@@ -244,21 +338,21 @@ def _decode_stage1_kernel(
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
                 SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, tl.minimum(start + chunk_sink, n_sink),
-                MASK, 0, sm_scale, D, BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
+                MASK, 0, sm_scale, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
             )  # fmt: skip
         elif tier == 1:
             start = split * chunk_recent
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
                 RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, tl.minimum(start + chunk_recent, n_recent),
-                MASK, n_sink + n_hist, sm_scale, D, BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
+                MASK, n_sink + n_hist, sm_scale, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
             )  # fmt: skip
         else:
             start = split * chunk_new
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
                 NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, tl.minimum(start + chunk_new, n_new),
-                MASK, n_sink + n_hist + n_recent, sm_scale, D, BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
+                MASK, n_sink + n_hist + n_recent, sm_scale, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
             )  # fmt: skip
 
     out = (b * (tl.num_programs(1) // HEAD_BLOCKS * GROUP) + heads) * n_slots + slot
@@ -300,7 +394,7 @@ def _decode_stage2_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _device_programs(device: torch.device) -> int:
-    """Stage-1 programs to aim for: 8 per SM on CUDA (the best of a first, untuned H200 sweep), else 4."""
+    """Stage-1 programs to aim for: 8 per SM on CUDA (the best of 2, 4 and 8 in an H200 sweep), else 4."""
     if device.type == "cuda":
         return 8 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -324,10 +418,10 @@ def _dense_chunk(length: int, splits: int, block_n: int) -> int:
 
 
 def _block_sizes(group: int, block_n: int) -> tuple[int, int, int]:
-    # tl.dot needs at least 16 rows, so small groups are padded to 16 (masked) query heads. 32 keys
-    # a tile was the fastest first guess on an H200 (untuned: see the tuning knobs of the launcher).
+    # tl.dot needs at least 16 rows, so small groups are padded to 16 (masked) query heads. 64 keys a
+    # tile was the fastest at batch 1 and 8 on an H200 (eval/tune_decode.py, decode_kernel_tuning.md).
     block_h = max(16, min(64, next_power_of_two(group)))
-    return block_h, triton.cdiv(group, block_h), block_n or 32
+    return block_h, triton.cdiv(group, block_h), block_n or 64
 
 
 def decode_attention_triton(
@@ -373,23 +467,22 @@ def decode_attention_triton(
     partial_l = torch.empty_like(partial_m)
     partial_acc = torch.empty(batch, q_heads, n_slots, head_dim, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
-    # Masks travel as bytes (bool pointers are not portable across Triton versions); a dummy otherwise.
-    if key_mask is None:
-        mask = torch.ones(1, 1, dtype=torch.uint8, device=q.device)
-    else:
-        mask = key_mask.to(torch.uint8).contiguous()
+    # Masks travel as bytes (bool pointers are not portable across Triton versions). Without one the
+    # kernel never reads the pointer: q stands in, sparing an allocation per call.
+    mask = q if key_mask is None else key_mask.to(torch.uint8).contiguous()
     t = _last_dim_contiguous
+    magic, offset = _CODE_MAGIC[q.dtype]
 
     _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots)](
         *t(q),
-        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, block_n),
-        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, block_n),
-        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, block_n),
+        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
+        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
+        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
         *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
         mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale, hist_splits, dense_splits, n_slots,
-        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, D=head_dim,
+        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
-        HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps or 4, num_stages=num_stages,
+        MAGIC=magic, OFFSET=offset, HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps or 4, num_stages=num_stages,
     )  # fmt: skip
     _decode_stage2_kernel[(batch, q_heads)](
         partial_m, partial_l, partial_acc, *t(out), n_slots,
@@ -514,9 +607,14 @@ def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits
         raise ValueError(f"key_mask has shape {tuple(key_mask.shape)}, expected [{batch}, {total}]")
 
 
-def kernel_supports_decode(head_dim: int, k_bits: int = 2, v_bits: int = 2) -> bool:
-    """Tiles are column blocks of ``D * bits / 8`` dims: a power of two, and at least 16 for ``tl.dot``."""
-    return is_power_of_two(head_dim) and head_dim * min(k_bits, v_bits) // 8 >= 16
+def kernel_supports_decode(head_dim: int, k_bits: int = 2, v_bits: int = 2, k_groups: int = 1, v_groups: int = 1) -> bool:
+    """Tiles are column blocks of ``D * bits / 8`` dims: a power of two, at least 16 for ``tl.dot``, and
+    each within one quantization group (``groups`` per row, at most ``8 / bits``)."""
+    return (
+        is_power_of_two(head_dim)
+        and head_dim * min(k_bits, v_bits) // 8 >= 16
+        and all(is_power_of_two(g) and g <= 8 // bits for g, bits in ((k_groups, k_bits), (v_groups, v_bits)))
+    )
 
 
 def decode_attention(
@@ -562,12 +660,14 @@ def decode_attention(
     dense = (sink_k, sink_v, recent_k, recent_v, new_k, new_v)
     _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    if not (runs_triton(q) and kernel_supports_decode(q.shape[-1], k_bits, v_bits)):
+    supported = kernel_supports_decode(q.shape[-1], k_bits, v_bits, k_scale.shape[-1], v_scale.shape[-1])
+    if not (runs_triton(q) and supported):
         return decode_attention_reference(
             q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
             k_bits=k_bits, v_bits=v_bits, sm_scale=scale, key_mask=key_mask,
         )  # fmt: skip
-    return torch.ops.oscar.decode_attention(
+    launch = op_or_launcher(torch.ops.oscar.decode_attention, decode_attention_triton)
+    return launch(
         q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
         key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0,
     )  # fmt: skip

@@ -24,7 +24,7 @@ import torch
 
 from oscar_hf.quant import QuantizedRows, check_bits, clip_index, quantize
 
-from ._triton import INTERPRET, define_op, is_power_of_two, runs_triton, tl, to_dtype, triton
+from ._triton import INTERPRET, define_op, is_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton
 
 # ------------------------------------------------------------------------------------------ kernel
 
@@ -203,7 +203,8 @@ def quantize_pack(
             rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio, metadata_dtype=metadata_dtype
         )
     lead = rows.shape[:-1]
-    codes, scale, zero = torch.ops.oscar.quantize_pack(
+    launch = op_or_launcher(torch.ops.oscar.quantize_pack, quantize_pack_triton)
+    codes, scale, zero = launch(
         rows.reshape(-1, head_dim), bits, group_size, symmetric, float(clip_ratio), metadata_dtype
     )
     return QuantizedRows(*(t.view(*lead, t.shape[-1]) for t in (codes, scale, zero)))

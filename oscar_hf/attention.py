@@ -4,7 +4,12 @@ transformers hands an attention function the new K/V that ``Cache.update`` retur
 cache. ``OscarCache.update`` records itself as the active cache, and this function finds the
 layer's stored state through it and ``module.layer_idx``. Attention runs in the rotated basis:
 ``q·R_K`` against stored ``K·R_K`` (so scores equal ``q·k``), and the output is mapped back with
-``o·R_V^T``. This torch path dequantizes one layer's history transiently; nothing outlives the call.
+``o·R_V^T``.
+
+Two paths: decoding one token goes through :func:`oscar_hf.kernels.decode_attention.decode_attention`
+(the split-K Triton kernel reading packed history on GPU, its torch reference elsewhere); prefill
+and chunked prefill dequantize one layer's history transiently and run SDPA (prefill is
+compute-bound, and nothing dense outlives the call).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .cache import ATTENTION_NAME, OscarLayer, active_cache
+from .kernels.decode_attention import decode_attention
 
 
 def oscar_attention_forward(
@@ -34,11 +40,52 @@ def oscar_attention_forward(
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     new_keys, new_values, plan = layer.begin_step(attention_mask)
-    keys, values = layer.dense_rotated(new_keys, new_values)
-    output, _ = sdpa_attention_forward(module, layer.rotate_keys(query), keys, values, attention_mask, **kwargs)
-    del keys, values
+    if _is_plain_decode(layer, query, module, kwargs):
+        output = _decode(layer, query, new_keys, new_values, attention_mask, kwargs.get("scaling"))
+    else:
+        keys, values = layer.dense_rotated(new_keys, new_values)
+        output, _ = sdpa_attention_forward(module, layer.rotate_keys(query), keys, values, attention_mask, **kwargs)
+        del keys, values
     layer.finish_step(new_keys, new_values, plan)
     return layer.unrotate_values(output), None
+
+
+def _is_plain_decode(layer: OscarLayer, query: torch.Tensor, module: torch.nn.Module, kwargs: dict) -> bool:
+    """One query token of softmax attention the decode kernel computes exactly.
+
+    Logit soft-capping, learned sinks and dropout are not in the kernel; those go the SDPA way.
+    """
+    return (
+        query.shape[2] == 1
+        and layer.config.quantized
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and not (module.training and kwargs.get("dropout", 0.0))
+    )
+
+
+def _decode(
+    layer: OscarLayer,
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """``[B, 1, Hq, D]`` attention output (rotated V basis) of one token over all tiers of ``layer``."""
+    key_mask = None
+    if attention_mask is not None:
+        key_mask = attention_mask[:, 0, -1, :]
+        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask == 0  # additive float masks
+    history_k, history_v = layer.history_keys.packed(), layer.history_values.packed()
+    output = decode_attention(
+        layer.rotate_keys(query)[:, :, 0],
+        layer.sink_keys.view(), layer.sink_values.view(),
+        history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
+        layer.recent_keys.view(), layer.recent_values.view(), new_keys, new_values,
+        k_bits=layer.config.key.bits, v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=key_mask,
+    )  # fmt: skip
+    return output.unsqueeze(1)
 
 
 def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> OscarLayer | None:

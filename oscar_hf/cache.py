@@ -30,7 +30,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .config import OscarConfig, TensorQuantConfig, resolve_method
 from .log import get_logger, warning_once
 from .memory import LayerMemory, MemoryReport
-from .quant import QuantizedRows, dequantize, quantize
+from .kernels.quantize import quantize_pack
+from .quant import QuantizedRows, dequantize
 from .rotations import RotationSet, require_power_of_two
 from .storage import PackedHistory, RowBuffer
 
@@ -348,8 +349,11 @@ class OscarLayer(CacheLayerMixin):
 
 
 def quantize_rows(rows: torch.Tensor, spec: TensorQuantConfig, metadata_dtype: torch.dtype) -> QuantizedRows:
-    """Quantize rotated rows as ``spec`` says (clip, then per-token min-max or symmetric)."""
-    return quantize(
+    """Quantize rotated rows as ``spec`` says (clip, then per-token min-max or symmetric).
+
+    The fused Triton kernel on GPU, the torch reference elsewhere; both give identical codes.
+    """
+    return quantize_pack(
         rows,
         spec.bits,
         spec.group_of(rows.shape[-1]),

@@ -212,7 +212,8 @@ def test_decode_attention_splits_do_not_change_the_result():
     args, options = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
     one = torch.ops.oscar.decode_attention(*args, options["key_mask"], 4, 2, 0.125, 1, 16, 0, 0)
     five = torch.ops.oscar.decode_attention(*args, options["key_mask"], 4, 2, 0.125, 5, 16, 0, 0)
-    torch.testing.assert_close(one, five, atol=1e-6, rtol=1e-5)
+    # float32 rounding, amplified a little by the zero-point corrections of the packed tiles
+    torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
 
 def test_decode_attention_dispatcher_and_masked_rows():
@@ -247,6 +248,36 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (rows, 4, 32, False, 0.5, torch.bfloat16))
     args, options = _decode_inputs(1, 2, 1, 64, 2, 5, 2, 1, torch.float32)
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, (*args, None, 4, 2, 0.125, 0, 16, 0, 0))
+
+
+def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
+    """A model decoding with OscarCache: kernels (write + decode) against the torch references, per step."""
+    import oscar_hf.attention
+    import oscar_hf.cache
+    from conftest import generate, tiny_model
+
+    from oscar_hf import OscarCache
+
+    # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
+    monkeypatch.setattr(oscar_hf.attention, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.cache, "quantize_pack", quantize_pack)
+    launches = []
+    for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_triton")):
+        launcher = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a))
+    model = tiny_model("llama", hidden_size=128, head_dim=64, num_hidden_layers=1).to(DEVICE)
+    prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    outputs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(_triton, "ENABLED", enabled)
+        cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2)
+        outputs.append(generate(model, prompt, cache, max_new_tokens=12, output_scores=True,
+                                return_dict_in_generate=True))  # fmt: skip
+        assert cache.layers[0].history_length > 0
+    kernel, torch_path = outputs
+    assert launches.count("decode_attention_triton") == 11 and "quantize_pack_triton" in launches
+    assert torch.equal(kernel.sequences, torch_path.sequences)
+    torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------- GPU, large shapes

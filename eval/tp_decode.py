@@ -1,0 +1,178 @@
+"""Tensor-parallel decoding with OscarCache, one process per GPU:
+
+    torchrun --standalone --nproc_per_node 2 eval/tp_decode.py --config eval/configs/bench_multigpu.json \
+        [--out eval/results/tp_decode.json]
+
+``python eval/bench_gpu.py --config eval/configs/bench_multigpu.json`` launches it this way. The
+config's ``tensor_parallel`` section (or the whole file, if it has none) gives the model (a preset
+name or Qwen3Config fields), ``context`` (prompt tokens), ``batch``, ``new_tokens``, ``caches`` and
+the timing repeats.
+
+Rank 0 saves a random-weight Qwen3 to a temporary directory; every rank loads it with the model's
+tensor-parallel plan (``tp_plan="auto"``). Per cache, each rank decodes greedily from the same random
+prompt and the script checks that
+
+* every OscarCache layer of a rank holds ``num_key_value_heads / world_size`` heads,
+* the greedy tokens are identical on all ranks,
+* (``single_gpu_reference``) they equal those of the same model and cache on one GPU. With random
+  weights the logits have near-ties, so a late divergence can come from bf16 reduction order in
+  the all-reduce rather than from a bug: the first differing step is recorded, not asserted.
+
+Then it times decoding after a real prefill (excluded from the timing), as bench_gpu's e2e does.
+Rank 0 writes the JSON (command, machine, date, rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402  (puts the repository on sys.path too)
+
+from oscar_hf.compat import cache_keyword  # noqa: E402
+
+
+def load_tensor_parallel(path: str, dtype: torch.dtype):
+    """The saved model, sharded over the process group with the model's own TP plan."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers import DistributedConfig
+
+        options = {"distributed_config": DistributedConfig(tp_plan="auto")}
+    except ImportError:  # older transformers 5.x take the plan directly
+        options = {"tp_plan": "auto"}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options).eval()
+
+
+def local_device() -> torch.device:
+    """This rank's GPU; the CPU (gloo) when there is none, which only a smoke test of the script uses."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shared_model_dir(spec: dict, dtype: torch.dtype, rank: int) -> str:
+    """Rank 0 saves the random model; every rank gets the path (all ranks share one host)."""
+    path = [None]
+    if rank == 0:
+        path[0] = tempfile.mkdtemp(prefix="oscar_tp_model_")
+        bench.save_random_model(spec, Path(path[0]), local_device(), dtype)
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def greedy(model, cache_name: str, prompt: torch.Tensor, new_tokens: int, rotations) -> tuple[list[list[int]], object]:
+    """Greedy tokens after ``prompt`` (generate prefills it), and the cache it filled."""
+    model.set_attn_implementation(bench.attention_for(cache_name))
+    cache = bench.make_cache(cache_name, model, prompt.shape[1] + new_tokens + 8, rotations)
+    tokens = bench.generate(model, cache, prompt, new_tokens)[:, prompt.shape[1]:]
+    return tokens.tolist(), cache
+
+
+def cache_heads(cache, batch: int, head_dim: int) -> list[int]:
+    """KV heads held by each OscarCache layer, from its public memory report."""
+    if not hasattr(cache, "memory_report"):
+        return []
+    return [m.elements_per_token // (2 * batch * head_dim) for m in cache.memory_report().layers if m.kind == "oscar"]
+
+
+def prefill_fill(model, prompt: torch.Tensor):
+    """A ``fill`` for bench.decode_case: a real prefill of all but the last prompt token."""
+
+    def fill(cache) -> None:
+        with torch.no_grad():
+            model(prompt[:, :-1], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+
+    return fill
+
+
+def single_gpu_tokens(path: str, dtype: torch.dtype, caches: list[str], prompt, new_tokens: int, rotations) -> dict:
+    """Greedy tokens of the unsharded model on this rank's GPU, per cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": local_device()})
+    tokens = {name: greedy(model.eval(), name, prompt, new_tokens, rotations)[0] for name in caches}
+    del model
+    bench.free_memory()
+    return tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=bench.RESULTS / "tp_decode.json")
+    args = parser.parse_args()
+    config = json.loads(args.config.read_text())
+    config = bench.deep_merge(bench.DEFAULTS["multigpu"]["tensor_parallel"],
+                              config.get("tensor_parallel", config))  # fmt: skip
+    dtype = bench.DTYPES[config.get("dtype", "bfloat16")]
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
+    name, spec = bench.model_spec(config["model"])
+    path = shared_model_dir(spec, dtype, rank)
+    model = load_tensor_parallel(path, dtype)
+    text = bench.text_config(model)
+    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model), config.get("seed", 0))
+    batch, context, new_tokens = config["batch"], config["context"], config["new_tokens"]
+    prompt = bench.random_tokens(model, batch, context + 1)
+
+    rows = []
+    for cache_name in config["caches"]:
+        tokens, cache = greedy(model, cache_name, prompt, new_tokens, rotations)
+        heads = cache_heads(cache, batch, bench.head_dim(model))
+        del cache
+        bench.free_memory()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, tokens)
+        row = {"cache": cache_name, "tokens": tokens, "identical_across_ranks": all(t == tokens for t in gathered)}
+        if heads:
+            row["heads_per_rank"] = sorted(set(heads))
+            row["heads_per_rank_ok"] = set(heads) == {text.num_key_value_heads // world}
+        row.update(bench.decode_case(model, cache_name, prefill_fill(model, prompt), prompt, config, rotations))
+        rows.append(row)
+
+    if config["single_gpu_reference"]:
+        del model
+        bench.free_memory()
+        reference = single_gpu_tokens(path, dtype, config["caches"], prompt, new_tokens, rotations) if rank == 0 else {}
+        for row in rows:
+            if rank == 0:
+                mismatch = bench.first_mismatch(row["tokens"], reference[row["cache"]])
+                row.update(matches_single_gpu=mismatch is None, first_mismatch_step=mismatch)
+        dist.barrier()
+
+    if rank == 0:
+        result = {
+            "command": "torchrun --standalone --nproc_per_node " + f"{world} " + " ".join(
+                [Path(__file__).relative_to(bench.REPO).as_posix(), *sys.argv[1:]]),
+            "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "seconds": round(time.perf_counter() - started, 1), "world_size": world, "model": name,
+            "model_spec": spec, "context": context, "batch": batch, "new_tokens": new_tokens, "config": config,
+            "rows": rows,
+        }  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        shutil.rmtree(path, ignore_errors=True)
+        for row in rows:
+            print({k: v for k, v in row.items() if k not in ("tokens", "generate_ms_all")})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Smoke tests of the GPU benchmark suite (eval/bench_gpu.py) at tiny shapes on CPU.
+
+They exercise every benchmark's code path and output files, not its numbers: on CPU the timings are
+``time.perf_counter`` medians of a toy model. The multi-GPU benchmark takes its skip path; its
+device_map part runs on one device, and eval/tp_decode.py runs under torchrun on 2 CPU processes (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EVAL = Path(__file__).resolve().parents[1] / "eval"
+sys.path.insert(0, str(EVAL))
+import bench_gpu as bench  # noqa: E402
+
+TINY_MODEL = {
+    "name": "tiny-qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+}  # fmt: skip
+TINY_DECODE = {"new_tokens": 3, "repeats": 1, "warmup_steps": 1, "steps": 2, "fill_chunk_rows": 256}
+TINY_KERNEL = {
+    "benchmark": "kernel", "device": "cpu", "shape": {"q_heads": 4, "kv_heads": 2, "head_dim": 64},
+    "contexts": [400], "batches": [1], "timing": {"cpu_warmup": 0, "cpu_repeats": 1},
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matrices on a shared 2-core machine: thread hand-offs cost more than the work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(config: dict, out: Path, name: str) -> dict:
+    result = bench.run_benchmark(config, out, name, f"pytest {name}")
+    for suffix in (".json", ".md", ".png"):
+        assert (out / f"{name}{suffix}").stat().st_size > 0
+    saved = json.loads((out / f"{name}.json").read_text())
+    assert saved["command"] == f"pytest {name}" and saved["date"].endswith("UTC")
+    assert saved["machine"]["cpu_count"] and saved["machine"]["torch"] == torch.__version__
+    return result
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    failed = [r for r in rows if r.get("status") not in ("ok", "skipped")]
+    assert not failed, failed
+    return [r for r in rows if r["status"] == "ok"]
+
+
+def test_kernel_benchmark(tmp_path):
+    rows = _run(TINY_KERNEL, tmp_path, "kernel")["cases"]
+    by_method = {r["method"]: r for r in rows}
+    assert set(by_method) == {"sdpa_bf16", "torch_dequant_sdpa", "oscar_triton"}
+    for method in ("sdpa_bf16", "torch_dequant_sdpa"):
+        row = by_method[method]
+        assert row["status"] == "ok" and row["eager_us"] > 0 and row["graph_us"] is None
+        assert row["speedup_eager_us"] > 0
+    # BF16 reads the dense K/V; the INT2 path reads 2-bit codes, 4 bytes of metadata a row and the windows
+    assert by_method["sdpa_bf16"]["bytes_read"] == (1 * 4 * 64 + 2 * 1 * 2 * 400 * 64) * 2
+    history = 400 - 64 - 256 - 1
+    windows = 2 * 2 * (64 + 256 + 1) * 64 * 2
+    assert by_method["torch_dequant_sdpa"]["bytes_read"] == 4 * 64 * 2 + windows + 2 * 2 * history * (16 + 4)
+    assert by_method["oscar_triton"]["status"] in ("ok", "skipped")  # ok when the interpreter is on
+
+
+def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path):
+    """The command line, with the Triton kernel interpreted on CPU and checked against its reference."""
+    config = tmp_path / "configs" / "kernel_tiny.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TINY_KERNEL))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, str(EVAL / "bench_gpu.py"), "--config", str(config), "--out", str(tmp_path),
+               "--set", 'methods=["sdpa_bf16", "oscar_triton"]']  # fmt: skip
+    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "| 400 | 1 | oscar_triton |" in process.stdout  # the summary table
+    result = json.loads((tmp_path / "kernel_tiny.json").read_text())
+    assert result["command"].startswith("python eval/bench_gpu.py --config ") and "--set" in result["command"]
+    kernel = next(r for r in result["cases"] if r["method"] == "oscar_triton")
+    assert kernel["status"] == "ok" and kernel["check"] == "match" and kernel["max_abs_err"] < 2e-2, kernel
+    assert kernel["speedup_eager_us"] > 0
+
+
+def test_e2e_benchmark(tmp_path):
+    config = {
+        "benchmark": "e2e", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
+        "decode": TINY_DECODE, "prefill": {"context": 384, "warmup": 0, "repeats": 1},
+    }  # fmt: skip
+    rows = _ok(_run(config, tmp_path, "e2e")["cases"])
+    decode = [r for r in rows if r["part"] == "decode"]
+    caches = ("dynamic", "static", "oscar-int2")
+    assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in caches}
+    for row in decode:
+        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0
+    oscar = next(r for r in decode if r["cache"] == "oscar-int2" and r["batch"] == 1)
+    dynamic = next(r for r in decode if r["cache"] == "dynamic" and r["batch"] == 1)
+    assert oscar["kv_bytes"] < dynamic["kv_bytes"]
+    assert {r["cache"] for r in rows if r["part"] == "prefill"} == {"dynamic", "oscar-int2"}
+
+
+@pytest.mark.parametrize("cache_name", ["dynamic", "static", "oscar-int2"])
+def test_generate_over_a_filled_cache_runs_only_the_new_tokens(cache_name):
+    """The e2e timing relies on generate continuing from the synthetic context, not prefilling it again."""
+    model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    model.set_attn_implementation(bench.attention_for(cache_name))
+    rotations = bench.random_rotations(64, bench.full_attention_layers(model))
+    cache = bench.make_cache(cache_name, model, 400, rotations)
+    with torch.no_grad():
+        bench.fill_cache(cache, model, batch=2, context=350, chunk_rows=256)
+        assert int(cache.get_seq_length()) == 350
+        out = bench.generate(model, cache, bench.random_tokens(model, 2, 351), new_tokens=4)
+    assert out.shape == (2, 355)
+    assert int(cache.get_seq_length()) == 350 + 4  # the last prompt token and 3 of the 4 generated ones
+    if cache_name == "oscar-int2":
+        report = cache.memory_report()
+        assert report.layers[0].sink_tokens == 64 and report.layers[0].history_tokens > 0
+
+
+def test_memory_benchmark(tmp_path):
+    config = {
+        "benchmark": "memory", "device": "cpu", "models": [TINY_MODEL],
+        "report": {"context": 512, "fill_chunk_rows": 256},
+        "max_batch": {"context": 400, "budget_bytes": 2_000_000, "warmup_steps": 0, "steps": 1, "fill_chunk_rows": 512},
+    }  # fmt: skip
+    rows = _ok(_run(config, tmp_path, "memory")["cases"])
+    report = {r["cache"]: r for r in rows if r["part"] == "report"}
+    assert report["dynamic"]["bits_per_element"] == 16 and report["oscar-int2"]["kv_ratio_vs_bf16"] > 1
+    for row in (r for r in rows if r["part"] == "max_batch"):
+        # no activation overhead is measurable on CPU, and nothing runs out: the prediction holds
+        assert row["predicted_batch"] == 2_000_000 // row["kv_bytes_per_sequence"] >= 4
+        assert row["max_batch"] >= row["predicted_batch"]
+        assert row["tokens_per_s"] > 0
+    by_cache = {r["cache"]: r for r in rows if r["part"] == "max_batch"}
+    assert by_cache["oscar-int2"]["max_batch"] > by_cache["dynamic"]["max_batch"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="with 2 GPUs the benchmark runs instead of skipping")
+def test_multigpu_benchmark_skips_without_two_gpus(tmp_path):
+    rows = _run({"benchmark": "multigpu"}, tmp_path, "multigpu")["cases"]
+    assert [r["part"] for r in rows] == ["device_map", "tensor_parallel"]
+    assert all(r["status"] == "skipped" and "needs 2 CUDA GPUs" in r["reason"] for r in rows)
+
+
+def test_committed_configs_resolve():
+    configs = sorted((EVAL / "configs").glob("bench_*.json"))
+    assert [c.stem for c in configs] == ["bench_e2e", "bench_kernel", "bench_memory", "bench_multigpu"]
+    for path in configs:
+        config = bench.resolve_config(json.loads(path.read_text()))
+        assert config["description"]
+        for entry in config.get("models", []) + [config.get("model")] * ("model" in config):
+            name, spec = bench.model_spec(entry)
+            assert spec["num_key_value_heads"] == 8 and spec["head_dim"] == 128, name
+
+
+def test_helpers():
+    overridden = bench.apply_sets({"a": {"b": 1}}, ["a.b=2", "c=[1, 2]", "d=text"])
+    assert overridden == {"a": {"b": 2}, "c": [1, 2], "d": "text"}
+    assert bench.deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
+    assert bench.first_mismatch([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert bench.first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]]) == 1
+    assert bench.predict_max_batch(per_sequence=10, fixed=5, budget=100) == 9
+    command = bench.torchrun_command(2, Path("c.json"), Path("o.json"))
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert command[5].endswith("eval/tp_decode.py") and Path(command[5]).exists()
+    _, spec = bench.model_spec({"preset": "qwen3-8b", "num_hidden_layers": 2})
+    assert spec["hidden_size"] == 4096 and spec["num_hidden_layers"] == 2
+
+
+def test_guarded_records_errors_and_out_of_memory():
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    row = bench.guarded({"a": 1}, out_of_memory)
+    assert row == {"a": 1, "status": "oom", "error": "CUDA out of memory. Tried to allocate 2.00 GiB"}
+    row = bench.guarded({}, lambda: 1 / 0)
+    assert row["status"] == "error" and row["error"].startswith("ZeroDivisionError")
+    assert bench.guarded({}, lambda: {"x": 2}) == {"x": 2, "status": "ok"}
+
+
+def test_placement_check_finds_every_cache_tensor():
+    model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    cache = bench.make_cache("oscar-int2", model, 400, bench.random_rotations(64, [0, 1]))
+    bench.fill_cache(cache, model, batch=1, context=400, chunk_rows=256)
+    assert bench.placement_check(model)(cache) == {"buffers_on_layer_device": True, "cache_devices": ["cpu"]}
+    names = [name for name, _ in bench.tensors_of(cache.layers[0])]
+    assert any("history" in name for name in names) and any("sink" in name for name in names)
+    # a tensor on the wrong device is reported (meta stands in for another GPU)
+    cache.layers[1].stray = torch.empty(1, device="meta")
+    with pytest.raises(AssertionError, match="off their layer's device"):
+        bench.placement_check(model)(cache)
+
+
+def test_device_map_part_on_one_cpu(tmp_path, monkeypatch):
+    """The device_map flow (save, from_pretrained(device_map="auto"), fill per layer device, placement check)."""
+    save = bench.save_random_model
+    monkeypatch.setattr(bench, "save_random_model", lambda spec, path, device, dtype: save(spec, path, "cpu", dtype))
+    config = bench.resolve_config({
+        "benchmark": "multigpu", "model": TINY_MODEL,
+        "device_map": {"context": 400, "batch": 1, **TINY_DECODE},
+    })  # fmt: skip
+    rows = _ok(bench.device_map_cases(config, gpus=1))
+    assert [r["cache"] for r in rows] == ["dynamic", "oscar-int2"]
+    # on a GPU machine device_map="auto" puts the tiny model on cuda:0 instead, which works the same
+    assert rows[1]["buffers_on_layer_device"] and rows[1]["cache_devices"] == rows[1]["model_devices"]
+
+
+def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
+    """eval/tp_decode.py under torchrun with 2 CPU processes: sharded heads, identical tokens, JSON."""
+    model = {**TINY_MODEL, "hidden_size": 128, "intermediate_size": 256}
+    config = tmp_path / "tp.json"
+    config.write_text(json.dumps({"tensor_parallel": {
+        "model": model, "context": 400, "batch": 2, "new_tokens": 4, "repeats": 1, "warmup_steps": 1, "steps": 2,
+        "dtype": "float32",
+    }}))  # fmt: skip
+    out = tmp_path / "tp_result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU even beside a GPU
+    process = subprocess.run(bench.torchrun_command(2, config, out), env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert process.returncode == 0, process.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["command"].startswith("torchrun --standalone --nproc_per_node 2")
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert rows["oscar-int2"]["heads_per_rank"] == [1] and rows["oscar-int2"]["heads_per_rank_ok"]
+    for row in rows.values():
+        assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
+        assert row["matches_single_gpu"], row  # float32 on CPU: sharding must not change greedy tokens
