@@ -1,0 +1,98 @@
+"""Where a decode step's time goes: torch.profiler summary of a few steps per cache, same model and context.
+
+    python eval/profile_decode.py [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
+
+Builds the random-weight model of ``eval/bench_gpu.py``, fills each cache synthetically, then
+profiles ``--steps`` single-token forwards (after warm-up) and prints, per cache: wall time per step,
+summed CUDA kernel time per step, and the top operators by self CUDA and self CPU time. Also times
+``generate`` of the same number of tokens on a fresh cache, to compare with the step loop. Writes
+``<out>/profile_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402
+
+
+def top_ops(prof, key: str, count: int) -> list[dict]:
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:count]
+    return [{"name": e.key[:90], "calls": e.count, f"{key}_us": round(getattr(e, key), 1)} for e in events]
+
+
+def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, rotations) -> dict:
+    model.set_attn_implementation(bench.attention_for(cache_name))
+    max_len = context + 2 * steps + 16
+
+    def filled():
+        cache = bench.make_cache(cache_name, model, max_len, rotations)
+        bench.fill_cache(cache, model, batch, context, 65536)
+        bench.synchronize(bench.model_devices(model))
+        return cache
+
+    cache = filled()
+    bench.decode_steps(model, cache, batch, 3, 0)  # warm-up, compiles kernels
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = bench.decode_steps(model, cache, batch, 0, steps)
+    kernels_us = sum(e.self_device_time_total for e in prof.key_averages())
+    del cache
+    bench.free_memory()
+    cache = filled()
+    ids = bench.random_tokens(model, batch, context + 1)
+    start = time.perf_counter()
+    bench.generate(model, cache, ids, steps)
+    bench.synchronize(bench.model_devices(model))
+    generate_ms = (time.perf_counter() - start) * 1e3
+    del cache
+    bench.free_memory()
+    return {
+        "cache": cache_name,
+        "step_ms_median": bench.median(wall),
+        "cuda_kernel_ms_per_step": kernels_us / steps / 1e3,
+        "generate_ms_per_token": generate_ms / steps,
+        "top_cuda": top_ops(prof, "self_device_time_total", 12),
+        "top_cpu": top_ops(prof, "self_cpu_time_total", 12),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b", help="a preset of eval/bench_gpu.py or a JSON object")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--context", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--caches", default="dynamic,oscar-int2")
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    options = parser.parse_args()
+    name, spec = bench.model_spec(json.loads(options.model) if options.model.startswith("{") else options.model)
+    model = bench.build_model(spec, options.device, torch.bfloat16)
+    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
+    results = []
+    for cache_name in options.caches.split(","):
+        result = profile_cache(model, cache_name, options.batch, options.context, options.steps, rotations)
+        results.append(result)
+        print(f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
+              f"generate {result['generate_ms_per_token']:.1f} ms/token")  # fmt: skip
+        for op in result["top_cuda"][:8]:
+            print("   cuda", op)
+        for op in result["top_cpu"][:6]:
+            print("   cpu ", op)
+    options.out.mkdir(parents=True, exist_ok=True)
+    info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name, "context": options.context,
+            "batch": options.batch}  # fmt: skip
+    (options.out / "profile_decode.json").write_text(json.dumps({**info, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
