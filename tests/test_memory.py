@@ -51,3 +51,18 @@ def test_report_per_layer_and_markdown(tiny):
     assert m.code_bytes == 2 * 2 * 2 * 28 * 16 // 4 and m.metadata_bytes == 2 * 2 * 2 * 28 * 2 * 2
     assert "| **all** |" in report.to_markdown() and "bits per element" in report.to_markdown()
     assert report.to_dict()["layers"][0]["total_bytes"] == m.total_bytes
+
+
+def test_buffer_growth_is_geometric_but_its_unused_tail_is_bounded():
+    from oscar_hf.storage import MAX_SLACK_ROWS, RowBuffer
+
+    buffer = RowBuffer(1, 1, (4,), torch.uint8, torch.device("cpu"))
+    capacities = []
+    for step in range(6000):
+        buffer.append(torch.full((1, 1, 20, 4), step % 251, dtype=torch.uint8))
+        capacities.append(buffer.data.shape[2])
+    regrowths = len(set(capacities))
+    assert regrowths < 6000 * 20 / MAX_SLACK_ROWS + 20  # amortised: not one copy per append
+    assert buffer.length == 120_000 and buffer.data.shape[2] - buffer.length <= MAX_SLACK_ROWS
+    expected = (torch.arange(6000) % 251).to(torch.uint8).repeat_interleave(20)  # regrowths kept every row
+    assert torch.equal(buffer.view()[0, 0, :, 0], expected)
