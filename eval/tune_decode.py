@@ -14,44 +14,26 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from oscar_hf.kernels.decode_attention import decode_attention_reference, decode_attention_triton
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402
 
-Q_HEADS, KV_HEADS, HEAD_DIM, SINK, RECENT = 32, 8, 128, 64, 256
+# The kernel benchmark's shape and tiers (Qwen3-8B attention, sink 64, recent 256, random INT2 codes).
+CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "bench_kernel.json").read_text())
 BLOCK_N = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3)
 PROGRAMS_PER_SM = (2, 4, 8)
 
 
-def decode_inputs(batch: int, context: int, device: str = "cuda") -> tuple[list[torch.Tensor], float]:
-    """Random rotated-basis tiers of one layer: sink, INT2 history (random codes, positive scales), recent, new."""
-    history = context - SINK - RECENT - 1
-
-    def dense(length: int) -> torch.Tensor:
-        return torch.randn(batch, KV_HEADS, length, HEAD_DIM, device=device, dtype=torch.bfloat16)
-
-    def packed() -> list[torch.Tensor]:
-        codes = torch.randint(0, 256, (batch, KV_HEADS, history, HEAD_DIM // 4), device=device, dtype=torch.uint8)
-        scale = (torch.rand(batch, KV_HEADS, history, 1, device=device) + 0.5).bfloat16()
-        zero = (torch.rand(batch, KV_HEADS, history, 1, device=device) * 3).bfloat16()
-        return [codes, scale, zero]
-
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    return [q, dense(SINK), dense(SINK), *packed(), *packed(), dense(RECENT), dense(RECENT), dense(1), dense(1)], (
-        HEAD_DIM**-0.5
-    )
-
-
 def splits_for(programs_per_sm: int, batch: int) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(1, programs_per_sm * sms // (batch * KV_HEADS))
+    return max(1, programs_per_sm * sms // (batch * CONFIG["shape"]["kv_heads"]))
 
 
 def time_graph(fn) -> float:
@@ -60,24 +42,20 @@ def time_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3  # microseconds
 
 
-def sdpa_time(batch: int, context: int) -> float:
-    q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    return time_graph(lambda: sdpa(q, k, v, enable_gqa=True))
-
-
 def sweep(batch: int, context: int) -> dict:
-    args, scale = decode_inputs(batch, context)
-    want = decode_attention_reference(*args, k_bits=2, v_bits=2, sm_scale=scale).float()
+    device = torch.device("cuda")
+    x = bench.tiered_inputs(CONFIG, context, batch, device, seed=0)
+    args, scale = [x["q"], *(x[name] for name in bench.TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
+    kernels = bench.decode_kernels()
+    want = kernels.decode_attention_reference(*args, k_bits=2, v_bits=2, sm_scale=scale).float()
+    dense = bench.dense_inputs(CONFIG, context, batch, device, seed=0)
     rows = []
     for block_n, warps, stages, per_sm in itertools.product(BLOCK_N, WARPS, STAGES, PROGRAMS_PER_SM):
         splits = splits_for(per_sm, batch)
         setting = dict(block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
 
         def run():
-            return decode_attention_triton(*args, None, 2, 2, scale, splits, block_n, warps, stages)
+            return kernels.decode_attention_triton(*args, None, 2, 2, scale, splits, block_n, warps, stages)
 
         try:
             error = (run().float() - want).abs().max().item()
@@ -85,14 +63,14 @@ def sweep(batch: int, context: int) -> dict:
         except Exception as exc:  # noqa: BLE001  (out of shared memory etc.: record and go on)
             rows.append({**setting, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
     timed = sorted((r for r in rows if "us" in r and r["max_abs_error"] < 0.05), key=lambda r: r["us"])
-    default = decode_attention_triton(*args, None, 2, 2, scale)
+    default = kernels.decode_attention_triton(*args, None, 2, 2, scale)
     return {
         "batch": batch,
         "context": context,
-        "sdpa_bf16_us": sdpa_time(batch, context),
-        "default_us": time_graph(lambda: decode_attention_triton(*args, None, 2, 2, scale)),
+        "sdpa_bf16_us": time_graph(lambda: bench.sdpa_bf16(dense, CONFIG)),
+        "default_us": time_graph(lambda: kernels.decode_attention_triton(*args, None, 2, 2, scale)),
         "default_max_abs_error": (default.float() - want).abs().max().item(),
-        "int2_bytes": sum(t.numel() * t.element_size() for t in args[3:9]),
+        "int2_bytes": bench.tensor_bytes(args[3:9]),
         "best": timed[:8],
         "all": rows,
     }
@@ -101,7 +79,8 @@ def sweep(batch: int, context: int) -> dict:
 def write(results: list[dict], out: Path, info: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_kernel_tuning.json").write_text(json.dumps({**info, "results": results}, indent=1))
-    lines = [f"Decode-attention tuning, {info['machine']['gpu']}, {info['date']}", "", f"`{info['command']}`", "",
+    lines = [f"Decode-attention tuning, {bench.machine_line(info['machine'])}, {info['date']}", "",
+             f"`{info['command']}`", "",
              "| batch | context | BF16 SDPA us | default us | best us | best setting | GB/s at best |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
@@ -114,27 +93,18 @@ def write(results: list[dict], out: Path, info: dict) -> None:
     print("\n".join(lines))
 
 
-def run_info() -> dict:
-    import triton
-
-    return {
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "machine": {"gpu": torch.cuda.get_device_name(0), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "triton": triton.__version__},  # fmt: skip
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     options = parser.parse_args()
+    run_info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results = []
     for batch in options.batches.split(","):
         results.append(sweep(int(batch), options.context))
-        write(results, options.out, run_info())  # after each batch: a run cut short keeps what it measured
+        write(results, options.out, run_info)  # after each batch: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":
