@@ -24,17 +24,17 @@ import torch
 
 from oscar_hf.quant import QuantizedRows, check_bits, clip_index, quantize
 
-from ._triton import INTERPRET, define_op, is_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton
+from ._triton import HAS_TRITON, INTERPRET, define_op, is_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton
 
 # ------------------------------------------------------------------------------------------ kernel
 
 
 @triton.jit
-def _order_statistic(magnitudes, INDEX: tl.constexpr):
-    """Per row, the ``INDEX``-th smallest of non-negative floats ``[BLOCK_N, D]``, exactly.
+def _order_statistic(magnitudes, index):
+    """Per row, the ``index``-th smallest of non-negative floats ``[BLOCK_N, D]``, exactly.
 
     Non-negative floats order like their bit patterns, so a binary search over the int32 pattern
-    finds the smallest ``v`` with ``#{x <= v} > INDEX``, which is ``sort(row)[INDEX]``. 31 steps of
+    finds the smallest ``v`` with ``#{x <= v} > index``, which is ``sort(row)[index]``. 31 steps of
     compare-and-count: cheaper than ``tl.sort`` (a bitonic network) and much faster in the interpreter.
     """
     bits = magnitudes.to(tl.int32, bitcast=True)
@@ -42,32 +42,29 @@ def _order_statistic(magnitudes, INDEX: tl.constexpr):
     high = tl.max(bits, axis=1)
     for _ in tl.static_range(31):
         mid = low + (high - low) // 2
-        enough = tl.sum((bits <= mid[:, None]).to(tl.int32), axis=1) > INDEX
+        enough = tl.sum((bits <= mid[:, None]).to(tl.int32), axis=1) > index
         high = tl.where(enough, mid, high)
         low = tl.where(enough, low, mid + 1)
     return high.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _quantize_pack_kernel(
-    X, CODES, SCALE, ZERO,
-    n_rows, stride_x, stride_codes, stride_meta,
-    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-    CLIP_INDEX: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, INTERPRETED: tl.constexpr,
+def _quantize_tile(
+    x, clip_index, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    SYMMETRIC: tl.constexpr, RECIPROCAL: tl.constexpr,
 ):  # fmt: skip
+    """Float32 rows ``[BLOCK_N, D]`` -> (packed ``uint8 [BLOCK_N, D*BITS/8]``, scale, zero ``[BLOCK_N, D/G]``).
+
+    ``clip_index`` < 0 disables clipping (a constexpr or a runtime value).
+    """
     NG: tl.constexpr = D // G
     PER_BYTE: tl.constexpr = 8 // BITS
     DP: tl.constexpr = D // PER_BYTE
     LEVELS: tl.constexpr = (1 << BITS) - 1
 
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = rows < n_rows
-    dims = tl.arange(0, D)
-    x = tl.load(X + rows[:, None] * stride_x + dims[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-
-    if CLIP_INDEX >= 0:
-        # The threshold is the CLIP_INDEX-th smallest |x| of the whole row (not per group).
-        threshold = _order_statistic(tl.abs(x), CLIP_INDEX)[:, None]
+    if clip_index >= 0:
+        # The threshold is the clip_index-th smallest |x| of the whole row (not per group).
+        threshold = _order_statistic(tl.abs(x), clip_index)[:, None]
         x = tl.minimum(tl.maximum(x, -threshold), threshold)
 
     groups = tl.reshape(x, (BLOCK_N, NG, G))
@@ -97,11 +94,69 @@ def _quantize_pack_kernel(
     parts = tl.reshape(codes, (BLOCK_N, PER_BYTE, DP))
     shifts = tl.arange(0, PER_BYTE) * BITS
     packed = tl.sum(parts << shifts[None, :, None], axis=1).to(tl.uint8)
-    tl.store(CODES + rows[:, None] * stride_codes + tl.arange(0, DP)[None, :], packed, mask=valid[:, None])
+    return packed, scale, zero
 
-    meta = rows[:, None] * stride_meta + tl.arange(0, NG)[None, :]
-    tl.store(SCALE + meta, to_dtype(scale, SCALE.dtype.element_ty, INTERPRETED), mask=valid[:, None])
-    tl.store(ZERO + meta, to_dtype(zero, ZERO.dtype.element_ty, INTERPRETED), mask=valid[:, None])
+
+@triton.jit
+def _quantize_pack_kernel(
+    X, CODES, SCALE, ZERO,
+    n_rows, stride_x, stride_codes, stride_meta,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+    CLIP_INDEX: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = rows < n_rows
+    x = tl.load(X + rows[:, None] * stride_x + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    packed, scale, zero = _quantize_tile(x.to(tl.float32), CLIP_INDEX, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
+    _store_tile(packed, scale, zero, CODES + rows[:, None] * stride_codes, SCALE + rows[:, None] * stride_meta,
+                ZERO + rows[:, None] * stride_meta, valid, D, G, BITS, INTERPRETED)  # fmt: skip
+
+
+@triton.jit
+def _store_tile(packed, scale, zero, CODES, SCALE, ZERO, valid, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                INTERPRETED: tl.constexpr):  # fmt: skip
+    """Store a tile's codes and metadata; ``CODES``/``SCALE``/``ZERO`` point at each row's start ``[BLOCK_N, 1]``."""
+    tl.store(CODES + tl.arange(0, D * BITS // 8)[None, :], packed, mask=valid[:, None])
+    groups = tl.arange(0, D // G)[None, :]
+    tl.store(SCALE + groups, to_dtype(scale, SCALE.dtype.element_ty, INTERPRETED), mask=valid[:, None])
+    tl.store(ZERO + groups, to_dtype(zero, ZERO.dtype.element_ty, INTERPRETED), mask=valid[:, None])
+
+
+# Columns of the int64 job table of _quantize_pack_many_kernel, one row per (source, destination) pair:
+# base addresses, and the batch / head / row strides of [B, H, n, *] views (in elements).
+_JOB_COLUMNS = ("src", "src_b", "src_h", "src_n", "codes", "codes_b", "codes_h", "codes_n",
+                "scale", "zero", "meta_b", "meta_h", "meta_n", "clip_index")  # fmt: skip
+
+
+@triton.jit
+def _quantize_pack_many_kernel(
+    JOBS, heads, rows_per_head, n_rows,
+    SRC_DTYPE: tl.constexpr, META_DTYPE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Program ``(tile, job)``: quantize rows of job ``job``'s ``[B, H, n, D]`` source into its destination.
+
+    All jobs share shape and format; addresses, strides and the clip index come from the job table,
+    so one launch serves every layer's K and V (the reference's pointer-table flush).
+    """
+    job = JOBS + tl.program_id(1) * 14
+    index = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = index < n_rows
+    b, h, t = index // (heads * rows_per_head), (index // rows_per_head) % heads, index % rows_per_head
+
+    src = tl.load(job).to(tl.pointer_type(SRC_DTYPE))
+    offsets = b * tl.load(job + 1) + h * tl.load(job + 2) + t * tl.load(job + 3)
+    x = tl.load(src + offsets[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    clip_index = tl.load(job + 13).to(tl.int32)
+    packed, scale, zero = _quantize_tile(x, clip_index, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
+
+    codes = tl.load(job + 4).to(tl.pointer_type(tl.uint8))
+    codes_rows = b * tl.load(job + 5) + h * tl.load(job + 6) + t * tl.load(job + 7)
+    meta_rows = b * tl.load(job + 10) + h * tl.load(job + 11) + t * tl.load(job + 12)
+    scale_base = tl.load(job + 8).to(tl.pointer_type(META_DTYPE))
+    zero_base = tl.load(job + 9).to(tl.pointer_type(META_DTYPE))
+    _store_tile(packed, scale, zero, codes + codes_rows[:, None], scale_base + meta_rows[:, None],
+                zero_base + meta_rows[:, None], valid, D, G, BITS, INTERPRETED)  # fmt: skip
 
 
 def _block_rows(head_dim: int) -> int:
@@ -141,6 +196,52 @@ def quantize_pack_triton(
 
 # The torch reference and CPU fallback is the library's quantizer itself, same signature and results.
 quantize_pack_reference = quantize
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if HAS_TRITON else {}
+
+
+def quantize_pack_many_triton(
+    sources: list[torch.Tensor],
+    destinations: list[QuantizedRows],
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    clip_ratios: list[float],
+    metadata_dtype: torch.dtype,
+) -> None:
+    """One launch for all jobs (arguments as :func:`quantize_pack_into`): a table row per job."""
+    batch, heads, rows_per_head, head_dim = sources[0].shape
+    jobs = []
+    for source, target, ratio in zip(sources, destinations, clip_ratios):
+        clip = clip_index(ratio, head_dim) if ratio > 0 else -1
+        jobs.append([source.data_ptr(), *source.stride()[:3], target.codes.data_ptr(), *target.codes.stride()[:3],
+                     target.scale.data_ptr(), target.zero.data_ptr(), *target.scale.stride()[:3], clip])  # fmt: skip
+    table = torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
+    n_rows = batch * heads * rows_per_head
+    block = _block_rows(head_dim)
+    _quantize_pack_many_kernel[(triton.cdiv(n_rows, block), len(jobs))](
+        table, heads, rows_per_head, n_rows,
+        SRC_DTYPE=_TL_DTYPES[sources[0].dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
+        BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=sources[0].is_cuda and not INTERPRET,
+        INTERPRETED=INTERPRET,
+    )  # fmt: skip
+
+
+def quantize_pack_many_reference(
+    sources: list[torch.Tensor],
+    destinations: list[QuantizedRows],
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    clip_ratios: list[float],
+    metadata_dtype: torch.dtype,
+) -> None:
+    """The torch reference of :func:`quantize_pack_into`: one :func:`oscar_hf.quant.quantize` per job."""
+    for source, target, ratio in zip(sources, destinations, clip_ratios):
+        rows = quantize(source, bits, group_size, symmetric=symmetric, clip_ratio=ratio, metadata_dtype=metadata_dtype)
+        target.codes.copy_(rows.codes)
+        target.scale.copy_(rows.scale)
+        target.zero.copy_(rows.zero)
 
 
 # ------------------------------------------------------------------------------------ custom op
@@ -208,3 +309,41 @@ def quantize_pack(
         rows.reshape(-1, head_dim), bits, group_size, symmetric, float(clip_ratio), metadata_dtype
     )
     return QuantizedRows(*(t.view(*lead, t.shape[-1]) for t in (codes, scale, zero)))
+
+
+def quantize_pack_into(
+    sources: list[torch.Tensor],
+    destinations: list[QuantizedRows],
+    bits: int,
+    group_size: int,
+    *,
+    symmetric: bool = False,
+    clip_ratios: list[float],
+    metadata_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Quantize each ``sources[i]`` ``[B, H, n, D]`` into the preallocated views ``destinations[i]``.
+
+    Every layer's demoted K and V rows in one launch: all jobs share shape, dtype and format, each
+    has its own clip ratio (``clip_ratios[i]``, 0 disables) and may be any strided view whose last
+    dim is contiguous. Codes and metadata are identical to :func:`quantize_pack` job by job.
+    """
+    check_bits(bits)
+    if not (len(sources) == len(destinations) == len(clip_ratios)):
+        raise ValueError("sources, destinations and clip_ratios must have one entry per job")
+    if not sources:
+        return
+    shape, head_dim = sources[0].shape, sources[0].shape[-1]
+    for source, target in zip(sources, destinations):
+        if source.shape != shape or source.dtype != sources[0].dtype or source.device != sources[0].device:
+            raise ValueError(f"all sources must share shape, dtype and device; got {tuple(source.shape)} "
+                             f"{source.dtype} and {tuple(shape)} {sources[0].dtype}")  # fmt: skip
+        if (target.codes.shape != (*shape[:3], head_dim * bits // 8) or target.scale.shape != (*shape[:3], head_dim // group_size)
+                or target.zero.shape != target.scale.shape or target.zero.stride() != target.scale.stride()
+                or target.scale.dtype != metadata_dtype):  # fmt: skip
+            raise ValueError(f"destination {tuple(target.codes.shape)} / {tuple(target.scale.shape)} does not fit "
+                             f"{bits}-bit rows of {tuple(shape)} with groups of {group_size}")  # fmt: skip
+    tensors = [t for source, target in zip(sources, destinations) for t in (source, target.codes, target.scale, target.zero)]
+    contiguous_rows = all(t.stride(-1) == 1 for t in tensors)
+    fits = kernel_supports_quantize(head_dim, group_size) and contiguous_rows and shape[2] > 0
+    launch = quantize_pack_many_triton if runs_triton(sources[0]) and fits else quantize_pack_many_reference
+    launch(sources, destinations, bits, group_size, symmetric, clip_ratios, metadata_dtype)

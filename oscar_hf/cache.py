@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .config import OscarConfig, TensorQuantConfig, resolve_method
 from .log import get_logger, warning_once
 from .memory import LayerMemory, MemoryReport
-from .kernels.quantize import quantize_pack
+from .kernels.quantize import quantize_pack, quantize_pack_into
 from .quant import QuantizedRows, dequantize
 from .rotations import RotationSet, require_power_of_two
 from .storage import PackedHistory, RowBuffer
@@ -252,6 +252,10 @@ class OscarLayer(CacheLayerMixin):
         if bool(started.all()):
             self.sink_end = int(allowed.int().argmax(dim=-1).max()) + self.config.sink
 
+    def planned_demotion(self, new_tokens: int) -> int:
+        """Recent rows the next step of ``new_tokens`` will demote (its plan, computed ahead)."""
+        return self._plan(new_tokens).demote
+
     def _plan(self, new_tokens: int) -> StepPlan:
         length = self.get_seq_length()
         # Until every row has started, everything seen so far may precede a row's first real token.
@@ -269,11 +273,21 @@ class OscarLayer(CacheLayerMixin):
 
     def _demote(self, count: int) -> None:
         if count:
-            self._append_history(self.recent_keys.drop_front(count), self.recent_values.drop_front(count))
+            quantize_jobs(self.demotion_jobs(count), self.config.metadata_dtype)
+
+    def demotion_jobs(self, count: int) -> list[QuantizeJob]:
+        """Drop the ``count`` oldest recent rows and reserve their history slots: K and V jobs to run."""
+        return self._history_jobs(self.recent_keys.drop_front(count), self.recent_values.drop_front(count))
 
     def _append_history(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.history_keys.append(quantize_rows(keys, self.config.key, self.config.metadata_dtype))
-        self.history_values.append(quantize_rows(values, self.config.value, self.config.metadata_dtype))
+        quantize_jobs(self._history_jobs(keys, values), self.config.metadata_dtype)
+
+    def _history_jobs(self, keys: torch.Tensor, values: torch.Tensor) -> list[QuantizeJob]:
+        count = keys.shape[2]
+        return [
+            QuantizeJob(self.config.key, keys, self.history_keys.extend(count)),
+            QuantizeJob(self.config.value, values, self.history_values.extend(count)),
+        ]
 
     def history_roundtrip(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What rotated ``keys``/``values`` rows become once stored in this layer's history."""
@@ -360,6 +374,28 @@ class OscarLayer(CacheLayerMixin):
         )
 
 
+@dataclass
+class QuantizeJob:
+    """Rotated rows to quantize as ``spec`` says, straight into their history slots."""
+
+    spec: TensorQuantConfig
+    rows: torch.Tensor  # [B, H, n, D]
+    target: QuantizedRows  # views of the history buffers
+
+
+def quantize_jobs(jobs: list[QuantizeJob], metadata_dtype: torch.dtype) -> None:
+    """Run quantize jobs, one kernel launch per shared format (every layer's K and V of oscar-int2: one)."""
+    by_format: dict[tuple, list[QuantizeJob]] = {}
+    for job in jobs:
+        spec = job.spec
+        by_format.setdefault((spec.bits, spec.group_of(job.rows.shape[-1]), spec.symmetric, job.rows.shape), []).append(job)
+    for (bits, group, symmetric, _), same in by_format.items():
+        quantize_pack_into(
+            [job.rows for job in same], [job.target for job in same], bits, group, symmetric=symmetric,
+            clip_ratios=[job.spec.clip_ratio for job in same], metadata_dtype=metadata_dtype,
+        )  # fmt: skip
+
+
 def quantize_rows(rows: torch.Tensor, spec: TensorQuantConfig, metadata_dtype: torch.dtype) -> QuantizedRows:
     """Quantize rotated rows as ``spec`` says (clip, then per-token min-max or symmetric).
 
@@ -426,6 +462,7 @@ class OscarCache(Cache):
         rotations = self._resolve_rotations(rotations, head_dim, quantized_ids)
         self.rotations = rotations
         layers = [self._layer(i, rotations) if i in quantized_ids else layer for i, layer in enumerate(stock_layers)]
+        self._first_oscar_layer = quantized_ids[0]
         super().__init__(layers=layers)
 
     def _layer(self, layer_id: int, rotations: RotationSet) -> OscarLayer:
@@ -499,6 +536,8 @@ class OscarCache(Cache):
         if not isinstance(layer, OscarLayer):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         _active_cache.set(weakref.ref(self))
+        if layer_idx == self._first_oscar_layer:
+            self._demote_all(key_states.shape[2])
         if self.text_config._attn_implementation == ATTENTION_NAME:
             layer.stash(key_states, value_states)
             return key_states, value_states
@@ -509,6 +548,20 @@ class OscarCache(Cache):
             "Call model.set_attn_implementation('oscar') for the memory and speed benefits.",
         )
         return layer.update(key_states, value_states)
+
+    def _demote_all(self, new_tokens: int) -> None:
+        """Demote every layer's overflowing recent rows before the step: all layers' K and V in one launch.
+
+        Layers advance together, so when the first is reached the rows every layer will demote
+        this step are known; each layer's own plan then finds nothing left to demote.
+        """
+        jobs, metadata_dtype = [], self.oscar_config.metadata_dtype
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer) and layer.is_initialized and layer.config.quantized:
+                count = layer.planned_demotion(new_tokens)
+                if count:
+                    jobs += layer.demotion_jobs(count)
+        quantize_jobs(jobs, metadata_dtype)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of packed codes, metadata, sink and recent window per layer, with BPE and the BF16 baseline."""

@@ -20,29 +20,37 @@ MAX_SLACK_ROWS = 4096
 
 
 class RowBuffer:
-    """Rows appended along dim 2 of a preallocated tensor."""
+    """Rows appended along dim 2 of a preallocated tensor; the valid rows are ``start .. start + length``.
+
+    Dropping rows from the front only moves ``start``; the rows are moved back to the front when an
+    append reaches the end of the capacity, so a sliding window costs one copy every many drops
+    instead of one per drop.
+    """
 
     def __init__(self, batch: int, heads: int, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.data = torch.empty(batch, heads, 0, *row_shape, dtype=dtype, device=device)
+        self.start = 0
         self.length = 0
 
     def view(self) -> torch.Tensor:
-        return self.data[:, :, : self.length]
+        return self.data[:, :, self.start : self.start + self.length]
 
     def append(self, rows: torch.Tensor) -> None:
-        count = rows.shape[2]
-        if count == 0:
-            return
+        if rows.shape[2]:
+            self.extend(rows.shape[2]).copy_(rows)
+
+    def extend(self, count: int) -> torch.Tensor:
+        """Make room for ``count`` more rows and return them (uninitialised) for the caller to fill."""
         self._reserve(self.length + count)
-        self.data[:, :, self.length : self.length + count] = rows
+        end = self.start + self.length
         self.length += count
+        return self.data[:, :, end : end + count]
 
     def drop_front(self, count: int) -> torch.Tensor:
-        """Remove and return the oldest ``count`` rows, shifting the rest to the front."""
-        dropped = self.data[:, :, :count].clone()
-        kept = self.length - count
-        self.data[:, :, :kept] = self.data[:, :, count : self.length].clone()
-        self.length = kept
+        """Remove the oldest ``count`` rows and return them: a view, valid until the next append."""
+        dropped = self.data[:, :, self.start : self.start + count]
+        self.start += count
+        self.length -= count
         return dropped
 
     def truncate(self, length: int) -> None:
@@ -61,15 +69,20 @@ class RowBuffer:
         return self.data.numel() * self.data.element_size()
 
     def _reserve(self, needed: int) -> None:
+        """Room for ``needed`` valid rows after ``start``; else move them to the front of a (larger) buffer."""
         capacity = self.data.shape[2]
-        if needed <= capacity:
+        if self.start + needed <= capacity:
             return
-        new_capacity = max(needed, min(int(capacity * _GROWTH), needed + MAX_SLACK_ROWS), _MIN_CAPACITY)
-        grown = torch.empty(
+        # A full buffer grows by half of itself (capped); a sliding window moved back to the front
+        # keeps room for half its rows again, so that the next move is many appends away.
+        base = needed if self.start else capacity
+        new_capacity = max(needed, capacity if self.start else 0, min(int(base * _GROWTH), needed + MAX_SLACK_ROWS),
+                           _MIN_CAPACITY)  # fmt: skip
+        moved = torch.empty(
             *self.data.shape[:2], new_capacity, *self.data.shape[3:], dtype=self.data.dtype, device=self.data.device
         )
-        grown[:, :, : self.length] = self.view()
-        self.data = grown
+        moved[:, :, : self.length] = self.view()
+        self.data, self.start = moved, 0
 
 
 class PackedHistory:
@@ -99,6 +112,10 @@ class PackedHistory:
         self.codes.append(rows.codes)
         self.scale.append(rows.scale)
         self.zero.append(rows.zero)
+
+    def extend(self, count: int) -> QuantizedRows:
+        """Room for ``count`` more rows, returned as views for a kernel to write in place."""
+        return QuantizedRows(self.codes.extend(count), self.scale.extend(count), self.zero.extend(count))
 
     def packed(self) -> QuantizedRows:
         return QuantizedRows(self.codes.view(), self.scale.view(), self.zero.view())

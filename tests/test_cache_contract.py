@@ -113,13 +113,13 @@ def test_every_token_is_quantized_exactly_once(tiny, monkeypatch):
     import oscar_hf.cache as cache_module
 
     rows = []
-    real_quantize = cache_module.quantize_pack
+    real_quantize = cache_module.quantize_pack_into
 
-    def counting(x, *args, **kwargs):
-        rows.append(x.shape[2])
-        return real_quantize(x, *args, **kwargs)
+    def counting(sources, *args, **kwargs):
+        rows.extend(source.shape[2] for source in sources)
+        return real_quantize(sources, *args, **kwargs)
 
-    monkeypatch.setattr(cache_module, "quantize_pack", counting)
+    monkeypatch.setattr(cache_module, "quantize_pack_into", counting)
     cache = OscarCache(tiny, "quarot-int2", **SMALL)
     generate(tiny, prompts([30])[0][None], cache, prefill_chunk_size=7)
     quantized = sum(layer.history_length for layer in cache.layers)

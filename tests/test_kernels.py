@@ -46,7 +46,7 @@ def _reinterpret_triton_language() -> None:
 if not CUDA and TRITON_IMPORTED_BEFORE:
     _reinterpret_triton_language()
 
-from oscar_hf.quant import quantize  # noqa: E402
+from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -75,6 +75,7 @@ if not CUDA and not _triton.INTERPRET:
     _triton, _quantize, _decode = _import_kernels()
 
 quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
+quantize_pack_into = _quantize.quantize_pack_into
 decode_attention, decode_attention_reference = _decode.decode_attention, _decode.decode_attention_reference
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -148,6 +149,41 @@ def test_quantize_pack_falls_back_and_validates():
         quantize_pack(rows, 2, 40)
     with pytest.raises(ValueError, match="bit width"):
         quantize_pack(rows, 3, 96)
+
+
+@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True)])
+def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
+    """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
+    monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
+    head_dim, group_size = 64, 64 // groups
+    generator = torch.Generator().manual_seed(bits + groups)
+    buffers = [(torch.randn(2, 3, 11, head_dim, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(3)]
+    sources = [buffer[:, :, start : start + 5] for buffer, start in zip(buffers, (0, 4, 6))]  # windows' oldest rows
+    ratios = [0.9, 0.0, 0.96]
+
+    def history(capacity):  # destinations: views in the middle of larger history buffers
+        codes = torch.zeros(2, 3, capacity, head_dim * bits // 8, dtype=torch.uint8, device=DEVICE)
+        meta = torch.zeros(2, 3, capacity, groups, dtype=torch.bfloat16, device=DEVICE)
+        return codes, meta, meta.clone()
+
+    stores = [history(9 + i) for i in range(3)]
+    targets = [QuantizedRows(c[:, :, 2:7], s[:, :, 2:7], z[:, :, 2:7]) for c, s, z in stores]
+    quantize_pack_into(sources, targets, bits, group_size, symmetric=symmetric, clip_ratios=ratios)
+    for source, target, ratio, (codes, scale, _) in zip(sources, targets, ratios, stores):
+        _assert_same(target, quantize(source, bits, group_size, symmetric=symmetric, clip_ratio=ratio))
+        assert not codes[:, :, :2].any() and not codes[:, :, 7:].any() and not scale[:, :, 7:].any()  # only its rows
+
+
+def test_quantize_pack_into_validates_jobs():
+    rows = torch.randn(1, 2, 4, 64, device=DEVICE)
+    target = QuantizedRows(torch.empty(1, 2, 4, 16, dtype=torch.uint8, device=DEVICE),
+                           *(torch.empty(1, 2, 4, 1, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)))  # fmt: skip
+    with pytest.raises(ValueError, match="one entry per job"):
+        quantize_pack_into([rows], [target], 2, 64, clip_ratios=[])
+    with pytest.raises(ValueError, match="does not fit"):
+        quantize_pack_into([rows], [target], 4, 64, clip_ratios=[0.0])
+    with pytest.raises(ValueError, match="share shape"):
+        quantize_pack_into([rows, rows[:, :, :2]], [target, target], 2, 64, clip_ratios=[0.0, 0.0])
 
 
 # ------------------------------------------------------------------------------ decode attention
@@ -251,7 +287,10 @@ def test_custom_ops_pass_opcheck():
 
 
 def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
-    """A model decoding with OscarCache: kernels (write + decode) against the torch references, per step."""
+    """A model decoding with OscarCache: kernels (write + decode) against the torch references, per step.
+
+    Also: a decoding step demotes every layer's K and V rows in a single quantize launch.
+    """
     import oscar_hf.attention
     import oscar_hf.cache
     from conftest import generate, tiny_model
@@ -260,12 +299,12 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
 
     # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
     monkeypatch.setattr(oscar_hf.attention, "decode_attention", decode_attention)
-    monkeypatch.setattr(oscar_hf.cache, "quantize_pack", quantize_pack)
+    monkeypatch.setattr(oscar_hf.cache, "quantize_pack_into", quantize_pack_into)
     launches = []
-    for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_triton")):
+    for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a))
-    model = tiny_model("llama", hidden_size=128, head_dim=64, num_hidden_layers=1).to(DEVICE)
+    model = tiny_model("llama", hidden_size=128, head_dim=64, num_hidden_layers=2).to(DEVICE)
     prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     outputs = []
     for enabled in (True, False):
@@ -273,9 +312,14 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
         cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2)
         outputs.append(generate(model, prompt, cache, max_new_tokens=12, output_scores=True,
                                 return_dict_in_generate=True))  # fmt: skip
-        assert cache.layers[0].history_length > 0
+        if enabled:
+            demoted_rows = cache.layers[0].history_length - (21 - 4 - 8)  # beyond the prompt's middle rows
+            assert demoted_rows > 0 and all(layer.history_length == cache.layers[0].history_length
+                                            for layer in cache.layers)  # fmt: skip
     kernel, torch_path = outputs
-    assert launches.count("decode_attention_triton") == 11 and "quantize_pack_triton" in launches
+    assert launches.count("decode_attention_triton") == 11 * 2  # 11 decoding steps x 2 layers
+    # the prompt's middle rows: one launch per layer; then one launch per demoting step for both layers
+    assert launches.count("quantize_pack_many_triton") == 2 + demoted_rows // 2
     assert torch.equal(kernel.sequences, torch_path.sequences)
     torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4)
 
