@@ -41,7 +41,7 @@ except ImportError:  # the library works without Triton, through the torch refer
     def _jit(fn=None, **_kwargs):
         return fn if fn is not None else (lambda f: f)
 
-    triton = SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b))
+    triton = SimpleNamespace(jit=_jit)
     tl = SimpleNamespace(constexpr=object)
 
 
@@ -103,6 +103,11 @@ def op_or_launcher(op, launcher):
     whole decode-attention kernel; the launcher computes the same thing without it.
     """
     return op if torch.compiler.is_compiling() else launcher
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division of ints on the host (``triton.cdiv`` is a JIT-wrapped function: ~5 µs a call)."""
+    return -(-numerator // denominator)
 
 
 def is_power_of_two(value: int) -> bool:

@@ -39,7 +39,7 @@ import torch
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
 from ._triton import (
-    INTERPRET, define_op, is_power_of_two, next_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
+    INTERPRET, cdiv, define_op, is_power_of_two, next_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
 )  # fmt: skip
 
 _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a couple of splits each
@@ -407,21 +407,21 @@ def _splits(
     if length == 0:
         return 0, block_n
     splits = requested or min(
-        _MAX_SPLITS, triton.cdiv(length, _MIN_SPLIT_TOKENS), triton.cdiv(_device_programs(device), programs_per_split)
+        _MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), cdiv(_device_programs(device), programs_per_split)
     )
-    chunk = triton.cdiv(triton.cdiv(length, max(1, splits)), block_n) * block_n
-    return triton.cdiv(length, chunk), chunk
+    chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
+    return cdiv(length, chunk), chunk
 
 
 def _dense_chunk(length: int, splits: int, block_n: int) -> int:
-    return max(1, triton.cdiv(triton.cdiv(length, splits), block_n)) * block_n
+    return max(1, cdiv(cdiv(length, splits), block_n)) * block_n
 
 
 def _block_sizes(group: int, block_n: int) -> tuple[int, int, int]:
     # tl.dot needs at least 16 rows, so small groups are padded to 16 (masked) query heads. 64 keys a
     # tile was the fastest at batch 1 and 8 on an H200 (eval/tune_decode.py, decode_kernel_tuning.md).
     block_h = max(16, min(64, next_power_of_two(group)))
-    return block_h, triton.cdiv(group, block_h), block_n or 64
+    return block_h, cdiv(group, block_h), block_n or 64
 
 
 def decode_attention_triton(
@@ -460,7 +460,7 @@ def decode_attention_triton(
     num_stages = num_stages or (1 if q.dtype == torch.float32 else 2)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
     hist_splits, chunk_hist = _splits(n_hist, num_splits, batch * kv_heads * head_blocks, q.device, block_n)
-    dense_splits = max(1, triton.cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
+    dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
     n_slots = hist_splits + 3 * dense_splits
 
     partial_m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=q.device)

@@ -24,7 +24,9 @@ import torch
 
 from oscar_hf.quant import QuantizedRows, check_bits, clip_index, quantize
 
-from ._triton import HAS_TRITON, INTERPRET, define_op, is_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton
+from ._triton import (
+    HAS_TRITON, INTERPRET, cdiv, define_op, is_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
+)  # fmt: skip
 
 # ------------------------------------------------------------------------------------------ kernel
 
@@ -181,7 +183,7 @@ def quantize_pack_triton(
     if n_rows == 0:
         return codes, scale, zero
     block = _block_rows(head_dim)
-    _quantize_pack_kernel[(triton.cdiv(n_rows, block),)](
+    _quantize_pack_kernel[(cdiv(n_rows, block),)](
         rows, codes, scale, zero,
         n_rows, rows.stride(0), codes.stride(0), scale.stride(0),
         D=head_dim, G=group_size, BITS=bits, SYMMETRIC=symmetric,
@@ -219,7 +221,7 @@ def quantize_pack_many_triton(
     table = torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
     n_rows = batch * heads * rows_per_head
     block = _block_rows(head_dim)
-    _quantize_pack_many_kernel[(triton.cdiv(n_rows, block), len(jobs))](
+    _quantize_pack_many_kernel[(cdiv(n_rows, block), len(jobs))](
         table, heads, rows_per_head, n_rows,
         SRC_DTYPE=_TL_DTYPES[sources[0].dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
         BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=sources[0].is_cuda and not INTERPRET,
