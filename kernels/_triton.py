@@ -1,7 +1,8 @@
 """Shared pieces of the OSCAR Triton kernels, installed as ``oscar_hf.kernels``, each beside its torch reference.
 
 * ``oscar_hf.kernels.quantize.quantize_pack``: the fused write path (clip, quantize, pack), a drop-in
-  for :func:`oscar_hf.quant.quantize` with bit-identical codes and metadata.
+  for :func:`oscar_hf.quant.quantize` with bit-identical codes and metadata; ``quantize_pack_into``
+  does many such jobs (every layer's demoted K and V) in one launch, writing into given views.
 * ``oscar_hf.kernels.decode_attention.decode_attention``: split-K decode attention over
   ``[sink | packed history | recent | new]``.
 
@@ -9,7 +10,8 @@ Each public function runs its Triton kernel for CUDA tensors (and for CPU tensor
 were imported with ``TRITON_INTERPRET=1``) and its torch reference otherwise: without Triton, with
 ``OSCAR_KERNELS=torch``, or for shapes the kernels do not cover (non-power-of-two head dims). The
 kernels are also the torch custom ops ``torch.ops.oscar.quantize_pack`` and
-``torch.ops.oscar.decode_attention``, with fake implementations, so ``torch.compile`` traces them.
+``torch.ops.oscar.decode_attention``, with fake implementations, so ``torch.compile`` traces them
+(``quantize_pack_into`` writes in place and serves the eager cache only).
 
 The folder has no ``__init__.py`` on purpose: with the repository root on ``sys.path`` (``python -m
 pytest``), a regular package named ``kernels`` there would shadow Hugging Face's ``kernels`` package,
