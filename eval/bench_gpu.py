@@ -25,6 +25,7 @@ in the same process, on the same inputs' shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -53,12 +54,16 @@ sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-h
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config, StaticCache  # noqa: E402
 
 from oscar_hf import OscarCache, OscarLayer, RotationSet  # noqa: E402
+from oscar_hf.absorption import absorb_value_rotations  # noqa: E402
+from oscar_hf.cache import ABSORBED_ATTRIBUTE  # noqa: E402
 from oscar_hf.compat import cache_keyword  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method
+# "<method>+absorbed": that OscarCache method on the model with R_V folded into v_proj/o_proj.
+ABSORBED_SUFFIX = "+absorbed"
 
 # Qwen3 shapes from the models' config.json, with room for 128K positions (weights are random).
 MODEL_PRESETS: dict[str, dict] = {
@@ -322,6 +327,29 @@ def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations:
     if cache_name == "static":
         return StaticCache(config=model.config, max_cache_len=max_len)
     return OscarCache(model, cache_name, rotations=rotations)
+
+
+@contextlib.contextmanager
+def model_for(model: PreTrainedModel, cache_name: str, rotations: RotationSet | None):
+    """Yield the cache method to run; for ``<method>+absorbed`` with R_V folded into the model meanwhile.
+
+    The folded projections are restored afterwards (from a copy of their weights, not by un-folding,
+    which would round twice), so the other cases of the run see the original model.
+    """
+    if not cache_name.endswith(ABSORBED_SUFFIX):
+        yield cache_name
+        return
+    names = (".v_proj.", ".o_proj.")
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if any(k in n for k in names)}
+    absorb_value_rotations(model, rotations)
+    try:
+        yield cache_name.removesuffix(ABSORBED_SUFFIX)
+    finally:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name in saved:
+                    parameter.copy_(saved[name])
+        delattr(text_config(model), ABSORBED_ATTRIBUTE)
 
 
 def write_chunk(cache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
@@ -684,7 +712,8 @@ def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
         def measure() -> dict:
             ids = random_tokens(model, batch, context + 1)
             fill = synthetic_fill(model, batch, context, run["fill_chunk_rows"])
-            return decode_case(model, cache_name, fill, ids, run, rotations)
+            with model_for(model, cache_name, rotations) as method:
+                return decode_case(model, method, fill, ids, run, rotations)
 
         rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
                              "cache": cache_name}, measure))  # fmt: skip

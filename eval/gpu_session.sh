@@ -5,8 +5,9 @@
 #   bash eval/gpu_session.sh OUT_DIR STEP...      e.g.  bash eval/gpu_session.sh $OUT tests kernel e2e
 #
 # Steps and their wall time on one H200 (2026-11-30): tests 55 s (compiled kernel tests, 8 workers),
-# tune 4 min (batches 1, 8, 32), kernel 50 s, e2e ~140 s per model for 2 contexts (3 here), memory 100 s
-# (both models), multigpu 100 s (needs 2 GPUs), profile 60 s. A device call may run 10 minutes.
+# tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
+# 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s.
+# A device call may run 10 minutes.
 # Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
 # eval/results/ to commit.
 set -uo pipefail
@@ -33,7 +34,7 @@ for step in "$@"; do
         e2e | e2e-4b)
             model=qwen3-8b name=bench_e2e
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
-            run "$step" 300 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
+            run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;

@@ -95,9 +95,10 @@ def test_e2e_benchmark(tmp_path):
         "benchmark": "e2e", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
         "decode": TINY_DECODE, "prefill": {"context": 384, "warmup": 0, "repeats": 1},
     }  # fmt: skip
+    config["caches"] = ["dynamic", "static", "oscar-int2", "oscar-int2+absorbed"]
     rows = _ok(_run(config, tmp_path, "e2e")["cases"])
     decode = [r for r in rows if r["part"] == "decode"]
-    caches = ("dynamic", "static", "oscar-int2")
+    caches = ("dynamic", "static", "oscar-int2", "oscar-int2+absorbed")
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in caches}
     for row in decode:
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0
@@ -105,6 +106,18 @@ def test_e2e_benchmark(tmp_path):
     dynamic = next(r for r in decode if r["cache"] == "dynamic" and r["batch"] == 1)
     assert oscar["kv_bytes"] < dynamic["kv_bytes"]
     assert {r["cache"] for r in rows if r["part"] == "prefill"} == {"dynamic", "oscar-int2"}
+
+
+def test_absorbed_case_folds_r_v_for_its_duration_only():
+    model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    rotations = bench.random_rotations(64, bench.full_attention_layers(model))
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with bench.model_for(model, "oscar-int2+absorbed", rotations) as method:
+        assert method == "oscar-int2"
+        assert not torch.equal(model.model.layers[0].self_attn.v_proj.weight, before["model.layers.0.self_attn.v_proj.weight"])
+        assert bench.make_cache(method, model, 64, rotations).values_prerotated
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not bench.make_cache("oscar-int2", model, 64, rotations).values_prerotated
 
 
 @pytest.mark.parametrize("cache_name", ["dynamic", "static", "oscar-int2"])
