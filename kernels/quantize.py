@@ -132,7 +132,7 @@ _JOB_COLUMNS = ("src", "src_b", "src_h", "src_n", "codes", "codes_b", "codes_h",
 
 @triton.jit
 def _quantize_pack_many_kernel(
-    JOBS, heads, rows_per_head, n_rows,
+    JOBS, heads, rows_per_head, n_rows, JOB_WIDTH: tl.constexpr,
     SRC_DTYPE: tl.constexpr, META_DTYPE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
@@ -141,7 +141,7 @@ def _quantize_pack_many_kernel(
     All jobs share shape and format; addresses, strides and the clip index come from the job table,
     so one launch serves every layer's K and V (the reference's pointer-table flush).
     """
-    job = JOBS + tl.program_id(1) * 14
+    job = JOBS + tl.program_id(1) * JOB_WIDTH
     index = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = index < n_rows
     b, h, t = index // (heads * rows_per_head), (index // rows_per_head) % heads, index % rows_per_head
@@ -222,7 +222,7 @@ def quantize_pack_many_triton(
     n_rows = batch * heads * rows_per_head
     block = _block_rows(head_dim)
     _quantize_pack_many_kernel[(cdiv(n_rows, block), len(jobs))](
-        table, heads, rows_per_head, n_rows,
+        table, heads, rows_per_head, n_rows, len(_JOB_COLUMNS),
         SRC_DTYPE=_TL_DTYPES[sources[0].dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
         BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=sources[0].is_cuda and not INTERPRET,
         INTERPRETED=INTERPRET,

@@ -65,19 +65,15 @@ class RowBuffer:
     def used_bytes(self) -> int:
         return self.view().numel() * self.data.element_size()
 
-    def allocated_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
     def _reserve(self, needed: int) -> None:
         """Room for ``needed`` valid rows after ``start``; else move them to the front of a (larger) buffer."""
         capacity = self.data.shape[2]
         if self.start + needed <= capacity:
             return
-        # A full buffer grows by half of itself (capped); a sliding window moved back to the front
-        # keeps room for half its rows again, so that the next move is many appends away.
-        base = needed if self.start else capacity
-        new_capacity = max(needed, capacity if self.start else 0, min(int(base * _GROWTH), needed + MAX_SLACK_ROWS),
-                           _MIN_CAPACITY)  # fmt: skip
+        if self.start:  # a sliding window moved back to the front keeps room for half its rows again
+            new_capacity = max(capacity, min(int(needed * _GROWTH), needed + MAX_SLACK_ROWS))
+        else:  # a full buffer grows by half of itself, capped
+            new_capacity = max(needed, min(int(capacity * _GROWTH), needed + MAX_SLACK_ROWS), _MIN_CAPACITY)
         moved = torch.empty(
             *self.data.shape[:2], new_capacity, *self.data.shape[3:], dtype=self.data.dtype, device=self.data.device
         )
@@ -107,11 +103,6 @@ class PackedHistory:
     @property
     def length(self) -> int:
         return self.codes.length
-
-    def append(self, rows: QuantizedRows) -> None:
-        self.codes.append(rows.codes)
-        self.scale.append(rows.scale)
-        self.zero.append(rows.zero)
 
     def extend(self, count: int) -> QuantizedRows:
         """Room for ``count`` more rows, returned as views for a kernel to write in place."""
