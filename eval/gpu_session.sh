@@ -12,6 +12,7 @@
 # eval/results/ to commit.
 set -uo pipefail
 out=$1
+mkdir -p "$out"
 shift
 work=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

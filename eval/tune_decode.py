@@ -25,10 +25,8 @@ import bench_gpu as bench  # noqa: E402
 
 # The kernel benchmark's shape and tiers (Qwen3-8B attention, sink 64, recent 256, random INT2 codes).
 CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "bench_kernel.json").read_text())
-BLOCK_N = (32, 64, 128)
-WARPS = (4, 8)
-STAGES = (2, 3)
-PROGRAMS_PER_SM = (2, 4, 8)
+# The sweep's default grid; each axis can be narrowed or widened on the command line.
+GRID = {"block_n": "32,64,128", "warps": "1,2,4,8", "stages": "2,3", "programs_per_sm": "2,4,8"}
 
 
 def splits_for(programs_per_sm: int, batch: int) -> int:
@@ -42,7 +40,7 @@ def time_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3  # microseconds
 
 
-def sweep(batch: int, context: int) -> dict:
+def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
     device = torch.device("cuda")
     x = bench.tiered_inputs(CONFIG, context, batch, device, seed=0)
     args, scale = [x["q"], *(x[name] for name in bench.TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
@@ -50,7 +48,8 @@ def sweep(batch: int, context: int) -> dict:
     want = kernels.decode_attention_reference(*args, k_bits=2, v_bits=2, sm_scale=scale).float()
     dense = bench.dense_inputs(CONFIG, context, batch, device, seed=0)
     rows = []
-    for block_n, warps, stages, per_sm in itertools.product(BLOCK_N, WARPS, STAGES, PROGRAMS_PER_SM):
+    axes = (grid["block_n"], grid["warps"], grid["stages"], grid["programs_per_sm"])
+    for block_n, warps, stages, per_sm in itertools.product(*axes):
         splits = splits_for(per_sm, batch)
         setting = dict(block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
 
@@ -98,12 +97,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    for axis, values in GRID.items():
+        parser.add_argument(f"--{axis.replace('_', '-')}", default=values, help=f"comma-separated (default {values})")
     options = parser.parse_args()
+    grid = {axis: tuple(int(v) for v in getattr(options, axis).split(",")) for axis in GRID}
     run_info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
                 "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results = []
     for batch in options.batches.split(","):
-        results.append(sweep(int(batch), options.context))
+        results.append(sweep(int(batch), options.context, grid))
         write(results, options.out, run_info)  # after each batch: a run cut short keeps what it measured
 
 

@@ -133,6 +133,32 @@ def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, M
 
 
 @triton.jit
+def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, UNPACK: tl.constexpr):
+    """All column blocks of a packed ``uint8`` tile (blocks 2-3 repeat 0-1 for 4-bit codes).
+
+    With ``UNPACK`` (PTX from :func:`_unpack_asm`: compiled 16-bit kernels) the 4 bytes a thread holds
+    in one 32-bit register unpack together, about one instruction per code; the portable path
+    (interpreter, float32) unpacks byte by byte with :func:`_code_block`. Both give the same values.
+    """
+    PARTS: tl.constexpr = 8 // BITS
+    if UNPACK != "":
+        if PARTS == 4:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r", [raw],
+                                                       dtype=(DTYPE.value,) * 4, is_pure=True, pack=4)  # fmt: skip
+        else:
+            c0, c1 = tl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,r", [raw], dtype=(DTYPE.value,) * 2, is_pure=True,
+                                               pack=4)  # fmt: skip
+            c2, c3 = c0, c1
+    else:
+        raw = raw.to(tl.int16)
+        c0, c1 = _code_block(raw, 0, BITS, DTYPE, MAGIC), _code_block(raw, 1, BITS, DTYPE, MAGIC)
+        c2, c3 = c0, c1
+        if PARTS == 4:
+            c2, c3 = _code_block(raw, 2, BITS, DTYPE, MAGIC), _code_block(raw, 3, BITS, DTYPE, MAGIC)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr, OFFSET: tl.constexpr):
     """Per row of a tile, ``scale`` and ``OFFSET + zero`` of one group, float32 (0 for invalid rows)."""
     scale = tl.load(SCALE + rows * scale_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
@@ -155,9 +181,8 @@ def _affine(dots, q_sum, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid
 
 @triton.jit
 def _packed_scores(
-    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, raw, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-    D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows,
+    valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, OFFSET: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
 
@@ -166,12 +191,11 @@ def _packed_scores(
     each column block lies within one group (the dispatcher checks that groups are that wide).
     """
     PARTS: tl.constexpr = 8 // BITS
-    dtype = q0.dtype
-    d0 = _dot(q0, tl.trans(_code_block(raw, 0, BITS, dtype, MAGIC)), INTERPRETED)
-    d1 = _dot(q1, tl.trans(_code_block(raw, 1, BITS, dtype, MAGIC)), INTERPRETED)
+    d0 = _dot(q0, tl.trans(k0), INTERPRETED)
+    d1 = _dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
-        d2 = _dot(q2, tl.trans(_code_block(raw, 2, BITS, dtype, MAGIC)), INTERPRETED)
-        d3 = _dot(q3, tl.trans(_code_block(raw, 3, BITS, dtype, MAGIC)), INTERPRETED)
+        d2 = _dot(q2, tl.trans(k2), INTERPRETED)
+        d3 = _dot(q3, tl.trans(k3), INTERPRETED)
     if GROUPS == 1:  # one (scale, zero) per row: one correction for the sum of the block dots
         if PARTS == 4:
             d0 += d2 + d3
@@ -208,7 +232,7 @@ def _packed_span(
     KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n, start, end, MASK, position, sm_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr,
     V_BITS: tl.constexpr, V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
+    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
     V_PARTS: tl.constexpr = 8 // V_BITS
@@ -220,13 +244,14 @@ def _packed_span(
         rows = block + tl.arange(0, BLOCK_N)
         valid = _key_valid(rows, end, MASK, position, HAS_MASK)
         raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
+        k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_UNPACK)
         scores = _packed_scores(
-            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, raw_k.to(tl.int16), KS, ks_n, KZ, kz_n, rows, valid,
-            D, K_BITS, K_GROUPS, MAGIC, OFFSET, INTERPRETED,
+            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, KS, ks_n, KZ, kz_n, rows, valid,
+            D, K_BITS, K_GROUPS, OFFSET, INTERPRETED,
         )  # fmt: skip
         m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i, sm_scale)
         raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
-        raw_v = raw_v.to(tl.int16)
+        v0, v1, v2, v3 = _code_blocks(raw_v, V_BITS, dtype, MAGIC, V_UNPACK)
         w0, o0 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(0, D, V_BITS, V_GROUPS), OFFSET, dtype, INTERPRETED)
         w1, o1, w2, o2, w3, o3 = w0, o0, w0, o0, w0, o0
         if V_GROUPS > 1:
@@ -237,12 +262,12 @@ def _packed_span(
                                         INTERPRETED)  # fmt: skip
                 w3, o3 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(3, D, V_BITS, V_GROUPS), OFFSET, dtype,
                                         INTERPRETED)  # fmt: skip
-        a0 = a0 * alpha[:, None] + _dot(w0, _code_block(raw_v, 0, V_BITS, dtype, MAGIC), INTERPRETED)
-        a1 = a1 * alpha[:, None] + _dot(w1, _code_block(raw_v, 1, V_BITS, dtype, MAGIC), INTERPRETED)
+        a0 = a0 * alpha[:, None] + _dot(w0, v0, INTERPRETED)
+        a1 = a1 * alpha[:, None] + _dot(w1, v1, INTERPRETED)
         c0, c1 = c0 * alpha + o0, c1 * alpha + o1
         if V_PARTS == 4:
-            a2 = a2 * alpha[:, None] + _dot(w2, _code_block(raw_v, 2, V_BITS, dtype, MAGIC), INTERPRETED)
-            a3 = a3 * alpha[:, None] + _dot(w3, _code_block(raw_v, 3, V_BITS, dtype, MAGIC), INTERPRETED)
+            a2 = a2 * alpha[:, None] + _dot(w2, v2, INTERPRETED)
+            a3 = a3 * alpha[:, None] + _dot(w3, v3, INTERPRETED)
             c2, c3 = c2 * alpha + o2, c3 * alpha + o3
     return m_i, l_i, a0 - c0[:, None], a1 - c1[:, None], a2 - c2[:, None], a3 - c3[:, None]
 
@@ -292,8 +317,8 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
-    V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, HAS_MASK: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_UNPACK: tl.constexpr,
+    V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -328,7 +353,7 @@ def _decode_stage1_kernel(
             KZ + b * kz_st[0] + kv_head * kz_st[1], kz_st[2], VC + b * vc_st[0] + kv_head * vc_st[1], vc_st[2],
             VS + b * vs_st[0] + kv_head * vs_st[1], vs_st[2], VZ + b * vz_st[0] + kv_head * vz_st[1], vz_st[2],
             start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, sm_scale,
-            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, HAS_MASK, INTERPRETED,
+            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_UNPACK, V_UNPACK, HAS_MASK, INTERPRETED,
         )  # fmt: skip
     else:
         tier = (slot - hist_splits) // dense_splits
@@ -394,21 +419,26 @@ def _decode_stage2_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _device_programs(device: torch.device) -> int:
-    """Stage-1 programs to aim for: 8 per SM on CUDA (the best of 2, 4 and 8 in an H200 sweep), else 4."""
+    """Stage-1 programs that run at once: 4 per SM on CUDA (4 warps x ~128 registers fill the register
+    file), else 4. History splits fill one such wave: a partial second wave nearly doubled the time
+    (batch 8 at 100K on an H200: 17 splits 704 us, 16 splits 526 us; decode_kernel_tuning.md)."""
     if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
 def _splits(
     length: int, requested: int, programs_per_split: int, device: torch.device, block_n: int
 ) -> tuple[int, int]:
-    """``(splits, chunk)`` for a history of ``length`` rows; ``chunk`` is a multiple of ``block_n``."""
+    """``(splits, chunk)`` for a history of ``length`` rows; ``chunk`` is a multiple of ``block_n``.
+
+    The history programs fill one wave of :func:`_device_programs` where the batch allows (the short
+    dense-tier programs are scheduled after them and only add a short tail).
+    """
     if length == 0:
         return 0, block_n
-    splits = requested or min(
-        _MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), cdiv(_device_programs(device), programs_per_split)
-    )
+    wave = max(1, _device_programs(device) // programs_per_split)
+    splits = requested or min(_MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), wave)
     chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
     return cdiv(length, chunk), chunk
 
@@ -450,17 +480,17 @@ def decode_attention_triton(
     """Launch stage 1 and stage 2 (arguments as :func:`decode_attention`).
 
     ``num_splits``, ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` of stage 1 are tuning
-    knobs, 0 meaning automatic. Software pipelining is kept at 2 stages (1 in float32): with 3, the
-    tiles of both the packed and the dense paths overflow the H200's 227 KiB of shared memory.
+    knobs, 0 meaning automatic. Software pipelining uses 3 stages (1 in float32): 5-10% faster than 2
+    on an H200 (decode_kernel_tuning.md); head_dim 256 then takes 72 KiB of shared memory.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
     group = q_heads // kv_heads
     block_h, head_blocks, block_n = _block_sizes(group, block_n)
-    num_stages = num_stages or (1 if q.dtype == torch.float32 else 2)
+    num_stages = num_stages or (1 if q.dtype == torch.float32 else 3)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
-    hist_splits, chunk_hist = _splits(n_hist, num_splits, batch * kv_heads * head_blocks, q.device, block_n)
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
+    hist_splits, chunk_hist = _splits(n_hist, num_splits, batch * kv_heads * head_blocks, q.device, block_n)
     n_slots = hist_splits + 3 * dense_splits
 
     partial_m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=q.device)
@@ -482,13 +512,36 @@ def decode_attention_triton(
         mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale, hist_splits, dense_splits, n_slots,
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
-        MAGIC=magic, OFFSET=offset, HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps or 4, num_stages=num_stages,
+        MAGIC=magic, OFFSET=offset, K_UNPACK=_unpack_asm(k_bits, magic), V_UNPACK=_unpack_asm(v_bits, magic),
+        HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps or 4, num_stages=num_stages,
     )  # fmt: skip
     _decode_stage2_kernel[(batch, q_heads)](
         partial_m, partial_l, partial_acc, *t(out), n_slots,
         D=head_dim, SLOTS=next_power_of_two(n_slots), INTERPRETED=INTERPRET,
     )  # fmt: skip
     return out
+
+
+def _unpack_asm(bits: int, magic: int) -> str:
+    """PTX for :func:`_code_blocks`: 4 packed bytes in, their codes as 16-bit floats ``OFFSET + c`` out.
+
+    ``prmt`` moves bytes 0 and 1 (then 2 and 3) into the low bytes of the two 16-bit halves of a
+    register; per column block ``j`` one shift and one ``lop3`` ``(t >> j*bits) & mask | magic`` then
+    yield two codes. Output element ``i`` depends on input byte ``i`` only, so the result does not
+    depend on how the compiler lays the bytes out across threads and registers. Empty (the portable
+    path) in the interpreter and for float32.
+    """
+    if INTERPRET or magic == 0:
+        return ""
+    mask, magic2 = ((1 << bits) - 1) * 0x10001, magic * 0x10001
+    lines = [".reg .b32 lo, hi, t;", "prmt.b32 lo, $IN, 0, 0x1100;", "prmt.b32 hi, $IN, 0, 0x3322;"]
+    for j in range(8 // bits):
+        for half, word in enumerate(("lo", "hi")):
+            source = word if j == 0 else "t"
+            if j:
+                lines.append(f"shr.b32 t, {word}, {j * bits};")
+            lines.append(f"lop3.b32 ${2 * j + half}, {source}, {mask}, {magic2}, 0xEA;")
+    return "{ " + " ".join(lines).replace("$IN", f"${2 * (8 // bits)}") + " }"
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
