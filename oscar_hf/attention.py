@@ -41,13 +41,18 @@ def oscar_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     new_keys, new_values, plan = layer.begin_step(attention_mask)
     if _is_plain_decode(layer, query, module, kwargs):
-        output = _decode(layer, query, new_keys, new_values, attention_mask, kwargs.get("scaling"))
+        output = layer.unrotate_values(_decode(layer, query, new_keys, new_values, attention_mask, kwargs.get("scaling")))
+    elif layer.stored_length == 0:
+        # A first chunk attends only to itself: the K/V as given yield the same attention as their
+        # rotated copies, without rotating q, concatenating tiers and rotating the output back.
+        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     else:
         keys, values = layer.dense_rotated(new_keys, new_values)
         output, _ = sdpa_attention_forward(module, layer.rotate_keys(query), keys, values, attention_mask, **kwargs)
+        output = layer.unrotate_values(output)
         del keys, values
     layer.finish_step(new_keys, new_values, plan)
-    return layer.unrotate_values(output), None
+    return output, None
 
 
 def _is_plain_decode(layer: OscarLayer, query: torch.Tensor, module: torch.nn.Module, kwargs: dict) -> bool:

@@ -127,11 +127,14 @@ class OscarLayer(CacheLayerMixin):
     def history_length(self) -> int:
         return 0 if self.history_keys is None else self.history_keys.length
 
+    @property
+    def stored_length(self) -> int:
+        """Rows stored in the sink, history and recent window (not the chunk waiting for attention)."""
+        return self.sink_keys.length + self.history_length + self.recent_keys.length if self.is_initialized else 0
+
     def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return 0
         pending = 0 if self._pending is None else self._pending.keys.shape[2]
-        return self.sink_keys.length + self.history_length + self.recent_keys.length + pending
+        return self.stored_length + pending
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
