@@ -1,4 +1,4 @@
-"""The ``oscar-hf`` command line: ``demo`` and ``eval kl``."""
+"""The ``oscar-hf`` command line: ``demo``, ``eval kl``, ``eval tasks``, ``lm-eval`` (lm-eval's CLI with the ``oscar`` model)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import METHODS
+from .niah import parse_depths, parse_lengths
 from .log import get_logger
 from .rotations import RotationSet
 
@@ -116,6 +117,119 @@ def cmd_memory(args: argparse.Namespace, argv: list[str]) -> None:
         print(f"## {report.method}\n\n{report.to_markdown() if args.per_layer else report}\n")
 
 
+def _tasks(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def cmd_eval_tasks(args: argparse.Namespace, argv: list[str]) -> None:
+    from .data import data_dir
+    from .task_eval import run_tasks
+
+    folder = Path(args.data_dir) if args.data_dir else data_dir()  # neither: lm-eval's public datasets
+    if args.data_dir and not folder.is_dir():
+        raise SystemExit(f"--data-dir {args.data_dir} is not a folder")
+    model, tokenizer = _load(args)
+    rotations = _rotations_for(args.model, args.rotations)
+    summary = run_tasks(
+        model, tokenizer, methods=args.methods, tasks=args.tasks, seeds=args.seeds, out_dir=args.out,
+        limit=args.limit, data_dir=folder, max_gen_toks=args.max_gen_toks, temperature=args.temperature,
+        rotations=rotations, sink=args.sink, recent=args.recent, batch_size=args.batch_size,
+        think_end_token=args.think_end_token, task_dirs=args.task_dir, environment=_environment(argv),
+        progress=not args.json,
+    )
+    print(json.dumps(summary) if args.json else summary["table"])
+
+
+def _arg(parse):
+    """An argparse ``type`` that turns the parser's ValueError into a clean usage error."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _data_folder(given: str | None) -> Path | None:
+    """``--data-dir`` if given (an error if it is not a folder), else ``$OSCAR_HF_DATA_DIR``, else ``../shared/data``."""
+    from .data import data_dir
+
+    if given:
+        if not Path(given).is_dir():
+            raise SystemExit(f"--data-dir {given} is not a folder")
+        return Path(given)
+    return data_dir(Path("../shared/data"))
+
+
+def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
+    from .niah import (Haystack, NeedleError, check_lengths, haystack_files, model_context, niah_markdown,
+                       niah_result, plot_niah, read_haystack, run_niah, write_outputs)
+
+    started = time.perf_counter()
+    try:
+        files = haystack_files(_data_folder(args.data_dir), args.haystack)
+        if args.needles < 1 or args.max_new_tokens < 1:
+            raise NeedleError("--needles and --max-new-tokens must be at least 1")
+        model, tokenizer = _load(args)
+        check_lengths(args.lengths, model_context(model), args.max_new_tokens)
+        rotations = _rotations_for(args.model, args.rotations)
+        haystack = Haystack(tokenizer, read_haystack(files))
+        seeds = list(range(args.seed, args.seed + args.needles))
+        trials = run_niah(model, tokenizer, haystack, args.methods, args.lengths, args.depths, seeds, rotations,
+                          args.max_new_tokens, chat=not args.no_chat, progress=not args.json)
+    except NeedleError as error:
+        raise SystemExit(f"oscar-hf eval niah: {error}") from None
+    settings = {"model": args.model, "dtype": str(model.dtype), "haystack": f"{args.haystack} ({files[0].parent})",
+                "haystack_tokens": len(haystack), "methods": args.methods, "lengths": args.lengths,
+                "depths": args.depths, "seeds": seeds, "max_new_tokens": args.max_new_tokens,
+                "chat": not args.no_chat and bool(getattr(tokenizer, "chat_template", None))}
+    result = niah_result(trials, {**_environment(argv), "seconds": round(time.perf_counter() - started)}, settings)
+    if args.out:
+        for path in write_outputs(result, Path(args.out), niah_markdown(result), plot_niah):
+            logger.info("wrote %s", path)
+    print(json.dumps(result) if args.json else niah_markdown(result))
+
+
+def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
+    from .kl_curve import kl_curve_markdown, kl_curve_result, plot_kl_curve, position_stats
+    from .niah import write_outputs
+
+    started = time.perf_counter()
+    text_path = Path(args.text) if args.text else None
+    if text_path is None:
+        folder = _data_folder(args.data_dir)
+        if folder is None:
+            raise SystemExit("oscar-hf eval kl-curve: no --text and no data directory "
+                             "(pass --text FILE, --data-dir or set $OSCAR_HF_DATA_DIR)")
+        text_path = folder / "wikitext2_raw" / "wiki.test.raw"
+    if not text_path.is_file():
+        raise SystemExit(f"oscar-hf eval kl-curve: {text_path} is not a file")
+    if args.bucket < 1 or args.windows < 1:
+        raise SystemExit("oscar-hf eval kl-curve: --bucket and --windows must be at least 1")
+    model, tokenizer = _load(args)
+    from .niah import model_context
+
+    limit = model_context(model)
+    if limit is not None and args.ctx > limit:
+        raise SystemExit(f"oscar-hf eval kl-curve: --ctx {args.ctx} exceeds the model's context of {limit} tokens")
+    rotations = _rotations_for(args.model, args.rotations)
+    token_ids = tokenizer(text_path.read_text(encoding="utf-8"), return_tensors="pt",
+                          add_special_tokens=False)["input_ids"][0]
+    if token_ids.numel() < args.ctx:
+        raise SystemExit(f"oscar-hf eval kl-curve: {text_path} has {token_ids.numel()} tokens, fewer than --ctx {args.ctx}")
+    stats, starts, first = position_stats(model, token_ids, args.methods, rotations, args.ctx, args.windows,
+                                          progress=not args.json)
+    settings = {"model": args.model, "dtype": str(model.dtype), "text": str(text_path),
+                "text_tokens": int(token_ids.numel()), "ctx": args.ctx, "windows": args.windows, "methods": args.methods}
+    meta = {**_environment(argv), "seconds": round(time.perf_counter() - started)}
+    result = kl_curve_result(stats, starts, first, args.bucket, meta, settings)
+    if args.out:
+        for path in write_outputs(result, Path(args.out), kl_curve_markdown(result), plot_kl_curve):
+            logger.info("wrote %s", path)
+    print(json.dumps(result) if args.json else kl_curve_markdown(result))
+
+
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
     from .calibrate_command import format_summary, run_calibration
 
@@ -131,6 +245,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rotations", help="rotation directory (default: the bundled ones for the default model)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
                         help="model dtype; auto = float32 on CPU, bfloat16 on GPU (windows are stored in it)")
+
+
+def _add_report_options(parser: argparse.ArgumentParser, handler, example_stem: str) -> None:
+    """``--json`` and ``--out STEM`` (JSON, markdown and PNG) of an evaluation that draws a plot."""
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", help=f"write STEM.json, STEM.md and STEM.png (e.g. {example_stem})")
+    parser.set_defaults(handler=handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,6 +277,53 @@ def build_parser() -> argparse.ArgumentParser:
     kl.add_argument("--out", help="also write the JSON result to this file")
     kl.set_defaults(handler=cmd_eval_kl)
 
+    niah = evaluate.add_parser("niah", help="needle in a haystack: retrieve a 7-digit number at several depths and lengths")
+    _add_model_options(niah)
+    niah.add_argument("--methods", type=_methods, default=list(METHODS))
+    niah.add_argument("--lengths", type=_arg(parse_lengths), default=[2048, 4096],
+                      help="prompt lengths in tokens, e.g. 2K,4K,8176 (prompt + new tokens must fit the context)")
+    niah.add_argument("--depths", type=_arg(parse_depths), default=[0.0, 25.0, 50.0, 75.0, 100.0],
+                      help="needle depths in %% of the haystack")
+    niah.add_argument("--needles", type=int, default=2, help="needles (seeds) per length and depth")
+    niah.add_argument("--seed", type=int, default=0, help="first seed; needle i uses seed + i")
+    niah.add_argument("--haystack", choices=["essays", "gutenberg"], default="essays",
+                      help="Paul Graham essays (niah_paul_graham_essays/) or Gutenberg books (gutenberg_books/)")
+    niah.add_argument("--data-dir", help="folder holding the haystack folders, read in place "
+                                         "(default $OSCAR_HF_DATA_DIR, else ../shared/data)")
+    niah.add_argument("--max-new-tokens", type=int, default=12)
+    niah.add_argument("--no-chat", action="store_true", help="plain prompt instead of the chat template")
+    _add_report_options(niah, cmd_eval_niah, "eval/results/niah_default")
+
+    curve = evaluate.add_parser("kl-curve", help="teacher-forced KL from BF16 per method as a function of context length")
+    _add_model_options(curve)
+    curve.add_argument("--text", help="a UTF-8 text file, read in place (default: WikiText-2 test in the data dir)")
+    curve.add_argument("--data-dir", help="default $OSCAR_HF_DATA_DIR, else ../shared/data")
+    curve.add_argument("--ctx", type=int, default=8192, help="window length: the curve runs up to it")
+    curve.add_argument("--windows", type=int, default=2)
+    curve.add_argument("--bucket", type=int, default=256, help="positions averaged per point")
+    curve.add_argument("--methods", type=_methods, default=list(METHODS))
+    _add_report_options(curve, cmd_eval_kl_curve, "eval/results/kl_curve_default")
+
+    tasks = evaluate.add_parser("tasks", help="accuracy on reasoning/code tasks through lm-eval (the paper's Table 2)")
+    _add_model_options(tasks)
+    tasks.add_argument("--methods", type=_methods, default=list(METHODS))
+    tasks.add_argument("--tasks", type=_tasks, default=["aime25", "gpqa_diamond", "math500", "gsm8k", "humaneval"],
+                       help="short task names: the YAMLs in oscar_hf/tasks (and --task-dir)")
+    tasks.add_argument("--limit", type=int, help="first N examples of each task")
+    tasks.add_argument("--seeds", type=int, default=1, help="runs per (method, task); seeds only matter with sampling")
+    tasks.add_argument("--out", required=True, help="output folder: runs/*.json, table.md, summary.json, accuracy.png")
+    tasks.add_argument("--data-dir", help="local data (read in place; default $OSCAR_HF_DATA_DIR; "
+                                          "neither: lm-eval's public datasets, downloaded)")
+    tasks.add_argument("--max-gen-toks", type=int, help="cap on generated tokens per answer (tasks ask up to 32,768)")
+    tasks.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples with top_p 0.95, top_k 40 (the paper: 1.0)")
+    tasks.add_argument("--sink", type=int, default=64)
+    tasks.add_argument("--recent", type=int, default=256)
+    tasks.add_argument("--batch-size", type=int, default=1)
+    tasks.add_argument("--think-end-token", help="e.g. </think>: stop strings only apply after it")
+    tasks.add_argument("--task-dir", action="append", default=[], help="a folder of extra task YAMLs")
+    tasks.add_argument("--json", action="store_true")
+    tasks.set_defaults(handler=cmd_eval_tasks)
+
     calibrate = commands.add_parser("calibrate", help="fit OSCAR rotations (and clip ratios) to a model")
     calibrate.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
     calibrate.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
@@ -173,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true")
     calibrate.set_defaults(handler=cmd_calibrate)
 
+    commands.add_parser("lm-eval", add_help=False,
+                        help="lm-eval's own command line with the 'oscar' model registered: "
+                             "oscar-hf lm-eval --model oscar --model_args method=oscar-int2 --tasks gsm8k")
+
     memory = commands.add_parser("memory", help="prefill a long text and print each method's memory report")
     _add_model_options(memory)
     memory.add_argument("--tokens", type=int, default=4096)
@@ -186,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:  # lm-eval's own command line, with the "oscar" model registered
+        from .lm_eval_model import cli_main
+
+        return cli_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     args.handler(args, argv)

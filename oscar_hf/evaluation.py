@@ -46,10 +46,24 @@ class _Totals:
         self.count = 0
 
     def add(self, log_probs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> None:
-        self.nll -= log_probs.gather(-1, targets[:, None]).sum().item()
-        self.kl += (reference.exp() * (reference - log_probs)).sum().item()
-        self.agree += (log_probs.argmax(-1) == reference.argmax(-1)).sum().item()
+        nll, kl, agree = token_stats(log_probs, reference, targets)
+        self.nll += nll.sum().item()
+        self.kl += kl.sum().item()
+        self.agree += agree.sum().item()
         self.count += targets.numel()
+
+
+def token_stats(
+    log_probs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position: NLL of the target, KL(reference || log_probs) in nats, and top-1 agreement (0/1).
+
+    ``log_probs`` and ``reference`` are ``[positions, vocab]`` log-probabilities, ``targets`` ``[positions]``.
+    """
+    nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+    kl = (reference.exp() * (reference - log_probs)).sum(-1)
+    agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
+    return nll, kl, agree
 
 
 def evaluate_methods(

@@ -55,18 +55,19 @@ def _teacher_forced_attention(module, query, key, value, attention_mask, scaling
     keys_q, values_q = layer.history_roundtrip(keys_hp, values_hp)
     batch, q_heads, length, head_dim = query.shape
     groups = q_heads // key.shape[1]
-    q = layer.rotate_keys(query).float().unflatten(1, (key.shape[1], groups))  # [B, Hkv, g, T, D]
-    scale = scaling if scaling is not None else head_dim**-0.5
+    # One fused softmax over two copies of every key: the quantized copy is visible to query i for the
+    # keys in its history, the high-precision copy for every other causal key. Each (i, j) is counted
+    # once, so this is exactly the mixed attention, without [T, T] score tensors per head.
     from_history = quantized_key_mask(length, layer.config, query.device)
-    scores = torch.where(
-        from_history,
-        q @ keys_q.float().unsqueeze(2).transpose(-1, -2),
-        q @ keys_hp.float().unsqueeze(2).transpose(-1, -2),
-    ) * scale
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-    output = (probs * from_history) @ values_q.float().unsqueeze(2) + (probs * ~from_history) @ values_hp.float().unsqueeze(2)
-    output = layer.unrotate_values(output.flatten(1, 2).to(query.dtype))
+    mask = torch.cat([from_history, causal & ~from_history], dim=1)
+    keys = torch.cat([keys_q, keys_hp], dim=2).float().repeat_interleave(groups, dim=1)
+    values = torch.cat([values_q, values_hp], dim=2).float().repeat_interleave(groups, dim=1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        layer.rotate_keys(query).float(), keys, values, attn_mask=mask,
+        scale=scaling if scaling is not None else head_dim**-0.5,
+    )
+    output = layer.unrotate_values(output.to(query.dtype))
     return output.transpose(1, 2).contiguous(), None
 
 
