@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler summary of a few steps per cache, same model and context.
 
     python eval/profile_decode.py [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
+    python eval/profile_decode.py --prefill --context 32768     # one prefill forward per cache instead
 
 Builds the random-weight model of ``eval/bench_gpu.py``, fills each cache synthetically, then
 profiles ``--steps`` single-token forwards (after warm-up) and prints, per cache: wall time per step,
@@ -64,6 +65,32 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
     }
 
 
+def profile_prefill(model, cache_name: str, batch: int, context: int, steps: int, rotations) -> dict:
+    """The same summary for one real prefill forward into a fresh cache (after a warm-up one)."""
+    model.set_attn_implementation(bench.attention_for(cache_name))
+    ids = bench.random_tokens(model, batch, context, seed=1)
+
+    def forward() -> None:
+        cache = bench.make_cache(cache_name, model, context + 8, rotations)
+        with torch.no_grad():
+            model(ids, use_cache=True, logits_to_keep=1, **{bench.cache_keyword(model): cache})
+        bench.synchronize(bench.model_devices(model))
+
+    forward()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        forward()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    bench.free_memory()
+    return {
+        "cache": cache_name,
+        "prefill_ms": wall_ms,
+        "cuda_kernel_ms": sum(e.self_device_time_total for e in prof.key_averages()) / 1e3,
+        "top_cuda": top_ops(prof, "self_device_time_total", 16),
+        "top_cpu": top_ops(prof, "self_cpu_time_total", 12),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", help="a preset of eval/bench_gpu.py or a JSON object")
@@ -72,6 +99,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--caches", default="dynamic,oscar-int2")
+    parser.add_argument("--prefill", action="store_true", help="profile one prefill of --context tokens instead")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     options = parser.parse_args()
     name, spec = bench.model_spec(json.loads(options.model) if options.model.startswith("{") else options.model)
@@ -79,11 +107,15 @@ def main() -> None:
     rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
     results = []
     for cache_name in options.caches.split(","):
-        result = profile_cache(model, cache_name, options.batch, options.context, options.steps, rotations)
+        measure = profile_prefill if options.prefill else profile_cache
+        result = measure(model, cache_name, options.batch, options.context, options.steps, rotations)
         results.append(result)
-        print(f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
-              f"generate {result['generate_ms_per_token']:.1f} ms/token")  # fmt: skip
-        for op in result["top_cuda"][:8]:
+        if options.prefill:
+            print(f"{cache_name}: prefill {result['prefill_ms']:.1f} ms (CUDA kernels {result['cuda_kernel_ms']:.1f} ms)")
+        else:
+            print(f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
+                  f"generate {result['generate_ms_per_token']:.1f} ms/token")  # fmt: skip
+        for op in result["top_cuda"][:14 if options.prefill else 8]:
             print("   cuda", op)
         for op in result["top_cpu"][:6]:
             print("   cpu ", op)
@@ -91,7 +123,8 @@ def main() -> None:
     info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name, "context": options.context,
             "batch": options.batch}  # fmt: skip
-    (options.out / "profile_decode.json").write_text(json.dumps({**info, "results": results}, indent=1))
+    stem = "profile_prefill" if options.prefill else "profile_decode"
+    (options.out / f"{stem}.json").write_text(json.dumps({**info, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

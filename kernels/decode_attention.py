@@ -417,18 +417,32 @@ def _decode_stage2_kernel(
 # --------------------------------------------------------------------------------------- launcher
 
 
+_RESIDENT_WARPS_PER_SM = 16  # ~128 registers a thread fill the register file at 16 warps
+
+
 @functools.lru_cache(maxsize=None)
-def _device_programs(device: torch.device) -> int:
-    """Stage-1 programs that run at once: 4 per SM on CUDA (4 warps x ~128 registers fill the register
-    file), else 4. History splits fill one such wave: a partial second wave nearly doubled the time
-    (batch 8 at 100K on an H200: 17 splits 704 us, 16 splits 526 us; decode_kernel_tuning.md)."""
+def _device_programs(device: torch.device, num_warps: int) -> int:
+    """Stage-1 programs that run at once: 16 warps per SM on CUDA, else 4. History splits fill one
+    such wave: a partial second wave nearly doubled the time (batch 8 at 100K on an H200: 17 splits
+    704 us, 16 splits 526 us; decode_kernel_tuning.md)."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return _RESIDENT_WARPS_PER_SM // num_warps * sms
     return 4
 
 
+def _default_warps(programs_per_split: int) -> int:
+    """4 warps a program when few (batch, kv head) pairs share the GPU, 1 when many do.
+
+    At batch 1 (8 KV heads) 4 warps and 66 splits were fastest (72 us against 81 us with 1 warp); at
+    batch 8, 1 warp with 4x the programs (33 splits) was fastest (477 us against 513-524 us with 4):
+    one warp needs no cross-warp reductions and more programs hide latency (decode_kernel_tuning.md).
+    """
+    return 1 if programs_per_split >= 32 else 4
+
+
 def _splits(
-    length: int, requested: int, programs_per_split: int, device: torch.device, block_n: int
+    length: int, requested: int, programs_per_split: int, device: torch.device, block_n: int, num_warps: int
 ) -> tuple[int, int]:
     """``(splits, chunk)`` for a history of ``length`` rows; ``chunk`` is a multiple of ``block_n``.
 
@@ -437,7 +451,7 @@ def _splits(
     """
     if length == 0:
         return 0, block_n
-    wave = max(1, _device_programs(device) // programs_per_split)
+    wave = max(1, _device_programs(device, num_warps) // programs_per_split)
     splits = requested or min(_MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), wave)
     chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
     return cdiv(length, chunk), chunk
@@ -490,7 +504,9 @@ def decode_attention_triton(
     num_stages = num_stages or (1 if q.dtype == torch.float32 else 3)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
-    hist_splits, chunk_hist = _splits(n_hist, num_splits, batch * kv_heads * head_blocks, q.device, block_n)
+    programs_per_split = batch * kv_heads * head_blocks
+    num_warps = num_warps or _default_warps(programs_per_split)
+    hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n, num_warps)
     n_slots = hist_splits + 3 * dense_splits
 
     partial_m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=q.device)
@@ -513,7 +529,7 @@ def decode_attention_triton(
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
         MAGIC=magic, OFFSET=offset, K_UNPACK=_unpack_asm(k_bits, magic), V_UNPACK=_unpack_asm(v_bits, magic),
-        HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps or 4, num_stages=num_stages,
+        HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _decode_stage2_kernel[(batch, q_heads)](
         partial_m, partial_l, partial_acc, *t(out), n_slots,

@@ -3,7 +3,9 @@
 One program loads ``BLOCK_N`` rows ``[BLOCK_N, D]`` in float32 and does, in registers, exactly what
 :func:`oscar_hf.quant.quantize` does in torch:
 
-1. clip each row at the order statistic ``sort(|row|)[floor(ratio * D)]`` (an exact bisection);
+1. clip each row at the order statistic ``sort(|row|)[floor(ratio * D)]``, found exactly (by peeling
+   off the largest magnitudes when few lie above it, as with the usual ratios 0.92-0.96, else by
+   bisection);
 2. per group of ``G`` channels, min/max (or max|x| when symmetric) -> float scale and zero-point;
 3. ``code = floor(x / scale + zero + 0.5)`` clamped to ``[0, 2^bits - 1]``;
 4. pack ``8 / bits`` codes per byte, byte ``c`` holding dims ``c, c + D/k, ...`` from the low bits up;
@@ -51,6 +53,25 @@ def _order_statistic(magnitudes, index):
 
 
 @triton.jit
+def _peel_order_statistic(magnitudes, above):
+    """Per row, the value with ``above`` elements after it in ``sort(row)``, by peeling off maxima.
+
+    Each step takes the largest magnitude below the previous one and counts its copies (ties); the
+    answer is the value whose copies reach past ``above``. At most ``above + 1`` steps.
+    """
+    current = tl.full((magnitudes.shape[0],), float("inf"), tl.float32)
+    result = tl.zeros((magnitudes.shape[0],), tl.float32)
+    remaining = tl.zeros((magnitudes.shape[0],), tl.int32) + above
+    for _ in range(above + 1):
+        peak = tl.max(tl.where(magnitudes < current[:, None], magnitudes, -1.0), axis=1)
+        copies = tl.sum((magnitudes == peak[:, None]).to(tl.int32), axis=1)
+        result = tl.where((remaining >= 0) & (copies > remaining), peak, result)
+        remaining -= copies
+        current = peak
+    return result
+
+
+@triton.jit
 def _quantize_tile(
     x, clip_index, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     SYMMETRIC: tl.constexpr, RECIPROCAL: tl.constexpr,
@@ -66,7 +87,12 @@ def _quantize_tile(
 
     if clip_index >= 0:
         # The threshold is the clip_index-th smallest |x| of the whole row (not per group).
-        threshold = _order_statistic(tl.abs(x), clip_index)[:, None]
+        above = D - 1 - clip_index
+        # Peeling costs two reductions per magnitude above the threshold, bisection one per bit (31).
+        if above < 15:
+            threshold = _peel_order_statistic(tl.abs(x), above)[:, None]
+        else:
+            threshold = _order_statistic(tl.abs(x), clip_index)[:, None]
         x = tl.minimum(tl.maximum(x, -threshold), threshold)
 
     groups = tl.reshape(x, (BLOCK_N, NG, G))
@@ -162,8 +188,13 @@ def _quantize_pack_many_kernel(
 
 
 def _block_rows(head_dim: int) -> int:
-    # About 2K float32 values per program (untuned): a few rows per program, few registers per thread.
-    return max(1, min(16, 2048 // head_dim))
+    # About 1K values per single-warp program: on an H200, 8 rows of 128 in one warp quantized a 32K
+    # prefill layer 4x faster than 16 rows in 4 warps (no cross-warp reductions in the clip search;
+    # eval/results/quantize_kernel_tuning.md).
+    return max(1, min(16, 1024 // head_dim))
+
+
+_NUM_WARPS = 1
 
 
 def quantize_pack_triton(
@@ -188,7 +219,7 @@ def quantize_pack_triton(
         n_rows, rows.stride(0), codes.stride(0), scale.stride(0),
         D=head_dim, G=group_size, BITS=bits, SYMMETRIC=symmetric,
         CLIP_INDEX=clip_index(clip_ratio, head_dim) if clip_ratio > 0 else -1, BLOCK_N=block,
-        RECIPROCAL=rows.is_cuda and not INTERPRET, INTERPRETED=INTERPRET,
+        RECIPROCAL=rows.is_cuda and not INTERPRET, INTERPRETED=INTERPRET, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return codes, scale, zero
 
@@ -210,8 +241,14 @@ def quantize_pack_many_triton(
     symmetric: bool,
     clip_ratios: list[float],
     metadata_dtype: torch.dtype,
+    block_rows: int = 0,
+    num_warps: int = 0,
 ) -> None:
-    """One launch for all jobs (arguments as :func:`quantize_pack_into`): a table row per job."""
+    """One launch for all jobs (arguments as :func:`quantize_pack_into`): a table row per job.
+
+    ``block_rows`` (rows per program) and ``num_warps`` are tuning knobs, 0 meaning the defaults
+    (``eval/tune_quantize.py``).
+    """
     batch, heads, rows_per_head, head_dim = sources[0].shape
     jobs = []
     for source, target, ratio in zip(sources, destinations, clip_ratios):
@@ -220,12 +257,12 @@ def quantize_pack_many_triton(
                      target.scale.data_ptr(), target.zero.data_ptr(), *target.scale.stride()[:3], clip])  # fmt: skip
     table = torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
     n_rows = batch * heads * rows_per_head
-    block = _block_rows(head_dim)
+    block = block_rows or _block_rows(head_dim)
     _quantize_pack_many_kernel[(cdiv(n_rows, block), len(jobs))](
         table, heads, rows_per_head, n_rows, len(_JOB_COLUMNS),
         SRC_DTYPE=_TL_DTYPES[sources[0].dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
         BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=sources[0].is_cuda and not INTERPRET,
-        INTERPRETED=INTERPRET,
+        INTERPRETED=INTERPRET, num_warps=num_warps or _NUM_WARPS,
     )  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The ``oscar-hf`` command line: ``demo``, ``eval kl``, ``eval tasks``, ``lm-eval`` (lm-eval's CLI with the ``oscar`` model)."""
+"""The ``oscar-hf`` command line: ``demo``, ``eval ...``, ``calibrate``, ``memory``, ``lm-eval-tasks``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,23 @@ def cmd_memory(args: argparse.Namespace, argv: list[str]) -> None:
         print(f"## {report.method}\n\n{report.to_markdown() if args.per_layer else report}\n")
 
 
+def cmd_lm_eval_tasks(args: argparse.Namespace, argv: list[str]) -> None:
+    from .tasks import available_tasks, write_task_configs
+
+    folder = _data_folder(args.data_dir)
+    if folder is None:
+        raise SystemExit("no local data: pass --data-dir or set $OSCAR_HF_DATA_DIR "
+                         "(online, lm-eval's own tasks need no YAMLs: --tasks gsm8k)")
+    specs = [s for s in available_tasks(args.task_dir).values()
+             if all((folder / f).exists() for f in s.data_files.values())]
+    for spec in specs:  # the oscar_ names even where lm-eval has an online task
+        spec.online_task = None
+    names = write_task_configs(specs, folder, args.out)
+    print(f"wrote {', '.join(sorted(names.values()))} to {args.out}; run them with\n"
+          f"  lm_eval --model oscar --model_args pretrained=default,method=oscar-int2 "
+          f"--include_path {args.out} --tasks {','.join(sorted(names.values()))} --limit 2")
+
+
 def _tasks(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -125,9 +142,7 @@ def cmd_eval_tasks(args: argparse.Namespace, argv: list[str]) -> None:
     from .data import data_dir
     from .task_eval import run_tasks
 
-    folder = Path(args.data_dir) if args.data_dir else data_dir()  # neither: lm-eval's public datasets
-    if args.data_dir and not folder.is_dir():
-        raise SystemExit(f"--data-dir {args.data_dir} is not a folder")
+    folder = _data_folder(args.data_dir) if args.data_dir else data_dir()  # neither: the public datasets
     model, tokenizer = _load(args)
     rotations = _rotations_for(args.model, args.rotations)
     summary = run_tasks(
@@ -341,9 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true")
     calibrate.set_defaults(handler=cmd_calibrate)
 
-    commands.add_parser("lm-eval", add_help=False,
-                        help="lm-eval's own command line with the 'oscar' model registered: "
-                             "oscar-hf lm-eval --model oscar --model_args method=oscar-int2 --tasks gsm8k")
+    tasks_out = commands.add_parser(
+        "lm-eval-tasks", help="write the offline lm-eval tasks (oscar_gsm8k, ...) for local data, "
+                              "for lm_eval --model oscar ... --include_path OUT")
+    tasks_out.add_argument("--data-dir", help="local data, read in place (default $OSCAR_HF_DATA_DIR, else ../shared/data)")
+    tasks_out.add_argument("--out", required=True, help="folder for the task YAMLs")
+    tasks_out.add_argument("--task-dir", action="append", default=[], help="a folder of extra task YAMLs")
+    tasks_out.set_defaults(handler=cmd_lm_eval_tasks)
 
     memory = commands.add_parser("memory", help="prefill a long text and print each method's memory report")
     _add_model_options(memory)
@@ -358,10 +377,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["lm-eval"]:  # lm-eval's own command line, with the "oscar" model registered
-        from .lm_eval_model import cli_main
-
-        return cli_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     args.handler(args, argv)

@@ -1,10 +1,13 @@
 """lm-evaluation-harness model ``oscar``: Hugging Face's ``HFLM`` with an OscarCache in every call.
 
-Importing this module registers the model under the name ``"oscar"`` (lm-eval 0.4.x has no plugin
-discovery for models, so use the ``oscar-hf lm-eval ...`` command, which imports it and then runs
-lm-eval's own command line)::
+Importing this module registers the model under the name ``"oscar"``. The stock command line finds
+it without any import, through the installed ``oscar_hf_lm_eval.pth`` (see
+:mod:`oscar_hf.lm_eval_plugin`)::
 
-    oscar-hf lm-eval --model oscar --model_args pretrained=default,method=oscar-int2 --tasks gsm8k --limit 2
+    lm_eval --model oscar --model_args pretrained=default,method=oscar-int2 --tasks gsm8k --limit 2
+
+Offline, write the local-data tasks first (``oscar-hf lm-eval-tasks --data-dir D --out T``) and add
+``--include_path T --tasks oscar_gsm8k``.
 
 Model arguments (besides HFLM's: ``batch_size``, ``max_length``, ``max_gen_toks``, ...):
 
@@ -226,42 +229,3 @@ class OscarLM(HFLM):
             "oscar_recent": self.recent,
         }
 
-
-def cli_main(argv: list[str] | None = None) -> None:
-    """Run lm-eval's own command line (``lm_eval ...``) with the ``oscar`` model registered.
-
-    One option of ours comes first or anywhere: ``--data-dir D`` (or ``$OSCAR_HF_DATA_DIR``) renders
-    this package's offline tasks (``oscar_aime25``, ``oscar_gsm8k``, ...: see :mod:`oscar_hf.tasks`)
-    for files under D into a temporary folder passed as ``--include_path``, and sets
-    ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` so nothing is downloaded.
-    """
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from lm_eval.__main__ import cli_evaluate
-
-    from .data import data_dir
-    from .tasks import available_tasks, write_task_configs
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    folder = None
-    if "--data-dir" in argv:
-        at = argv.index("--data-dir")
-        folder = Path(argv[at + 1])
-        del argv[at:at + 2]
-        if not folder.is_dir():
-            raise SystemExit(f"--data-dir {folder} is not a folder")
-    else:
-        folder = data_dir()
-    with tempfile.TemporaryDirectory(prefix="oscar_hf_tasks_") as include:
-        if folder is not None:
-            os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            specs = [s for s in available_tasks().values() if all((folder / f).exists() for f in s.data_files.values())]
-            for spec in specs:  # render under the oscar_ names even where an online lm-eval task exists
-                spec.online_task = None
-            write_task_configs(specs, folder, include)
-            argv += ["--include_path", include]
-        sys.argv = ["lm_eval", *argv]
-        cli_evaluate()

@@ -111,7 +111,7 @@ def _assert_same(got, want) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("clip_ratio", [0.0, 0.92])
+@pytest.mark.parametrize("clip_ratio", [0.0, 0.5, 0.92])  # 0.5: bisection; 0.92: peeling (256: bisection)
 @pytest.mark.parametrize("groups", [1, 2])
 def test_quantize_pack_bit_exact(head_dim, bits, symmetric, clip_ratio, groups):
     rows = _rows(19, head_dim, torch.bfloat16, seed=head_dim + bits)  # 19 rows: a partial second program
@@ -226,11 +226,11 @@ DECODE_CASES = {
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
-def _run_decode_case(case, dtype):
+def _run_decode_case(case, dtype, num_warps=0):
     batch, hq, hkv, dim, sink, hist, recent, new, splits, block_n, pads, (kb, vb), (kg, vg) = case
     args, options = _decode_inputs(batch, hq, hkv, dim, sink, hist, recent, new, dtype, kb, vb, kg, vg, pads)
     scale = dim**-0.5
-    got = torch.ops.oscar.decode_attention(*args, options["key_mask"], kb, vb, scale, splits, block_n, 0, 0)
+    got = torch.ops.oscar.decode_attention(*args, options["key_mask"], kb, vb, scale, splits, block_n, num_warps, 0)
     want = decode_attention_reference(*args, sm_scale=scale, **options)
     return got, want
 
@@ -241,6 +241,14 @@ def test_decode_attention_matches_reference(name, dtype):
     got, want = _run_decode_case(DECODE_CASES[name], dtype)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_warps", [1, 2])
+@pytest.mark.parametrize("name", ["several-splits-gqa4-padded-sink", "head-dim-256"])
+def test_decode_attention_with_fewer_warps(name, num_warps):
+    # large batches launch 1 warp a program (_default_warps); the layouts change with the warp count
+    got, want = _run_decode_case(DECODE_CASES[name], torch.bfloat16, num_warps)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
 
 
 def test_decode_attention_splits_do_not_change_the_result():

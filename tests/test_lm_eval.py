@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,43 @@ def write_tiny_task(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_model_is_registered():
     assert get_model("oscar") is OscarLM
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_installed_plugin_registers_oscar_lazily_in_a_fresh_process():
+    # the installed oscar_hf_lm_eval.pth registers a placeholder: no oscar_hf or torch import until asked
+    out = run_python("import sys, lm_eval.models\n"
+                     "from lm_eval.api.registry import get_model, model_registry\n"
+                     "print('oscar' in model_registry, 'oscar_hf' in sys.modules)\n"
+                     "print(get_model('oscar').__module__)")
+    assert out.split() == ["True", "False", "oscar_hf.lm_eval_model"]
+
+
+def test_stock_lm_eval_command_runs_the_oscar_model_offline(tmp_path, tok):
+    # CI's smoke test of the wrapper: lm-eval's own command line, one task, two examples
+    data, tasks = write_tiny_task(tmp_path)
+    model_dir, include, out = tmp_path / "model", tmp_path / "include", tmp_path / "out"
+    tiny_model("qwen3", vocab_size=len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    oscar_hf = Path(sys.executable).with_name("oscar-hf")
+    subprocess.run([str(oscar_hf), "lm-eval-tasks", "--data-dir", str(data), "--task-dir", str(tasks),
+                    "--out", str(include)], check=True, capture_output=True, timeout=300)
+    command = [str(Path(sys.executable).with_name("lm_eval")), "--model", "oscar", "--model_args",
+               f"pretrained={model_dir},method=quarot-int2,sink=4,recent=8,max_gen_toks=8,dtype=float32",
+               "--include_path", str(include), "--tasks", "oscar_tiny", "--limit", "2", "--output_path", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [results_file] = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert results["n-samples"]["oscar_tiny"]["effective"] == 2
+    assert "exact_match,none" in results["results"]["oscar_tiny"]
+    assert results["config"]["model_args"]["method"] == "quarot-int2"
+    assert results["model_source"] == "oscar"
 
 
 def test_eval_tasks_end_to_end_fresh_cache_resume_and_table(tmp_path, model, tok):
