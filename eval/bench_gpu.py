@@ -508,7 +508,7 @@ def add_speedups(rows: list[dict], keys: tuple[str, ...], baseline: dict[str, An
         for metric, higher_is_better in metrics.items():
             if row.get(metric) and base.get(metric):
                 ratio = row[metric] / base[metric] if higher_is_better else base[metric] / row[metric]
-                row[f"speedup_{metric}"] = round(ratio, 3)
+                row[f"speedup_{metric}"] = float(f"{ratio:.3g}")  # significant digits: interpreted kernels are ~1e-4x
 
 
 def model_cases(config: dict, run_model: Callable[[str, PreTrainedModel], list[dict]]) -> list[dict]:
