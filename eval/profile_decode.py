@@ -61,7 +61,7 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
         "cuda_kernel_ms_per_step": kernels_us / steps / 1e3,
         "generate_ms_per_token": generate_ms / steps,
         "top_cuda": top_ops(prof, "self_device_time_total", 12),
-        "top_cpu": top_ops(prof, "self_cpu_time_total", 12),
+        "top_cpu": top_ops(prof, "self_cpu_time_total", 30),
     }
 
 
@@ -87,7 +87,7 @@ def profile_prefill(model, cache_name: str, batch: int, context: int, steps: int
         "prefill_ms": wall_ms,
         "cuda_kernel_ms": sum(e.self_device_time_total for e in prof.key_averages()) / 1e3,
         "top_cuda": top_ops(prof, "self_device_time_total", 16),
-        "top_cpu": top_ops(prof, "self_cpu_time_total", 12),
+        "top_cpu": top_ops(prof, "self_cpu_time_total", 30),
     }
 
 
