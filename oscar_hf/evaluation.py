@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -38,19 +39,6 @@ def window_starts(n_tokens: int, context: int, windows: int) -> list[int]:
         raise ValueError("windows must be at least 1")
     stride = (n_tokens - context) // (windows - 1) if windows > 1 else 0
     return [k * stride for k in range(windows)]
-
-
-class _Totals:
-    def __init__(self) -> None:
-        self.nll = self.kl = self.agree = 0.0
-        self.count = 0
-
-    def add(self, log_probs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> None:
-        nll, kl, agree = token_stats(log_probs, reference, targets)
-        self.nll += nll.sum().item()
-        self.kl += kl.sum().item()
-        self.agree += agree.sum().item()
-        self.count += targets.numel()
 
 
 def token_stats(
@@ -98,43 +86,73 @@ def evaluate_caches(
 
     The caches only supply configurations and rotations; the reference is an unquantized forward.
     """
-    reference_cache = OscarCache(model, "none")
     config = next(iter(caches.values())).oscar_config
     first = config.sink + config.recent
     if first >= context - 1:
         raise ValueError(f"context {context} leaves no position after sink + recent = {first}")
     if any((c.oscar_config.sink, c.oscar_config.recent) != (config.sink, config.recent) for c in caches.values()):
         raise ValueError("all compared caches must use the same sink and recent window, so they score the same positions")
-    totals = {label: _Totals() for label in caches}
-    device = next(model.parameters()).device
-    for start in tqdm(window_starts(token_ids.numel(), context, windows), desc="windows", disable=not progress):
-        ids = token_ids[start : start + context][None].to(device)
-        targets = ids[0, first + 1 :]
-        reference = _log_probs(teacher_forced_logits(model, ids, reference_cache), first)
-        for label, cache in caches.items():
-            quantized = cache.oscar_config.quantized
-            log_probs = _log_probs(teacher_forced_logits(model, ids, cache), first) if quantized else reference
-            totals[label].add(log_probs, reference, targets)
-    head_dim = head_dim_of(reference_cache.text_config)
+    stats, starts = position_stats_of_caches(model, token_ids, caches, context, windows, progress)
+    head_dim = head_dim_of(next(iter(caches.values())).text_config)
     return [
-        _score(label, totals[label], bits_per_element(cache.oscar_config, context, head_dim))
+        _score(label, stats[label][:, first:], len(starts), bits_per_element(cache.oscar_config, context, head_dim))
         for label, cache in caches.items()
     ]
 
 
-def _log_probs(logits: torch.Tensor, first: int) -> torch.Tensor:
-    return logits[0, first:-1].float().log_softmax(dim=-1)
+@torch.no_grad()
+def position_stats_of_caches(
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    caches: dict[str, OscarCache],
+    context: int,
+    windows: int,
+    progress: bool = True,
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """``{label: [3, context - 1]}`` window-averaged NLL, KL from ``none`` and top-1 agreement per position.
+
+    Position ``p`` predicts token ``p + 1``. Every window is decoded teacher-forced once unquantized
+    (the reference) and once per quantizing cache; caches that quantize nothing reuse the reference.
+    Also returns the window starts.
+    """
+    reference_cache = OscarCache(model, "none")
+    starts = window_starts(token_ids.numel(), context, windows)
+    sums = {label: torch.zeros(3, context - 1, dtype=torch.float64) for label in caches}
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(starts) * (1 + sum(c.oscar_config.quantized for c in caches.values())),
+               desc="teacher-forced passes", disable=not progress)
+    for start in starts:
+        ids = token_ids[start : start + context][None].to(device)
+        bar.set_postfix_str(f"window at {start}, none")
+        reference = _log_probs(teacher_forced_logits(model, ids, reference_cache))
+        bar.update()
+        for label, cache in caches.items():
+            if cache.oscar_config.quantized:
+                bar.set_postfix_str(f"window at {start}, {label}")
+                log_probs = _log_probs(teacher_forced_logits(model, ids, cache))
+                bar.update()
+            else:
+                log_probs = reference
+            sums[label] += torch.stack(token_stats(log_probs, reference, ids[0, 1:])).double().cpu()
+            del log_probs
+    bar.close()
+    return {label: s / len(starts) for label, s in sums.items()}, starts
 
 
-def _score(method: str, totals: _Totals, bpe: float) -> MethodScore:
-    n = totals.count
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return logits[0, :-1].float().log_softmax(dim=-1)
+
+
+def _score(method: str, stats: torch.Tensor, windows: int, bpe: float) -> MethodScore:
+    """A method's score from its window-averaged per-position stats over the scored positions."""
+    nll, kl, agree = stats.mean(dim=1).tolist()
     return MethodScore(
         method=method,
-        perplexity=round(float(torch.tensor(totals.nll / n).exp()), 4),
-        kl_from_none=round(totals.kl / n, 5),
-        top1_agreement=round(totals.agree / n, 4),
+        perplexity=round(math.exp(nll), 4),
+        kl_from_none=round(kl, 5),
+        top1_agreement=round(agree, 4),
         bits_per_element=round(bpe, 3),
-        positions=n,
+        positions=stats.shape[1] * windows,
     )
 
 

@@ -15,21 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .cache import OscarCache
-from .evaluation import _log_probs, token_stats, window_starts
-from .log import get_logger
+from .evaluation import position_stats_of_caches
 from .rotations import RotationSet
-from .teacher_forcing import teacher_forced_logits
-
-logger = get_logger(__name__)
-
-STATS = ("nll", "kl", "top1")
 
 
-@torch.no_grad()
 def position_stats(
     model: PreTrainedModel,
     token_ids: torch.Tensor,
@@ -43,36 +35,13 @@ def position_stats(
     """``{method: [3, context - 1]}`` window-averaged NLL, KL from ``none`` and top-1 agreement per position.
 
     Also returns the window starts and the first position that can see a quantized key (the
-    smallest ``sink + recent`` of the quantized methods). Methods that quantize nothing reuse the
-    reference pass.
+    smallest ``sink + recent`` of the quantized methods).
     """
     caches = {m: OscarCache(model, m, rotations=rotations, **overrides) for m in methods}
     configs = [c.oscar_config for c in caches.values()]
     first = min((c.sink + c.recent for c in configs if c.quantized), default=configs[0].sink + configs[0].recent)
-    reference_cache = OscarCache(model, "none")
-    starts = window_starts(token_ids.numel(), context, windows)
-    sums = {m: torch.zeros(len(STATS), context - 1, dtype=torch.float64) for m in methods}
-    device = next(model.parameters()).device
-    bar = tqdm(total=len(starts) * (1 + sum(c.oscar_config.quantized for c in caches.values())),
-               desc="teacher-forced passes", disable=not progress)
-    for start in starts:
-        ids = token_ids[start : start + context][None].to(device)
-        targets = ids[0, 1:]
-        bar.set_postfix_str(f"window at {start}, none")
-        reference = _log_probs(teacher_forced_logits(model, ids, reference_cache), 0)
-        bar.update()
-        for method, cache in caches.items():
-            if cache.oscar_config.quantized:
-                bar.set_postfix_str(f"window at {start}, {method}")
-                log_probs = _log_probs(teacher_forced_logits(model, ids, cache), 0)
-                bar.update()
-            else:
-                log_probs = reference
-            sums[method] += torch.stack(token_stats(log_probs, reference, targets)).double().cpu()
-            del log_probs
-        logger.info("window at %d done", start)
-    bar.close()
-    return {m: s / len(starts) for m, s in sums.items()}, starts, first
+    stats, starts = position_stats_of_caches(model, token_ids, caches, context, windows, progress)
+    return stats, starts, first
 
 
 def buckets(stats: torch.Tensor, width: int) -> list[dict]:
