@@ -124,10 +124,8 @@ def cmd_lm_eval_tasks(args: argparse.Namespace, argv: list[str]) -> None:
     if folder is None:
         raise SystemExit("no local data: pass --data-dir or set $OSCAR_HF_DATA_DIR "
                          "(online, lm-eval's own tasks need no YAMLs: --tasks gsm8k)")
-    specs = [s for s in available_tasks(args.task_dir).values()
+    specs = [s for s in available_tasks(args.task_dir).values()  # the tasks whose files are here
              if all((folder / f).exists() for f in s.data_files.values())]
-    for spec in specs:  # the oscar_ names even where lm-eval has an online task
-        spec.online_task = None
     names = write_task_configs(specs, folder, args.out)
     print(f"wrote {', '.join(sorted(names.values()))} to {args.out}; run them with\n"
           f"  lm_eval --model oscar --model_args pretrained=default,method=oscar-int2 "
@@ -178,8 +176,10 @@ def _data_folder(given: str | None) -> Path | None:
 
 
 def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
-    from .niah import (Haystack, NeedleError, check_lengths, haystack_files, model_context, niah_markdown,
-                       niah_result, plot_niah, read_haystack, run_niah, write_outputs)
+    from .evaluation import write_outputs
+    from .models import model_context
+    from .niah import (Haystack, NeedleError, check_lengths, haystack_files, niah_markdown, niah_result, plot_niah,
+                       read_haystack, run_niah)
 
     started = time.perf_counter()
     try:
@@ -207,8 +207,10 @@ def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
+    from .data import WIKITEXT2_TEST
+    from .evaluation import write_outputs
     from .kl_curve import kl_curve_markdown, kl_curve_result, plot_kl_curve, position_stats
-    from .niah import write_outputs
+    from .models import model_context
 
     started = time.perf_counter()
     text_path = Path(args.text) if args.text else None
@@ -217,14 +219,12 @@ def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
         if folder is None:
             raise SystemExit("oscar-hf eval kl-curve: no --text and no data directory "
                              "(pass --text FILE, --data-dir or set $OSCAR_HF_DATA_DIR)")
-        text_path = folder / "wikitext2_raw" / "wiki.test.raw"
+        text_path = folder / WIKITEXT2_TEST
     if not text_path.is_file():
         raise SystemExit(f"oscar-hf eval kl-curve: {text_path} is not a file")
     if args.bucket < 1 or args.windows < 1:
         raise SystemExit("oscar-hf eval kl-curve: --bucket and --windows must be at least 1")
     model, tokenizer = _load(args)
-    from .niah import model_context
-
     limit = model_context(model)
     if limit is not None and args.ctx > limit:
         raise SystemExit(f"oscar-hf eval kl-curve: --ctx {args.ctx} exceeds the model's context of {limit} tokens")

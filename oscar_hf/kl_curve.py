@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import OscarCache
-from .evaluation import position_stats_of_caches
+from .evaluation import position_stats_of_caches, tokens_label
 from .rotations import RotationSet
 
 
@@ -94,16 +94,12 @@ def _nats(x: float) -> str:
     return f"{x if x > 0 else 0.0:.4f}"
 
 
-def _k(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
-
-
 def kl_curve_markdown(result: dict) -> str:
     methods = result["methods"]
     contexts = list(next(iter(result["at_context"].values())))
     rows = [f"Mean KL(p_BF16 || p_method) in nats over positions {result['first_scored']}..C-2 "
             "(what `eval kl --ctx C` scores), by context C (top-1 agreement in brackets):", "",
-            "| method | " + " | ".join(_k(int(c)) for c in contexts) + " |", "|---|" + "---|" * len(contexts)]
+            "| method | " + " | ".join(tokens_label(int(c)) for c in contexts) + " |", "|---|" + "---|" * len(contexts)]
     for m in methods:
         cells = result["at_context"][m]
         rows.append(f"| {m} | " + " | ".join(f"{_nats(cells[c]['kl'])} ({cells[c]['top1_agreement']:.3f})" for c in contexts) + " |")

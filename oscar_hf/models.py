@@ -142,6 +142,12 @@ def load_model(
     return model, tokenizer
 
 
+def model_context(model: PreTrainedModel) -> int | None:
+    """The model's context length (``max_position_embeddings`` of its text config), if it declares one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
 def load_config(name_or_path: str = DEFAULT_MODEL) -> PretrainedConfig:
     """The config of a model, without its weights (``"default"``: SmolLM2-135M-Instruct's)."""
     source = _default_checkpoint() if name_or_path == DEFAULT_MODEL else name_or_path

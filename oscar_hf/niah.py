@@ -25,7 +25,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .evaluation import tokens_label
 from .log import get_logger
+from .models import model_context
 from .rotations import RotationSet
 
 logger = get_logger(__name__)
@@ -282,11 +284,6 @@ def check_lengths(lengths: Sequence[int], context: int | None, max_new_tokens: i
                           f"{context} tokens; the longest prompt that fits is {context - max_new_tokens}")
 
 
-def model_context(model: PreTrainedModel) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "max_position_embeddings", None)
-
-
 @torch.no_grad()
 def run_niah(
     model: PreTrainedModel,
@@ -366,13 +363,9 @@ def niah_result(trials: Sequence[Trial], meta: dict, settings: dict) -> dict:
     }
 
 
-def _k(length: int) -> str:
-    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
-
-
 def niah_markdown(result: dict) -> str:
     methods, lengths, depths = result["methods"], result["lengths"], result["depths"]
-    head = "| method | " + " | ".join(f"{_k(n)} ({n} tokens)" for n in lengths) + " | all |"
+    head = "| method | " + " | ".join(f"{tokens_label(n)} ({n} tokens)" for n in lengths) + " | all |"
     rows = ["Accuracy (exact match of the 7-digit number), all depths and needles:", "", head,
             "|---|" + "---|" * (len(lengths) + 1)]
     for m in methods:
@@ -384,7 +377,7 @@ def niah_markdown(result: dict) -> str:
     for m in methods:
         for n in lengths:
             cell = result["accuracy"][m][str(n)]
-            rows.append(f"| {m} | {_k(n)} | " + " | ".join(f"{cell[f'{d:g}']:.2f}" for d in depths) + " |")
+            rows.append(f"| {m} | {tokens_label(n)} | " + " | ".join(f"{cell[f'{d:g}']:.2f}" for d in depths) + " |")
     meta = (f"\n\n`{result['command']}` on {result['machine']} ({result['device']}), {result['date']}, "
             f"{result['seconds']} s; model {result['model']}, haystack: {result['haystack']}, "
             f"{len(result['seeds'])} needle(s) per cell (seeds {result['seeds']}), greedy, "
@@ -412,7 +405,7 @@ def plot_niah(result: dict, path: Path) -> None:
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths])
+        ax.set_xticks(range(len(lengths)), [tokens_label(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
         ax.set_title(f"{method} ({result['summary'][method]['all']:.2f})")
         ax.set_xlabel("prompt length (tokens)")
@@ -425,18 +418,3 @@ def plot_niah(result: dict, path: Path) -> None:
                  f"{result['command']}\n{result['machine']}, {result['date']}", fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write_outputs(result: dict, stem: Path, markdown: str, plot) -> list[Path]:
-    """``stem``.json, ``stem``.md and ``stem``.png (``stem`` may end in .json; parents are created)."""
-    import json
-
-    stem = Path(stem)
-    if stem.suffix in (".json", ".md", ".png"):
-        stem = stem.with_suffix("")
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_name(stem.name + ext) for ext in (".json", ".md", ".png")]
-    paths[0].write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    paths[1].write_text(markdown)
-    plot(result, paths[2])
-    return paths

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from oscar_hf import OscarCache
 from oscar_hf.cli import main
 from oscar_hf.data import data_dir
+from oscar_hf.evaluation import write_outputs
 from oscar_hf.niah import (
     ANSWER_PREFIX,
     INSTRUCTION,
@@ -36,7 +37,6 @@ from oscar_hf.niah import (
     read_haystack,
     run_niah,
     summary,
-    write_outputs,
 )
 from tests.conftest import tiny_model
 
