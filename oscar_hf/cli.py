@@ -15,6 +15,7 @@ import torch
 from .config import METHODS
 from .niah import parse_depths, parse_lengths
 from .log import get_logger
+from .models import DTYPES
 from .rotations import RotationSet
 
 logger = get_logger(__name__)
@@ -50,13 +51,10 @@ def _environment(argv: list[str]) -> dict:
     }
 
 
-_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _load(args: argparse.Namespace):
     from .models import load_model
 
-    return load_model(args.model, dtype=_DTYPES[args.dtype])
+    return load_model(args.model, dtype=DTYPES[args.dtype])
 
 
 def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
@@ -258,7 +256,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
     parser.add_argument("--rotations", help="rotation directory (default: the bundled ones for the default model)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="model dtype; auto = float32 on CPU, bfloat16 on GPU (windows are stored in it)")
 
 
@@ -341,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = commands.add_parser("calibrate", help="fit OSCAR rotations (and clip ratios) to a model")
     calibrate.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
-    calibrate.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
+    calibrate.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     calibrate.add_argument("--data", nargs="+", required=True,
                            help="text files (documents) and/or .jsonl files (one prompt or chat per line), read in place")
     calibrate.add_argument("--tokens", type=int, default=20000, help="calibration token budget")

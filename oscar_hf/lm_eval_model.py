@@ -29,7 +29,6 @@ Every ``generate`` call gets a fresh :class:`~oscar_hf.cache.OscarCache` (a fill
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -43,11 +42,13 @@ from .cache import OscarCache
 from .compat import cache_keyword
 from .config import METHODS
 from .log import get_logger
+from .models import DTYPES, load_model
+from .rotations import RotationSet
 from .teacher_forcing import teacher_forced_logits
+from .zoo import resolve_rotations
 
 logger = get_logger(__name__)
 
-_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGLIKELIHOOD_MODES = ("teacher-forced", "prefill")
 
 
@@ -100,7 +101,7 @@ class OscarLM(HFLM):
         self,
         pretrained: str | transformers.PreTrainedModel = "default",
         method: str = "oscar-int2",
-        rotations: Any = None,
+        rotations: RotationSet | str | None = None,
         sink: int = 64,
         recent: int = 256,
         think_end_token: str | int | None = None,
@@ -115,13 +116,10 @@ class OscarLM(HFLM):
             raise ValueError(f"unknown method {method!r}; choose one of {sorted(METHODS)}")
         if loglikelihood not in LOGLIKELIHOOD_MODES:
             raise ValueError(f"loglikelihood must be one of {LOGLIKELIHOOD_MODES}, not {loglikelihood!r}")
-        model_name = pretrained if isinstance(pretrained, str) else None
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's command line says "cuda" unless told otherwise
         if isinstance(pretrained, str):
-            from .models import load_model
-
-            torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+            torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
             pretrained, loaded_tokenizer = load_model(pretrained, dtype=torch_dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
         elif tokenizer is None:
@@ -135,24 +133,17 @@ class OscarLM(HFLM):
         self.method, self.sink, self.recent = method, int(sink), int(recent)
         self.loglikelihood_mode = loglikelihood
         self.gen_cap = int(max_gen_toks) if max_gen_toks else None
-        self.rotations = self._resolve_rotations(model_name, rotations)
+        self.rotations = self._resolve_rotations(rotations)
         self.caches_created = 0
         logger.info("lm-eval model 'oscar': method=%s sink=%d recent=%d keyword=%s", method, self.sink,
                     self.recent, cache_keyword(self.model))
 
-    def _resolve_rotations(self, model_name: str | None, rotations: Any):
+    def _resolve_rotations(self, rotations: RotationSet | str | None) -> RotationSet | None:
+        """None for methods without calibrated rotations; else ``rotations`` (a set, a directory or a hub
+        id) or the set bundled for this model, checked against it (:func:`oscar_hf.zoo.resolve_rotations`)."""
         if METHODS[self.method].rotation != "calibrated":
             return None
-        if rotations is None or isinstance(rotations, str):
-            from .zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained
-
-            if rotations:
-                return from_pretrained(rotations)
-            if model_name in (None, "default"):
-                # An already loaded model is assumed to be the default one only if the bundled rotations fit.
-                return from_pretrained(bundled_rotations_dir(DEFAULT_ROTATIONS))
-            raise ValueError(f"method {self.method!r} needs calibrated rotations: pass rotations=DIR")
-        return rotations
+        return resolve_rotations(self.model, rotations if rotations is not None else "default")
 
     # ---------------------------------------------------------------------------------- caches
     def new_cache(self) -> OscarCache:

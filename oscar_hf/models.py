@@ -103,6 +103,12 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "oscar_hf"
 
 
+# dtype names of the command line and lm-eval's model args; "auto" lets load_model choose.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
