@@ -175,9 +175,8 @@ def _data_folder(given: str | None) -> Path | None:
 
 def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
     from .evaluation import write_outputs
-    from .models import model_context
-    from .niah import (Haystack, NeedleError, check_lengths, haystack_files, niah_markdown, niah_result, plot_niah,
-                       read_haystack, run_niah)
+    from .niah import (Haystack, NeedleError, haystack_files, niah_markdown, niah_result, plot_niah, read_haystack,
+                       run_niah)
 
     started = time.perf_counter()
     try:
@@ -185,7 +184,6 @@ def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
         if args.needles < 1 or args.max_new_tokens < 1:
             raise NeedleError("--needles and --max-new-tokens must be at least 1")
         model, tokenizer = _load(args)
-        check_lengths(args.lengths, model_context(model), args.max_new_tokens)
         rotations = _rotations_for(args.model, args.rotations)
         haystack = Haystack(tokenizer, read_haystack(files))
         seeds = list(range(args.seed, args.seed + args.needles))

@@ -316,7 +316,7 @@ def run_niah(
                     trial = Trial(
                         method=method, length=length, depth=depth, seed=seed, key=prompt.needle.key,
                         expected=prompt.needle.value, answer=run.answer, extracted=extracted,
-                        correct=extracted == prompt.needle.value, needle_position=prompt.needle_start,
+                        correct=is_correct(run.answer, prompt.needle), needle_position=prompt.needle_start,
                         actual_depth=round(prompt.actual_depth, 2), prefill_seconds=run.prefill_seconds,
                     )
                     logger.info("%s length %d depth %g seed %d: %r (%s)", method, length, depth, seed, run.answer,

@@ -282,11 +282,6 @@ def summary_rows(scores: dict, methods: list[str], tasks: list[str], head_dim: i
     return rows
 
 
-def _add_same_output(rows: list[dict], rates: dict[str, float]) -> None:
-    for row in rows:
-        row["same_output_as_bf16"] = rates.get(row["method"])
-
-
 def table_markdown(rows: list[dict], tasks: list[str]) -> str:
     def cell(c):
         if c is None:
@@ -337,9 +332,10 @@ def write_summary(out_dir: str | Path, methods: list[str], tasks: list[str], see
     scores = load_runs(out_dir, methods, tasks, seeds)
     windows = {k: (settings or {}).get(k) or default for k, default in (("sink", 64), ("recent", 256))}
     rows = summary_rows(scores, methods, tasks, head_dim, **windows)
-    _add_same_output(rows, same_output_rates(out_dir, methods, tasks, seeds))
+    overall = same_output_rates(out_dir, methods, tasks, seeds)
     by_task = {task: same_output_rates(out_dir, methods, [task], seeds) for task in tasks}
     for row in rows:
+        row["same_output_as_bf16"] = overall.get(row["method"])
         row["same_output_as_bf16_by_task"] = {task: rates.get(row["method"]) for task, rates in by_task.items()}
     table = table_markdown(rows, tasks)
     env = environment or {}
