@@ -65,7 +65,7 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
     }
 
 
-def profile_prefill(model, cache_name: str, batch: int, context: int, steps: int, rotations) -> dict:
+def profile_prefill(model, cache_name: str, batch: int, context: int, rotations) -> dict:
     """The same summary for one real prefill forward into a fresh cache (after a warm-up one)."""
     model.set_attn_implementation(bench.attention_for(cache_name))
     ids = bench.random_tokens(model, batch, context, seed=1)
@@ -107,14 +107,14 @@ def main() -> None:
     rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
     results = []
     for cache_name in options.caches.split(","):
-        measure = profile_prefill if options.prefill else profile_cache
-        result = measure(model, cache_name, options.batch, options.context, options.steps, rotations)
-        results.append(result)
         if options.prefill:
+            result = profile_prefill(model, cache_name, options.batch, options.context, rotations)
             print(f"{cache_name}: prefill {result['prefill_ms']:.1f} ms (CUDA kernels {result['cuda_kernel_ms']:.1f} ms)")
         else:
+            result = profile_cache(model, cache_name, options.batch, options.context, options.steps, rotations)
             print(f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
                   f"generate {result['generate_ms_per_token']:.1f} ms/token")  # fmt: skip
+        results.append(result)
         for op in result["top_cuda"][:14 if options.prefill else 8]:
             print("   cuda", op)
         for op in result["top_cpu"][:6]:
