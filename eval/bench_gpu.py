@@ -11,6 +11,10 @@ The config's ``benchmark`` field picks what runs (``--set decode.repeats=5`` ove
   (DynamicCache, StaticCache, OscarCache), plus a real 32K prefill (the quantize-on-write cost).
 * ``memory``: KV bytes and peak memory at 128K, then the largest batch at 100K, predicted from the
   measured caches and verified by running it, and the decode throughput there.
+* ``graph`` (issue 7): per-step decode time of eager DynamicCache, StaticCache under transformers'
+  compiled generate, eager OscarCache and OscarCache with its step captured in a CUDA graph
+  (``oscar_hf.StaticDecoder``), each beside its memory roofline; ``oscar_hf.generate`` tokens/s; and a
+  profiler summary of one captured step.
 * ``multigpu``: ``device_map="auto"`` over 2 GPUs (OscarCache buffers must follow their layer) and
   tensor parallelism (``eval/tp_decode.py`` under torchrun). Skipped, with the reason, on fewer GPUs.
 
@@ -53,7 +57,8 @@ sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-h
 
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config, StaticCache  # noqa: E402
 
-from oscar_hf import OscarCache, OscarLayer, RotationSet  # noqa: E402
+import oscar_hf  # noqa: E402
+from oscar_hf import OscarCache, OscarLayer, RotationSet, StaticDecoder  # noqa: E402
 from oscar_hf.absorption import absorb_value_rotations  # noqa: E402
 from oscar_hf.cache import ABSORBED_ATTRIBUTE  # noqa: E402
 from oscar_hf.compat import cache_keyword  # noqa: E402
@@ -64,6 +69,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method
 # "<method>+absorbed": that OscarCache method on the model with R_V folded into v_proj/o_proj.
 ABSORBED_SUFFIX = "+absorbed"
+# "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder).
+GRAPH_SUFFIX = "+graph"
 
 # Qwen3 shapes from the models' config.json, with room for 128K positions (weights are random).
 MODEL_PRESETS: dict[str, dict] = {
@@ -320,13 +327,17 @@ def attention_for(cache_name: str) -> str:
     return "sdpa" if cache_name in BF16_CACHES else "oscar"
 
 
-def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations: RotationSet | None):
-    """``dynamic`` / ``static`` (transformers, BF16) or an OscarCache method (``oscar-int2``, ``quarot-int2``...)."""
+def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations: RotationSet | None,
+               preallocate: bool = False):  # fmt: skip
+    """``dynamic`` / ``static`` (transformers, BF16) or an OscarCache method (``oscar-int2``, ``quarot-int2``...).
+
+    ``preallocate``: an OscarCache allocates its history for ``max_len`` tokens at once (static decoding).
+    """
     if cache_name == "dynamic":
         return DynamicCache(config=model.config)
     if cache_name == "static":
         return StaticCache(config=model.config, max_cache_len=max_len)
-    return OscarCache(model, cache_name, rotations=rotations)
+    return OscarCache(model, cache_name, rotations=rotations, max_cache_len=max_len if preallocate else None)
 
 
 @contextlib.contextmanager
@@ -749,6 +760,186 @@ def bench_e2e(config: dict) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------ (d) CUDA graphs
+
+
+def graph_decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: int, capacity: int) -> dict:
+    """Times (ms) of single-token steps through :class:`oscar_hf.StaticDecoder`, each synchronised.
+
+    The first step freezes the cache and runs eagerly, the second captures the graph; both are part
+    of ``warmup``. Captured on CUDA; elsewhere (the CPU smoke test) the same static steps run eagerly.
+    """
+    device, devices = input_device(model), model_devices(model)
+    decoder = StaticDecoder(model, cache, capacity, capture=device.type == "cuda")
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    times = []
+
+    def step() -> None:
+        nonlocal token
+        logits = decoder.step({"input_ids": token, cache_keyword(model): cache})
+        token = logits[:, -1:].argmax(-1)
+
+    for index in range(max(warmup, 2) + steps):
+        ms = elapsed_ms(step, devices)
+        if index >= max(warmup, 2):
+            times.append(ms)
+    captured = decoder.graph is not None
+    cache.stop_static()
+    return {"step_ms_all": times, "captured": captured}
+
+
+def fast_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> float:
+    """One timed ``oscar_hf.generate`` of ``new_tokens`` greedy tokens over a filled cache."""
+    call = functools.partial(
+        oscar_hf.generate, model, input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache},
+    )  # fmt: skip
+    return elapsed_ms(call, model_devices(model))
+
+
+def compiled_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> float:
+    """One timed ``model.generate`` that transformers compiles (StaticCache: ``mode="reduce-overhead"``)."""
+    call = functools.partial(
+        model.generate, input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache},
+    )  # fmt: skip
+    return elapsed_ms(call, model_devices(model))
+
+
+def graph_case(model: PreTrainedModel, cache_name: str, context: int, batch: int, run: dict,
+               rotations: RotationSet | None) -> dict:  # fmt: skip
+    """One cache's median decode step over a synthetic ``context`` (and generate tokens/s where cheap)."""
+    captured = cache_name.endswith(GRAPH_SUFFIX)
+    method = cache_name.removesuffix(GRAPH_SUFFIX)
+    capacity = context + run["warmup_steps"] + run["steps"] + run["new_tokens"] + 16
+    model.set_attn_implementation(attention_for(method))
+    fill = synthetic_fill(model, batch, context, run["fill_chunk_rows"])
+    ids = random_tokens(model, batch, context + 1)
+
+    def filled():
+        cache = make_cache(method, model, capacity, rotations, preallocate=captured)
+        fill(cache)
+        synchronize(model_devices(model))
+        return cache
+
+    cache = filled()
+    row = {"kv_bytes": kv_bytes(cache)}
+    if captured:
+        row.update(graph_decode_steps(model, cache, batch, run["warmup_steps"], run["steps"], capacity))
+    else:
+        row["step_ms_all"] = decode_steps(model, cache, batch, run["warmup_steps"], run["steps"])
+    del cache
+    free_memory()
+    if captured or method == "dynamic":  # the user-facing loop: generate's own sampling and stopping
+        times = []
+        for _ in range(run["repeats"] + 1):  # the first call warms up (compiles and captures)
+            cache = filled()
+            timed = fast_generate_ms if captured else generate_ms_eager
+            times.append(timed(model, cache, ids, run["new_tokens"]))
+            del cache
+            free_memory()
+        row["generate_tokens_per_s"] = batch * run["new_tokens"] * 1e3 / median(times[1:])
+    row["step_ms"] = median(row["step_ms_all"])
+    return {**row, **roofline(model, row["kv_bytes"], row["step_ms"], run.get("bandwidth_bytes_per_s"))}
+
+
+def generate_ms_eager(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> float:
+    return elapsed_ms(functools.partial(generate, model, cache, input_ids, new_tokens), model_devices(model))
+
+
+def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: dict) -> dict:
+    """StaticCache under transformers' compiled generate: a step is the time difference of two lengths.
+
+    Compilation and graph capture happen in the first call, which is not timed.
+    """
+    short, long = run["compiled_new_tokens"]
+    capacity = context + long + 16
+    model.set_attn_implementation("sdpa")
+    fill = synthetic_fill(model, batch, context, run["fill_chunk_rows"])
+    ids = random_tokens(model, batch, context + 1)
+    times: dict[int, list[float]] = {short: [], long: []}
+    for index, tokens in enumerate([short] + [short, long] * run["repeats"]):
+        cache = make_cache("static", model, capacity, None)
+        fill(cache)
+        ms = compiled_generate_ms(model, cache, ids, tokens)
+        if index:
+            times[tokens].append(ms)
+        del cache
+        free_memory()
+    step_ms = (median(times[long]) - median(times[short])) / (long - short)
+    cache_bytes = 2 * text_config(model).num_hidden_layers * batch * text_config(model).num_key_value_heads
+    cache_bytes *= capacity * head_dim(model) * DTYPES[run.get("dtype", "bfloat16")].itemsize
+    return {"step_ms": step_ms, "kv_bytes": cache_bytes, "generate_ms_by_tokens": times,
+            **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s"))}  # fmt: skip
+
+
+def profile_graph_step(model: PreTrainedModel, context: int, batch: int, run: dict, rotations) -> list[dict]:
+    """Where a captured OscarCache step spends its GPU time: kernels by total time over replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    capacity = context + 64
+    model.set_attn_implementation("oscar")
+    cache = make_cache("oscar-int2", model, capacity, rotations, preallocate=True)
+    fill_cache(cache, model, batch, context, run["fill_chunk_rows"])
+    device = input_device(model)
+    decoder = StaticDecoder(model, cache, capacity, capture=device.type == "cuda")
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    for _ in range(3):  # freeze, capture, replay once
+        decoder.step({"input_ids": token, cache_keyword(model): cache})
+    steps = run["profile_steps"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize([device])
+    with profile(activities=activities) as trace:
+        for _ in range(steps):
+            decoder.step({"input_ids": token, cache_keyword(model): cache})
+        synchronize([device])
+    cache.stop_static()
+    events = [e for e in trace.key_averages() if e.device_time_total > 0] if device.type == "cuda" else []
+    gpu_us = sum(e.device_time_total for e in events) / steps  # kernels only (self times), no overlap
+    rows = [{"part": "profile", "kernel": e.key[:90], "calls_per_step": e.count / steps,
+             "us_per_step": e.device_time_total / steps, "share": e.device_time_total / steps / gpu_us}
+            for e in sorted(events, key=lambda e: -e.device_time_total)[: run["profile_top"]]]  # fmt: skip
+    return [{"part": "profile", "kernel": "(all kernels)", "us_per_step": gpu_us, "share": 1.0}, *rows]
+
+
+def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
+    rotations = random_rotations(head_dim(model), full_attention_layers(model), config["seed"])
+    run, rows = {**config["decode"], "dtype": config["dtype"]}, []
+    grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
+    for context, batch, cache_name in tqdm(grid, desc=f"graph {name}"):
+        def measure() -> dict:
+            with model_for(model, cache_name.removesuffix(GRAPH_SUFFIX), rotations):
+                return graph_case(model, cache_name, context, batch, run, rotations)
+
+        rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
+                             "cache": cache_name}, measure))  # fmt: skip
+    compiled = config["compiled_static"]
+    if name in compiled["models"]:
+        for context, batch in [(c, b) for c in compiled["contexts"] for b in compiled["batches"]]:
+            rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
+                                 "cache": "static+compiled"},
+                                lambda: compiled_static_case(model, context, batch, run)))  # fmt: skip
+    profiled = config["profile"]
+    if name == profiled["model"]:
+        holder: list = []
+        row = guarded({"part": "profile", "model": name, "context": profiled["context"], "batch": profiled["batch"]},
+                      lambda: holder.extend(profile_graph_step(model, profiled["context"], profiled["batch"],
+                                                               {**run, **profiled}, rotations)) or {})  # fmt: skip
+        if holder:
+            rows.extend({**row, **entry} for entry in holder)
+        else:
+            rows.append(row)
+    return rows
+
+
+def bench_graph(config: dict) -> list[dict]:
+    rows = model_cases(config, functools.partial(graph_model, config))
+    decode = [r for r in rows if r.get("part") == "decode"]
+    add_speedups(decode, ("model", "context", "batch"), {"cache": "dynamic"},
+                 {"step_ms": False, "generate_tokens_per_s": True})  # fmt: skip
+    return rows
+
+
 # ------------------------------------------------------------------------------------ (c) memory
 
 
@@ -1079,6 +1270,17 @@ PREFILL_COLUMNS: list[Column] = [
     ("prefill ms", "prefill_ms", ".1f"), ("tokens/s", "prefill_tokens_per_s", ".0f"),
     ("speedup vs Dynamic", "speedup_prefill_ms", ".2f"),
 ]  # fmt: skip
+GRAPH_COLUMNS: list[Column] = [
+    ("model", "model", ""), ("context", "context", ""), ("batch", "batch", ""), ("cache", "cache", ""),
+    ("median step ms", "step_ms", ".2f"), ("speedup vs Dynamic", "speedup_step_ms", ".2f"),
+    ("roofline ms", "roofline_ms", ".2f"), ("step / roofline", "step_over_roofline", ".2f"),
+    ("generate tokens/s", "generate_tokens_per_s", ".1f"),
+    ("generate vs Dynamic", "speedup_generate_tokens_per_s", ".2f"), ("KV GiB", "kv_bytes", "GiB"),
+]  # fmt: skip
+PROFILE_COLUMNS: list[Column] = [
+    ("kernel", "kernel", ""), ("calls per step", "calls_per_step", ".1f"), ("µs per step", "us_per_step", ".1f"),
+    ("share of kernel time", "share", ".1%"),
+]  # fmt: skip
 MEMORY_COLUMNS: list[Column] = [
     ("model", "model", ""), ("cache", "cache", ""), ("context", "context", ""), ("batch", "batch", ""),
     ("KV GiB", "kv_bytes", "GiB"), ("KV allocated GiB", "kv_allocated_bytes", "GiB"),
@@ -1108,6 +1310,17 @@ def e2e_markdown(result: dict) -> str:
     return ("Decoding\n\n" + table([r for r in cases if r.get("part") != "prefill"], E2E_COLUMNS)
             + "\n\nPrefill (real forward, quantize-on-write included)\n\n"
             + table([r for r in cases if r.get("part") == "prefill"], PREFILL_COLUMNS))  # fmt: skip
+
+
+def graph_markdown(result: dict) -> str:
+    cases = result["cases"]
+    profiled = result["config"]["profile"]
+    return ("Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
+            "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS)
+            + f"\n\nWhere a captured OscarCache step spends its GPU time ({profiled['model']}, "
+            f"{short_tokens(profiled['context'])}, batch {profiled['batch']}; torch.profiler over "
+            f"{profiled['profile_steps']} replays)\n\n" + table([r for r in cases if r.get("part") == "profile"],
+                                                                 PROFILE_COLUMNS))  # fmt: skip
 
 
 def memory_markdown(result: dict) -> str:
@@ -1195,6 +1408,25 @@ def e2e_plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def graph_plot(result: dict, path: Path) -> None:
+    """Median step ms per (model, context, batch), one bar per cache, with each group's roofline marked."""
+    decode = [r for r in result["cases"] if r.get("part") == "decode"]
+    groups = sorted({(r["model"], r["context"], r["batch"]) for r in decode})
+    caches = list(dict.fromkeys(r["cache"] for r in decode))
+    value = {(r["model"], r["context"], r["batch"], r["cache"]): r.get("step_ms") for r in decode}
+    fig, axes = _figure(width=max(6.0, 1.1 * len(groups)))
+    ax = axes[0][0]
+    if not groups:
+        _no_data(ax)
+    else:
+        _bars(ax, [f"{m} {short_tokens(c)} b{b}" for m, c, b in groups],
+              {k: [value.get((*g, k)) for g in groups] for k in caches}, "ms per decode step")  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_title("decode step: eager vs CUDA graph (log scale)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def memory_plot(result: dict, path: Path) -> None:
     """Largest verified batch and its decode throughput, per model and cache."""
     rows = [r for r in result["cases"] if r.get("part") == "max_batch"]
@@ -1255,6 +1487,14 @@ DEFAULTS: dict[str, dict] = {
                       "max_attempts": 6, "probe_up": True, "warmup_steps": 2, "steps": 8,
                       "fill_chunk_rows": 65536},
     },
+    "graph": {
+        "device": "cuda", "dtype": "bfloat16", "seed": 0, "models": ["qwen3-8b", "qwen3-4b"],
+        "contexts": [32768, 65536, 100000], "batches": [1, 8],
+        "caches": ["dynamic", "oscar-int2", "oscar-int2+graph"],
+        "decode": {**_DECODE, "compiled_new_tokens": [8, 24], "bandwidth_bytes_per_s": None},
+        "compiled_static": {"models": [], "contexts": [100000], "batches": [1, 8]},
+        "profile": {"model": "qwen3-8b", "context": 100000, "batch": 1, "profile_steps": 5, "profile_top": 15},
+    },
     "multigpu": {
         "dtype": "bfloat16", "seed": 0, "gpus": 2, "model": "qwen3-4b",
         "device_map": {"context": 32768, "batch": 1, "caches": ["dynamic", "oscar-int2"], **_DECODE},
@@ -1276,6 +1516,7 @@ BENCHMARKS = {
     "kernel": Benchmark(bench_kernel, kernel_markdown, kernel_plot),
     "e2e": Benchmark(bench_e2e, e2e_markdown, e2e_plot),
     "memory": Benchmark(bench_memory, memory_markdown, memory_plot),
+    "graph": Benchmark(bench_graph, graph_markdown, graph_plot),
     "multigpu": Benchmark(bench_multigpu, multigpu_markdown, multigpu_plot),
 }
 

@@ -287,13 +287,20 @@ def _online_softmax(scores, valid, m_i, l_i, sm_scale):
 @triton.jit
 def _dense_span(
     q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, K, k_stride_n, V, v_stride_n, start, end, MASK, position, sm_scale,
+    ring_start, ring_rows, ring_size,
     D: tl.constexpr, BLOCK_N: tl.constexpr, K_PARTS: tl.constexpr, V_PARTS: tl.constexpr,
-    HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_MASK: tl.constexpr, RING: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """Attend over dense rows ``[start, end)`` of one KV head (K/V point at that head's row 0)."""
+    """Attend over dense rows ``[start, end)`` of one KV head (K/V point at that head's row 0).
+
+    With ``RING`` the rows are a ring buffer of ``ring_size`` rows of which the ``ring_rows`` from
+    ``ring_start`` on (wrapping around) are valid; softmax does not depend on the order of keys.
+    """
     for block in range(start, end, BLOCK_N):
         rows = block + tl.arange(0, BLOCK_N)
         valid = _key_valid(rows, end, MASK, position, HAS_MASK)
+        if RING:
+            valid = valid & ((rows - ring_start + ring_size) % ring_size < ring_rows)
         k0, k1, k2, k3 = _load_parts(K, k_stride_n, rows, valid, D, K_PARTS)
         v0, v1, v2, v3 = _load_parts(V, v_stride_n, rows, valid, D, V_PARTS)
         m_i, l_i, a0, a1, a2, a3 = _attend(
@@ -313,12 +320,12 @@ def _decode_stage1_kernel(
     RK, rk_st, RV, rv_st, n_recent, chunk_recent,
     NK, nk_st, NV, nv_st, n_new, chunk_new,
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, sm_scale, hist_splits, dense_splits, n_slots,
+    MASK, mask_stride_b, PM, PL, PACC, sm_scale, hist_splits, dense_splits, n_slots, LENGTHS,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
     V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_UNPACK: tl.constexpr,
-    V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
+    V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -337,6 +344,15 @@ def _decode_stage1_kernel(
     a0 = tl.zeros((BLOCK_H, D // V_PARTS), tl.float32)
     a1, a2, a3 = a0, a0, a0
     # Slots: history splits first, then `dense_splits` for each of sink, recent and new.
+    # Static decoding (RING): the history is allocated at capacity and the recent window is a ring;
+    # their lengths are read here from device memory, so a captured launch stays valid as they grow.
+    # The key mask then covers the sink only (left padding never reaches past it).
+    ring_start, ring_rows = 0, n_recent
+    if RING:
+        n_hist = tl.load(LENGTHS).to(tl.int32)
+        chunk_hist = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
+        ring_start, ring_rows = tl.load(LENGTHS + 1).to(tl.int32), tl.load(LENGTHS + 2).to(tl.int32)
+    TIER_MASK: tl.constexpr = HAS_MASK and not RING
     if slot < hist_splits:
         start = slot * chunk_hist
         # Sums of q as the dots see it (rounded to the K dtype), for the zero-point corrections.
@@ -353,7 +369,7 @@ def _decode_stage1_kernel(
             KZ + b * kz_st[0] + kv_head * kz_st[1], kz_st[2], VC + b * vc_st[0] + kv_head * vc_st[1], vc_st[2],
             VS + b * vs_st[0] + kv_head * vs_st[1], vs_st[2], VZ + b * vz_st[0] + kv_head * vz_st[1], vz_st[2],
             start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, sm_scale,
-            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_UNPACK, V_UNPACK, HAS_MASK, INTERPRETED,
+            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_UNPACK, V_UNPACK, TIER_MASK, INTERPRETED,
         )  # fmt: skip
     else:
         tier = (slot - hist_splits) // dense_splits
@@ -363,21 +379,23 @@ def _decode_stage1_kernel(
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
                 SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, tl.minimum(start + chunk_sink, n_sink),
-                MASK, 0, sm_scale, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
+                MASK, 0, sm_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
             )  # fmt: skip
         elif tier == 1:
             start = split * chunk_recent
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
                 RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, tl.minimum(start + chunk_recent, n_recent),
-                MASK, n_sink + n_hist, sm_scale, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
+                MASK, n_sink + n_hist, sm_scale, ring_start, ring_rows, n_recent, D, DENSE_BLOCK_N, K_PARTS, V_PARTS,
+                TIER_MASK, RING, INTERPRETED,
             )  # fmt: skip
         else:
             start = split * chunk_new
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
                 NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, tl.minimum(start + chunk_new, n_new),
-                MASK, n_sink + n_hist + n_recent, sm_scale, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, INTERPRETED,
+                MASK, n_sink + n_hist + n_recent, sm_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, TIER_MASK, False,
+                INTERPRETED,
             )  # fmt: skip
 
     out = (b * (tl.num_programs(1) // HEAD_BLOCKS * GROUP) + heads) * n_slots + slot
@@ -490,6 +508,7 @@ def decode_attention_triton(
     block_n: int = 0,
     num_warps: int = 0,
     num_stages: int = 0,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch stage 1 and stage 2 (arguments as :func:`decode_attention`).
 
@@ -526,10 +545,12 @@ def decode_attention_triton(
         *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
         *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
         mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale, hist_splits, dense_splits, n_slots,
+        q if lengths is None else lengths,  # unread without RING
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
         MAGIC=magic, OFFSET=offset, K_UNPACK=_unpack_asm(k_bits, magic), V_UNPACK=_unpack_asm(v_bits, magic),
-        HAS_MASK=key_mask is not None, INTERPRETED=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     _decode_stage2_kernel[(batch, q_heads)](
         partial_m, partial_l, partial_acc, *t(out), n_slots,
@@ -590,12 +611,18 @@ def decode_attention_reference(
     sm_scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     num_splits: int = 0,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference and CPU fallback of :func:`decode_attention` (``num_splits`` is ignored).
 
     Dequantizes the history with :func:`oscar_hf.quant.dequantize` into the query dtype, concatenates
     the tiers and runs one float32 softmax, with the query heads of each KV head grouped (GQA).
+    With ``lengths`` it first takes the valid history rows and unrolls the ring (a host sync).
     """
+    if lengths is not None:
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask = _unroll_static(
+            lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask, new_k.shape[2]
+        )
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -610,6 +637,19 @@ def decode_attention_reference(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row attends to nothing
     out = torch.einsum("bkgt,bktd->bkgd", probs, values)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
+
+
+def _unroll_static(lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask, n_new):
+    """Static-decoding tiers as plain ones: the first ``lengths[0]`` history rows, the ring's valid
+    rows in order from its start, and the sink mask extended with True for every other key."""
+    history, start, rows = (int(v) for v in lengths.tolist())
+    ring = (start + torch.arange(rows, device=recent_k.device)) % recent_k.shape[2]
+    packed = [t[:, :, :history] for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
+    recent = [t.index_select(2, ring) for t in (recent_k, recent_v)]
+    if key_mask is not None:
+        rest = torch.ones(key_mask.shape[0], history + rows + n_new, dtype=torch.bool, device=key_mask.device)
+        key_mask = torch.cat([key_mask.bool(), rest], dim=1)
+    return (*packed, *recent, key_mask)
 
 
 # ------------------------------------------------------------------------------------ custom op
@@ -637,11 +677,12 @@ def _decode_attention_op(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     launch = sys.modules[__name__].decode_attention_triton  # see quantize._quantize_pack_op
     return launch(
         q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v,
-        new_k, new_v, key_mask, k_bits, v_bits, sm_scale, num_splits, block_n, num_warps, num_stages,
+        new_k, new_v, key_mask, k_bits, v_bits, sm_scale, num_splits, block_n, num_warps, num_stages, lengths,
     )  # fmt: skip
 
 
@@ -655,7 +696,7 @@ define_op("oscar::decode_attention", _decode_attention_op, _decode_attention_fak
 # ----------------------------------------------------------------------------------- dispatcher
 
 
-def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits) -> None:
+def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits, lengths) -> None:
     """Shapes and dtypes the kernels rely on (``dense``: the six sink/recent/new tensors)."""
     check_bits(k_bits), check_bits(v_bits)
     batch, q_heads, head_dim = q.shape
@@ -671,9 +712,13 @@ def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits
                 or scale.shape[:3] != codes.shape[:3] or head_dim % scale.shape[-1]):  # fmt: skip
             raise ValueError(f"{name} history codes {tuple(codes.shape)} / scale {tuple(scale.shape)} do not fit "
                              f"{bits}-bit rows of {head_dim} dims")  # fmt: skip
-    total = dense[0].shape[2] + k_codes.shape[2] + dense[2].shape[2] + dense[4].shape[2]
-    if key_mask is not None and tuple(key_mask.shape) != (batch, total):
-        raise ValueError(f"key_mask has shape {tuple(key_mask.shape)}, expected [{batch}, {total}]")
+    masked = dense[0].shape[2]  # static decoding: the sink only
+    if lengths is None:
+        masked += k_codes.shape[2] + dense[2].shape[2] + dense[4].shape[2]
+    elif lengths.shape != (3,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != q.device:
+        raise ValueError(f"lengths must be 3 integers on {q.device}, got {tuple(lengths.shape)} {lengths.dtype}")
+    if key_mask is not None and tuple(key_mask.shape) != (batch, masked):
+        raise ValueError(f"key_mask has shape {tuple(key_mask.shape)}, expected [{batch}, {masked}]")
 
 
 def kernel_supports_decode(head_dim: int, k_bits: int = 2, v_bits: int = 2, k_groups: int = 1, v_groups: int = 1) -> bool:
@@ -706,6 +751,7 @@ def decode_attention(
     sm_scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     num_splits: int = 0,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over ``[sink | history | recent | new]``, rotated basis.
 
@@ -720,6 +766,11 @@ def decode_attention(
         key_mask: optional ``bool [B, S+L+R+T]``, True where a key may be attended (left-padding pads
             are False).
         num_splits: history splits (0: chosen from the length and the device).
+        lengths: static decoding (CUDA graphs): integers ``[history rows, ring start, ring rows]`` on the
+            device. The history tensors are then allocated at capacity with their first ``lengths[0]``
+            rows valid, ``recent_k``/``recent_v`` are a ring whose ``lengths[2]`` rows from
+            ``lengths[1]`` on are valid, and ``key_mask`` covers the sink only. Nothing is read on the
+            host, so one launch can be captured and replayed as the lengths change.
 
     Returns:
         ``[B, Hq, D]`` in the dtype of ``q`` and in the rotated V basis (the caller applies ``·R_V^T``).
@@ -727,17 +778,17 @@ def decode_attention(
     Runs the Triton kernels when :func:`~._triton.runs_triton` says so, else the torch reference.
     """
     dense = (sink_k, sink_v, recent_k, recent_v, new_k, new_v)
-    _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits)
+    _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits, lengths)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     supported = kernel_supports_decode(q.shape[-1], k_bits, v_bits, k_scale.shape[-1], v_scale.shape[-1])
     if not (runs_triton(q) and supported):
         return decode_attention_reference(
             q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
-            k_bits=k_bits, v_bits=v_bits, sm_scale=scale, key_mask=key_mask,
+            k_bits=k_bits, v_bits=v_bits, sm_scale=scale, key_mask=key_mask, lengths=lengths,
         )  # fmt: skip
     launch = op_or_launcher(torch.ops.oscar.decode_attention, decode_attention_triton)
     return launch(
         q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
-        key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0,
+        key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths,
     )  # fmt: skip
 

@@ -158,29 +158,47 @@ _JOB_COLUMNS = ("src", "src_b", "src_h", "src_n", "codes", "codes_b", "codes_h",
 
 @triton.jit
 def _quantize_pack_many_kernel(
-    JOBS, heads, rows_per_head, n_rows, JOB_WIDTH: tl.constexpr,
+    JOBS, heads, rows_per_head, n_rows, WINDOW, JOB_WIDTH: tl.constexpr,
     SRC_DTYPE: tl.constexpr, META_DTYPE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, INTERPRETED: tl.constexpr,
+    SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, DEVICE_WINDOW: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Program ``(tile, job)``: quantize rows of job ``job``'s ``[B, H, n, D]`` source into its destination.
 
     All jobs share shape and format; addresses, strides and the clip index come from the job table,
-    so one launch serves every layer's K and V (the reference's pointer-table flush).
+    so one launch serves every layer's K and V (the reference's pointer-table flush). With
+    ``DEVICE_WINDOW`` the rows are ``n`` rows from offsets read in ``WINDOW`` (active, first source
+    row, first destination row) when the launch runs, and nothing happens unless it is active.
     """
     job = JOBS + tl.program_id(1) * JOB_WIDTH
     index = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = index < n_rows
     b, h, t = index // (heads * rows_per_head), (index // rows_per_head) % heads, index % rows_per_head
+    if DEVICE_WINDOW:
+        if tl.load(WINDOW) != 0:
+            _quantize_job(job, b, h, t + tl.load(WINDOW + 1), t + tl.load(WINDOW + 2), valid, SRC_DTYPE, META_DTYPE, D,
+                          G, BITS, SYMMETRIC, BLOCK_N, RECIPROCAL, INTERPRETED)  # fmt: skip
+    else:
+        _quantize_job(job, b, h, t, t, valid, SRC_DTYPE, META_DTYPE, D, G, BITS, SYMMETRIC, BLOCK_N, RECIPROCAL,
+                      INTERPRETED)  # fmt: skip
 
+
+@triton.jit
+def _quantize_job(
+    job, b, h, source_row, target_row, valid, SRC_DTYPE: tl.constexpr, META_DTYPE: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Quantize rows ``(b, h, source_row)`` of a job's source into rows ``(b, h, target_row)`` of its destination."""
     src = tl.load(job).to(tl.pointer_type(SRC_DTYPE))
-    offsets = b * tl.load(job + 1) + h * tl.load(job + 2) + t * tl.load(job + 3)
+    offsets = b * tl.load(job + 1) + h * tl.load(job + 2) + source_row * tl.load(job + 3)
     x = tl.load(src + offsets[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     clip_index = tl.load(job + 13).to(tl.int32)
     packed, scale, zero = _quantize_tile(x, clip_index, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
 
     codes = tl.load(job + 4).to(tl.pointer_type(tl.uint8))
-    codes_rows = b * tl.load(job + 5) + h * tl.load(job + 6) + t * tl.load(job + 7)
-    meta_rows = b * tl.load(job + 10) + h * tl.load(job + 11) + t * tl.load(job + 12)
+    codes_rows = b * tl.load(job + 5) + h * tl.load(job + 6) + target_row * tl.load(job + 7)
+    meta_rows = b * tl.load(job + 10) + h * tl.load(job + 11) + target_row * tl.load(job + 12)
     scale_base = tl.load(job + 8).to(tl.pointer_type(META_DTYPE))
     zero_base = tl.load(job + 9).to(tl.pointer_type(META_DTYPE))
     _store_tile(packed, scale, zero, codes + codes_rows[:, None], scale_base + meta_rows[:, None],
@@ -249,20 +267,41 @@ def quantize_pack_many_triton(
     ``block_rows`` (rows per program) and ``num_warps`` are tuning knobs, 0 meaning the defaults
     (``eval/tune_quantize.py``).
     """
-    batch, heads, rows_per_head, head_dim = sources[0].shape
-    jobs = []
+    table = _job_table(sources, destinations, clip_ratios)
+    _launch_many(table, sources[0], sources[0].shape[2], bits, group_size, symmetric, metadata_dtype, None,
+                 block_rows, num_warps)  # fmt: skip
+
+
+def _job_table(sources: list[torch.Tensor], destinations: list[QuantizedRows], clip_ratios: list[float]) -> torch.Tensor:
+    """The device table of :func:`_quantize_pack_many_kernel`: addresses, strides, clip index per job."""
+    head_dim, jobs = sources[0].shape[-1], []
     for source, target, ratio in zip(sources, destinations, clip_ratios):
         clip = clip_index(ratio, head_dim) if ratio > 0 else -1
         jobs.append([source.data_ptr(), *source.stride()[:3], target.codes.data_ptr(), *target.codes.stride()[:3],
                      target.scale.data_ptr(), target.zero.data_ptr(), *target.scale.stride()[:3], clip])  # fmt: skip
-    table = torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
+    return torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
+
+
+def _launch_many(
+    table: torch.Tensor,
+    like: torch.Tensor,
+    rows_per_head: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    metadata_dtype: torch.dtype,
+    window: torch.Tensor | None,
+    block_rows: int = 0,
+    num_warps: int = 0,
+) -> None:
+    batch, heads, _, head_dim = like.shape
     n_rows = batch * heads * rows_per_head
     block = block_rows or _block_rows(head_dim)
-    _quantize_pack_many_kernel[(cdiv(n_rows, block), len(jobs))](
-        table, heads, rows_per_head, n_rows, len(_JOB_COLUMNS),
-        SRC_DTYPE=_TL_DTYPES[sources[0].dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
-        BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=sources[0].is_cuda and not INTERPRET,
-        INTERPRETED=INTERPRET, num_warps=num_warps or _NUM_WARPS,
+    _quantize_pack_many_kernel[(cdiv(n_rows, block), table.shape[0])](
+        table, heads, rows_per_head, n_rows, table if window is None else window, len(_JOB_COLUMNS),
+        SRC_DTYPE=_TL_DTYPES[like.dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
+        BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=like.is_cuda and not INTERPRET,
+        DEVICE_WINDOW=window is not None, INTERPRETED=INTERPRET, num_warps=num_warps or _NUM_WARPS,
     )  # fmt: skip
 
 
@@ -366,11 +405,20 @@ def quantize_pack_into(
     has its own clip ratio (``clip_ratios[i]``, 0 disables) and may be any strided view whose last
     dim is contiguous. Codes and metadata are identical to :func:`quantize_pack` job by job.
     """
+    if not _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_dtype):
+        return
+    fits = _kernel_fits(sources, destinations, group_size)
+    launch = quantize_pack_many_triton if runs_triton(sources[0]) and fits else quantize_pack_many_reference
+    launch(sources, destinations, bits, group_size, symmetric, clip_ratios, metadata_dtype)
+
+
+def _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_dtype) -> bool:
+    """Validate jobs of :func:`quantize_pack_into`; False when there are none."""
     check_bits(bits)
     if not (len(sources) == len(destinations) == len(clip_ratios)):
         raise ValueError("sources, destinations and clip_ratios must have one entry per job")
     if not sources:
-        return
+        return False
     shape, head_dim = sources[0].shape, sources[0].shape[-1]
     for source, target in zip(sources, destinations):
         if source.shape != shape or source.dtype != sources[0].dtype or source.device != sources[0].device:
@@ -381,8 +429,67 @@ def quantize_pack_into(
                 or target.scale.dtype != metadata_dtype):  # fmt: skip
             raise ValueError(f"destination {tuple(target.codes.shape)} / {tuple(target.scale.shape)} does not fit "
                              f"{bits}-bit rows of {tuple(shape)} with groups of {group_size}")  # fmt: skip
+    return True
+
+
+def _kernel_fits(sources: list[torch.Tensor], destinations: list[QuantizedRows], group_size: int) -> bool:
     tensors = [t for source, target in zip(sources, destinations) for t in (source, target.codes, target.scale, target.zero)]
     contiguous_rows = all(t.stride(-1) == 1 for t in tensors)
-    fits = kernel_supports_quantize(head_dim, group_size) and contiguous_rows and shape[2] > 0
-    launch = quantize_pack_many_triton if runs_triton(sources[0]) and fits else quantize_pack_many_reference
-    launch(sources, destinations, bits, group_size, symmetric, clip_ratios, metadata_dtype)
+    return kernel_supports_quantize(sources[0].shape[-1], group_size) and contiguous_rows and sources[0].shape[2] > 0
+
+
+class WindowQuantizer:
+    """``count`` rows of each source quantized into its destination at row offsets read on the device.
+
+    Static decoding demotes every layer's oldest ``block`` recent rows, from a ring position into the
+    end of the history, whenever the window fills; both positions live on the device. Built once
+    (the job table is uploaded here), each call is one launch that a CUDA graph can capture, and
+    ``window`` (int64 ``[active, first source row, first destination row]``) is read when it runs.
+
+    Args:
+        sources: whole buffers ``[B, H, N, D]`` (e.g. every layer's recent-window rings of K and V).
+        destinations: whole history buffers, one per source.
+        count: rows per job.
+        window: the device tensor described above; the caller updates it in place.
+        bits, group_size, symmetric, clip_ratios, metadata_dtype: as :func:`quantize_pack_into`.
+    """
+
+    def __init__(
+        self,
+        sources: list[torch.Tensor],
+        destinations: list[QuantizedRows],
+        count: int,
+        window: torch.Tensor,
+        bits: int,
+        group_size: int,
+        *,
+        symmetric: bool = False,
+        clip_ratios: list[float],
+        metadata_dtype: torch.dtype = torch.bfloat16,
+    ):
+        _check_jobs([s[:, :, :count] for s in sources], [_rows_of(d, count) for d in destinations], bits, group_size,
+                    clip_ratios, metadata_dtype)  # fmt: skip
+        if window.shape != (3,) or window.dtype != torch.int64 or window.device != sources[0].device:
+            raise ValueError(f"window must be int64 [3] on {sources[0].device}, got {tuple(window.shape)} {window.dtype}")
+        self.sources, self.destinations, self.count, self.window = sources, destinations, count, window
+        self.format = dict(bits=bits, group_size=group_size, symmetric=symmetric, metadata_dtype=metadata_dtype)
+        self.clip_ratios = clip_ratios
+        fits = _kernel_fits(sources, destinations, group_size)
+        self.table = _job_table(sources, destinations, clip_ratios) if runs_triton(sources[0]) and fits else None
+
+    def __call__(self) -> None:
+        f = self.format
+        if self.table is not None:
+            _launch_many(self.table, self.sources[0], self.count, f["bits"], f["group_size"], f["symmetric"],
+                         f["metadata_dtype"], self.window)  # fmt: skip
+            return
+        active, source_row, target_row = (int(v) for v in self.window.tolist())  # reference: a host sync
+        if active:
+            sources = [s[:, :, source_row : source_row + self.count] for s in self.sources]
+            targets = [_rows_of(d, self.count, target_row) for d in self.destinations]
+            quantize_pack_many_reference(sources, targets, f["bits"], f["group_size"], f["symmetric"], self.clip_ratios,
+                                         f["metadata_dtype"])  # fmt: skip
+
+
+def _rows_of(rows: QuantizedRows, count: int, start: int = 0) -> QuantizedRows:
+    return QuantizedRows(*(t[:, :, start : start + count] for t in (rows.codes, rows.scale, rows.zero)))

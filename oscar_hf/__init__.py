@@ -6,6 +6,7 @@ Importing the package registers the ``"oscar"`` attention implementation.
 from . import attention  # noqa: F401  (registers attn_implementation="oscar")
 from .cache import OscarCache, OscarLayer
 from .config import METHODS, OscarConfig, TensorQuantConfig
+from .generation import StaticDecoder, generate
 from .memory import MemoryReport, bits_per_element
 from .rotations import RotationSet
 
@@ -18,6 +19,8 @@ __all__ = [
     "OscarConfig",
     "OscarLayer",
     "RotationSet",
+    "StaticDecoder",
     "TensorQuantConfig",
     "bits_per_element",
+    "generate",
 ]

@@ -39,6 +39,11 @@ def oscar_attention_forward(
     layer = _waiting_layer(module, key)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if layer.static is not None:  # a frozen cache: shape-stable, nothing read on the host
+        if not _is_plain_decode(layer, query, module, kwargs):
+            raise ValueError("static decoding computes plain softmax attention of one token (no soft-capping, "
+                             "learned sinks or dropout)")  # fmt: skip
+        return layer.static.attend(layer, query, kwargs.get("scaling")), None
     new_keys, new_values, plan = layer.begin_step(attention_mask)
     if _is_plain_decode(layer, query, module, kwargs):
         output = layer.unrotate_values(_decode(layer, query, new_keys, new_values, attention_mask, kwargs.get("scaling")))

@@ -33,6 +33,7 @@ from .memory import LayerMemory, MemoryReport
 from .kernels.quantize import quantize_pack, quantize_pack_into
 from .quant import QuantizedRows, dequantize
 from .rotations import RotationSet, require_power_of_two
+from .static import StaticDecoding, static_unsupported
 from .storage import PackedHistory, RowBuffer
 
 logger = get_logger(__name__)
@@ -84,11 +85,19 @@ class OscarLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, config: OscarConfig, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None):
+    def __init__(
+        self,
+        config: OscarConfig,
+        key_rotation: torch.Tensor | None,
+        value_rotation: torch.Tensor | None,
+        max_cache_len: int | None = None,
+    ):
         super().__init__()
         self.config = config
         self.key_rotation, self.value_rotation = key_rotation, value_rotation
+        self.capacity = max_cache_len
         self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, dtype, device) -> R cast once
+        self.static: StaticDecoding | None = None  # set while the cache is frozen for static decoding
         self._clear()
 
     # ----------------------------------------------------------------------------------- state
@@ -114,7 +123,11 @@ class OscarLayer(CacheLayerMixin):
 
     def _history(self, spec: TensorQuantConfig, batch: int, heads: int) -> PackedHistory:
         group = spec.group_of(self.head_dim)
-        return PackedHistory(batch, heads, self.head_dim, spec.bits, group, self.config.metadata_dtype, self.device)
+        history = PackedHistory(batch, heads, self.head_dim, spec.bits, group, self.config.metadata_dtype, self.device)
+        if self.capacity is not None:  # allocated once, at the addresses static decoding will use
+            for buffer in history.buffers():
+                buffer.fix_capacity(max(0, self.capacity - self.config.sink))
+        return history
 
     def _buffers(self) -> list[RowBuffer]:
         buffers = [self.sink_keys, self.sink_values, self.recent_keys, self.recent_values]
@@ -130,6 +143,8 @@ class OscarLayer(CacheLayerMixin):
     @property
     def stored_length(self) -> int:
         """Rows stored in the sink, history and recent window (not the chunk waiting for attention)."""
+        if self.static is not None:
+            return self.static.stored_length
         return self.sink_keys.length + self.history_length + self.recent_keys.length if self.is_initialized else 0
 
     def get_seq_length(self) -> int:
@@ -165,15 +180,21 @@ class OscarLayer(CacheLayerMixin):
         """Whether ``key_states`` is the chunk this layer is waiting to attend over."""
         return self._pending is not None and self._pending.source is key_states
 
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending chunk's rotated K and V, which the caller now stores."""
+        if self._pending is None:
+            raise RuntimeError("no pending chunk: call stash() first")
+        chunk, self._pending = self._pending, None
+        return chunk.keys, chunk.values
+
     def begin_step(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, StepPlan]:
         """Take the pending chunk, plan its placement and demote overflowing recent rows."""
-        if self._pending is None:
-            raise RuntimeError("begin_step() without a pending chunk: call stash() first")
-        chunk, self._pending = self._pending, None
-        self._observe_padding(attention_mask, chunk.keys.shape[2])
-        plan = self._plan(chunk.keys.shape[2])
+        self._leave_static()
+        keys, values = self.take_pending()
+        self._observe_padding(attention_mask, keys.shape[2])
+        plan = self._plan(keys.shape[2])
         self._demote(plan.demote)
-        return chunk.keys, chunk.values, plan
+        return keys, values, plan
 
     def dense_rotated(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Transient ``[sink | dequantized history | recent | new]`` K and V in the rotated basis."""
@@ -301,7 +322,13 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------ cache contract
     def reset(self) -> None:
+        self._leave_static()
         self._clear()
+
+    def _leave_static(self) -> None:
+        """Eager operations need the eager layout: thaw a frozen cache first (every layer at once)."""
+        if self.static is not None:
+            self.static.thaw()
 
     def _require_idle(self, operation: str) -> None:
         if self._pending is not None:
@@ -312,12 +339,14 @@ class OscarLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._require_idle("reorder")
+        self._leave_static()
         if self.is_initialized:
             for buffer in self._buffers():
                 buffer.select_batch(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._require_idle("repeat")
+        self._leave_static()
         if self.is_initialized:
             for buffer in self._buffers():
                 buffer.repeat_batch(repeats)
@@ -329,6 +358,7 @@ class OscarLayer(CacheLayerMixin):
         transformers 5.17 legacy meaning).
         """
         self._require_idle("crop")
+        self._leave_static()
         length = self.get_seq_length()
         remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, length - tokens_to_remove)
         if remove == 0:
@@ -354,6 +384,7 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------ reporting
     def memory(self, layer_idx: int) -> LayerMemory:
+        self._leave_static()
         if not self.is_initialized:
             return LayerMemory(layer_idx, "oscar", 2, 0, 0, 0, 0, 0, 0, 0, 0)
         batch, heads = self.sink_keys.data.shape[:2]
@@ -433,6 +464,8 @@ class OscarCache(Cache):
         method: a name from :data:`oscar_hf.config.METHODS` (``none``, ``naive-int2``, ``quarot-int2``,
             ``oscar-int2``, ``int4``, ``oscar-k4v2``) or an :class:`OscarConfig`.
         rotations: per-layer R_K/R_V, required by calibrated methods (``oscar-*``).
+        max_cache_len: optional most tokens (prompt and generated) the cache will hold; the history is
+            then allocated once at that size, as static decoding (:func:`oscar_hf.generate`) wants.
         **overrides: fields of :class:`OscarConfig` to change, e.g. ``sink=64, recent=256, block=8``.
 
     Full-attention layers become :class:`OscarLayer`; other layer types (sliding windows, linear
@@ -451,6 +484,7 @@ class OscarCache(Cache):
         config: PretrainedConfig | PreTrainedModel,
         method: str | OscarConfig = "oscar-int2",
         rotations: RotationSet | None = None,
+        max_cache_len: int | None = None,
         **overrides,
     ):
         model_config = config.config if isinstance(config, PreTrainedModel) else config
@@ -464,6 +498,8 @@ class OscarCache(Cache):
             raise ValueError("this model has no full-attention layers for OscarCache to quantize")
         rotations = self._resolve_rotations(rotations, head_dim, quantized_ids)
         self.rotations = rotations
+        self.capacity = max_cache_len  # (transformers 5.17 has a read-only Cache.max_cache_len)
+        self.static: StaticDecoding | None = None
         layers = [self._layer(i, rotations) if i in quantized_ids else layer for i, layer in enumerate(stock_layers)]
         self._first_oscar_layer = quantized_ids[0]
         super().__init__(layers=layers)
@@ -473,7 +509,7 @@ class OscarCache(Cache):
         key_rotation, value_rotation = rotations.for_layer(layer_id)
         if self.values_prerotated:
             value_rotation = None  # v_proj already emits v @ R_V and o_proj expects rotated outputs
-        return OscarLayer(config, key_rotation, value_rotation)
+        return OscarLayer(config, key_rotation, value_rotation, self.capacity)
 
     @classmethod
     def from_zoo(
@@ -539,8 +575,13 @@ class OscarCache(Cache):
         if not isinstance(layer, OscarLayer):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         _active_cache.set(weakref.ref(self))
+        if self.static is not None and key_states.shape[2] != 1:
+            self.static.thaw()
         if layer_idx == self._first_oscar_layer:
-            self._demote_all(key_states.shape[2])
+            if self.static is not None:
+                self.static.advance()
+            else:
+                self._demote_all(key_states.shape[2])
         if self.text_config._attn_implementation == ATTENTION_NAME:
             layer.stash(key_states, value_states)
             return key_states, value_states
@@ -565,6 +606,43 @@ class OscarCache(Cache):
                 if count:
                     jobs += layer.demotion_jobs(count)
         quantize_jobs(jobs, metadata_dtype)
+
+    def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None) -> bool:
+        """Freeze the cache for static decoding (CUDA-graph capture); False, with the reason logged, if it
+        cannot be frozen yet or at all.
+
+        Args:
+            capacity: the most tokens the cache will hold; defaults to ``max_cache_len``.
+            attention_mask: the ``[batch, tokens]`` padding mask of the sequence so far; only the sink
+                may hold pads (left padding), which is checked (one host sync).
+
+        Each later one-token step then runs shape-stable on the device. Anything else (a longer chunk,
+        ``crop``, reordering, a memory report) thaws the cache back to its eager layout first.
+        """
+        if self.static is not None:
+            return True
+        reason = static_unsupported(self)
+        capacity = capacity or self.capacity
+        if reason is None and capacity is None:
+            reason = "no capacity: pass max_cache_len to the cache (or a capacity here)"
+        sink_mask = None
+        if reason is None and attention_mask is not None:
+            sink_rows = self.layers[0].sink_keys.length
+            real = attention_mask.bool()
+            if not bool(real[:, sink_rows:].all()):
+                reason = "the attention mask has pads after the sink (only left padding is supported)"
+            elif not bool(real[:, :sink_rows].all()):
+                sink_mask = real[:, :sink_rows]
+        if reason is not None:
+            logger.debug("OscarCache stays eager: %s", reason)
+            return False
+        self.static = StaticDecoding(self, capacity, sink_mask)
+        return True
+
+    def stop_static(self) -> None:
+        """Thaw a frozen cache back to its eager layout (no device sync); nothing if it is not frozen."""
+        if self.static is not None:
+            self.static.thaw()
 
     def memory_report(self) -> MemoryReport:
         """Bytes of packed codes, metadata, sink and recent window per layer, with BPE and the BF16 baseline."""

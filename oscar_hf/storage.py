@@ -4,8 +4,8 @@ Capacity grows by half of itself, but by at most ``MAX_SLACK_ROWS``: geometric g
 appends amortised O(1) while buffers are small, and the cap bounds the unused tail of a long
 history (plain 1.5x growth left ~48% of a 100K-token INT2 history allocated but unused, which cut
 the number of sequences that fit on a GPU by a third). A regrowth copies the buffer once per
-``MAX_SLACK_ROWS`` appended rows, a negligible cost per token. A later static mode can preallocate
-the capacity and write by index.
+``MAX_SLACK_ROWS`` appended rows, a negligible cost per token. Static decoding (``oscar_hf.static``)
+fixes the capacity instead and writes by index on the device.
 """
 
 from __future__ import annotations
@@ -55,6 +55,23 @@ class RowBuffer:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def fix_capacity(self, capacity: int) -> None:
+        """Hold exactly ``capacity`` rows, the valid ones first: fixed addresses for static decoding."""
+        if capacity < self.length:
+            raise ValueError(f"a capacity of {capacity} rows cannot hold the {self.length} stored")
+        if self.start == 0 and self.data.shape[2] == capacity:
+            return
+        fixed = self.data.new_empty(*self.data.shape[:2], capacity, *self.data.shape[3:])
+        fixed[:, :, : self.length] = self.view()
+        self.data, self.start = fixed, 0
+
+    def unroll(self, start: int, length: int) -> None:
+        """Take the buffer as a ring whose ``length`` valid rows begin at ``start`` (wrapping around its
+        end) and lay them out plainly again, oldest first."""
+        if start:
+            self.data = torch.roll(self.data, -start, dims=2)
+        self.start, self.length = 0, length
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.data = self.data.index_select(0, index.to(self.data.device))
@@ -110,6 +127,10 @@ class PackedHistory:
 
     def packed(self) -> QuantizedRows:
         return QuantizedRows(self.codes.view(), self.scale.view(), self.zero.view())
+
+    def whole(self) -> QuantizedRows:
+        """Every allocated row, valid or not (static decoding tracks the valid ones on the device)."""
+        return QuantizedRows(self.codes.data, self.scale.data, self.zero.data)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """A transient dense copy ``[batch, heads, length, head_dim]``; callers must not keep it."""

@@ -109,6 +109,24 @@ def test_e2e_benchmark(tmp_path):
     assert {r["cache"] for r in rows if r["part"] == "prefill"} == {"dynamic", "oscar-int2"}
 
 
+def test_graph_benchmark(tmp_path):
+    """The CUDA-graph benchmark's path on CPU: static steps run uncaptured, the profile has no kernels."""
+    config = {
+        "benchmark": "graph", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
+        "caches": ["dynamic", "oscar-int2", "oscar-int2+graph"],
+        "decode": {**TINY_DECODE, "compiled_new_tokens": [1, 2], "bandwidth_bytes_per_s": 1e11},
+        "profile": {"model": "tiny-qwen3", "context": 400, "batch": 1, "profile_steps": 2, "profile_top": 3},
+    }  # fmt: skip
+    rows = _ok(_run(config, tmp_path, "graph")["cases"])
+    decode = [r for r in rows if r["part"] == "decode"]
+    assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in config["caches"]}
+    for row in decode:
+        assert row["step_ms"] > 0 and row["roofline_ms"] > 0 and row["speedup_step_ms"] > 0
+    graph = [r for r in decode if r["cache"] == "oscar-int2+graph"]
+    assert all(r["generate_tokens_per_s"] > 0 and r["captured"] is False for r in graph)  # no CUDA here
+    assert [r["kernel"] for r in rows if r["part"] == "profile"] == ["(all kernels)"]
+
+
 def test_absorbed_case_folds_r_v_for_its_duration_only():
     model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
     rotations = bench.random_rotations(64, bench.full_attention_layers(model))
@@ -166,7 +184,7 @@ def test_multigpu_benchmark_skips_without_two_gpus(tmp_path):
 
 def test_committed_configs_resolve():
     configs = sorted((EVAL / "configs").glob("bench_*.json"))
-    assert [c.stem for c in configs] == ["bench_e2e", "bench_kernel", "bench_memory", "bench_multigpu"]
+    assert [c.stem for c in configs] == ["bench_e2e", "bench_graph", "bench_kernel", "bench_memory", "bench_multigpu"]
     for path in configs:
         config = bench.resolve_config(json.loads(path.read_text()))
         assert config["description"]

@@ -174,6 +174,29 @@ def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkey
         assert not codes[:, :, :2].any() and not codes[:, :, 7:].any() and not scale[:, :, 7:].any()  # only its rows
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
+def test_window_quantizer_reads_its_rows_on_the_device(use_kernel, monkeypatch):
+    """Static decoding's demotion: rows and whether anything happens come from a device tensor."""
+    if not use_kernel:
+        monkeypatch.setattr(_quantize, "runs_triton", lambda tensor: False)
+    generator = torch.Generator().manual_seed(3)
+    rings = [(torch.randn(2, 3, 16, 64, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(2)]
+    histories = [QuantizedRows(torch.zeros(2, 3, 20, 16, dtype=torch.uint8, device=DEVICE),
+                               *(torch.zeros(2, 3, 20, 1, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)))
+                 for _ in range(2)]  # fmt: skip
+    window = torch.tensor([0, 8, 12], device=DEVICE)
+    demote = _quantize.WindowQuantizer(rings, histories, 4, window, 2, 64, clip_ratios=[0.9, 0.0])
+    assert (demote.table is not None) == use_kernel
+    demote()  # inactive: nothing written
+    assert not any(h.codes.any() or h.scale.any() for h in histories)
+    window.copy_(torch.tensor([1, 8, 12]))
+    demote()
+    for ring, history, ratio in zip(rings, histories, [0.9, 0.0]):
+        want = quantize(ring[:, :, 8:12], 2, 64, clip_ratio=ratio)
+        _assert_same(QuantizedRows(*(t[:, :, 12:16] for t in (history.codes, history.scale, history.zero))), want)
+        assert not history.codes[:, :, :12].any() and not history.scale[:, :, 16:].any()
+
+
 def test_quantize_pack_into_validates_jobs():
     rows = torch.randn(1, 2, 4, 64, device=DEVICE)
     target = QuantizedRows(torch.empty(1, 2, 4, 16, dtype=torch.uint8, device=DEVICE),
@@ -271,6 +294,43 @@ def test_decode_attention_dispatcher_and_masked_rows():
         decode_attention(*args, k_bits=4, v_bits=2, key_mask=options["key_mask"][:, 1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads", [
+    (40, 72, 5, 9, 3, [0, 3]),  # the ring wraps around its end
+    (0, 16, 0, 4, 1, None),  # nothing quantized yet
+    (33, 33, 8, 11, 0, [2, 0]),  # history at capacity, ring full (with the new row)
+])  # fmt: skip
+def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads, dtype):
+    """Static decoding: history allocated at capacity, recent rows in a ring, lengths in a device tensor.
+
+    The same keys laid out plainly give the reference; garbage fills every slot past the lengths.
+    """
+    batch, sink, ring_size = 2, 4, 12
+    args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, 2, 2, pads=pads, seed=5)
+    q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
+    want = decode_attention_reference(*args, sm_scale=0.125, **options)
+
+    garbage = torch.Generator().manual_seed(9)
+    static_packed = []
+    for tensor in packed:  # codes, scale, zero of K then V, padded with random rows up to the capacity
+        filler = torch.randint(0, 255, (batch, 2, capacity - history, tensor.shape[-1]), generator=garbage)
+        static_packed.append(torch.cat([tensor, filler.to(tensor.dtype).to(DEVICE)], dim=2))
+    slots = (ring_start + torch.arange(ring_rows + 1)) % ring_size  # the new token is the ring's newest row
+    rings = []
+    for rows, new in ((recent_k, new_k), (recent_v, new_v)):
+        ring = (torch.randn(batch, 2, ring_size, 64, generator=garbage) * 50).to(dtype).to(DEVICE)
+        ring[:, :, slots.to(DEVICE)] = torch.cat([rows, new], dim=2)
+        rings.append(ring)
+    lengths = torch.tensor([history, ring_start, ring_rows + 1], device=DEVICE)
+    sink_mask = None if options["key_mask"] is None else options["key_mask"][:, :sink].contiguous()
+    static_args = (q, sink_k, sink_v, *static_packed, *rings, new_k[:, :, :0], new_v[:, :, :0])
+    got = torch.ops.oscar.decode_attention(*static_args, sink_mask, 2, 2, 0.125, splits, 16, 0, 0, lengths)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+    reference = decode_attention_reference(*static_args, k_bits=2, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
+                                           lengths=lengths)  # fmt: skip
+    torch.testing.assert_close(reference.float(), want.float(), **TOLERANCE[dtype])
+
+
 # ------------------------------------------------------------------------------------ custom ops
 
 
@@ -330,6 +390,39 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
     assert launches.count("quantize_pack_many_triton") == 2 + demoted_rows // 2
     assert torch.equal(kernel.sequences, torch_path.sequences)
     torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4)
+
+
+def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkeypatch):
+    """Static decoding (device lengths, ring, windowed demotion) through the kernels = the eager torch path.
+
+    Compiled on a GPU this is also what a captured graph replays (tests/test_static.py captures one).
+    """
+    import oscar_hf
+    import oscar_hf.static
+    from conftest import generate, tiny_model
+
+    from oscar_hf import OscarCache
+    from oscar_hf.compat import cache_keyword
+
+    monkeypatch.setattr(oscar_hf.static, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.static, "WindowQuantizer", _quantize.WindowQuantizer)
+    launches = []
+    for module, name in ((_decode, "decode_attention_triton"), (_quantize, "_launch_many")):
+        launcher = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a))
+    model = tiny_model("qwen3", hidden_size=128, head_dim=64, num_hidden_layers=2).to(DEVICE)
+    prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
+                   return_dict_in_generate=True)  # fmt: skip
+    cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2)
+    with torch.no_grad():
+        static = oscar_hf.generate(model, prompt, capture=False, **{cache_keyword(model): cache}, **options)
+    monkeypatch.setattr(_triton, "ENABLED", False)
+    eager = generate(model, prompt, OscarCache(model, "quarot-int2", sink=4, recent=8, block=2), **options)
+    assert launches.count("decode_attention_triton") == 11 * 2  # 11 static steps x 2 layers
+    assert launches.count("_launch_many") == 11  # one windowed demotion launch per static step (most idle)
+    assert torch.equal(static.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(eager.scores), atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------- GPU, large shapes

@@ -1,0 +1,175 @@
+"""Static decoding: an :class:`~oscar_hf.cache.OscarCache` frozen so that a decode step can be captured
+in a CUDA graph.
+
+An eager ``OscarLayer`` keeps its lengths as Python ints and grows its buffers as tokens arrive; a
+CUDA graph replays the same kernels on the same addresses with no host in the loop. Freezing a cache
+(after the prefill, once the sink is complete) makes every decode step shape-stable:
+
+* each layer's history is allocated at its final capacity, and its recent window becomes a ring of
+  ``recent + block`` rows; the new token goes to a slot computed on the device;
+* the lengths all layers share (history rows, ring start, ring rows) live in one device tensor,
+  which the decode-attention kernel reads and each step advances on the device;
+* demoting the oldest ``block`` ring rows of every layer is one launch per format, whose rows, and
+  whether it does anything, are read on the device (:class:`~oscar_hf.kernels.quantize.WindowQuantizer`);
+* the sink's padding mask is fixed when freezing (left padding never reaches past the sink).
+
+Each step does exactly what the eager cache does (same demotion points, same quantized rows, same
+attention), so greedy outputs match it; only the order in which attention sums the recent keys differs.
+A host mirror of the lengths advances with every step (a graph runner advances it per replay), so
+the cache thaws back into its eager layout without a device sync.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kernels.decode_attention import decode_attention
+from .kernels.quantize import WindowQuantizer
+from .log import get_logger
+
+if TYPE_CHECKING:
+    from .cache import OscarCache, OscarLayer
+
+logger = get_logger(__name__)
+
+
+def static_unsupported(cache: "OscarCache") -> str | None:
+    """Why ``cache`` cannot be frozen for static decoding now, or None when it can."""
+    from .cache import ATTENTION_NAME, OscarLayer
+
+    layers = cache.layers
+    if not all(isinstance(layer, OscarLayer) for layer in layers):
+        return "the model has sliding-window or other non-full-attention layers"
+    if cache.text_config._attn_implementation != ATTENTION_NAME:
+        return f"the model runs attn_implementation={cache.text_config._attn_implementation!r}, not 'oscar'"
+    config = cache.oscar_config
+    if not config.quantized:
+        return f"method {config.method!r} keeps everything in BF16 (no window to demote)"
+    if config.check_finite:
+        return "check_finite=True reads every step's K/V on the host"
+    if not all(layer.is_initialized and layer.sink_end is not None for layer in layers):
+        return "the prefill has not run yet"
+    first = layers[0]
+    if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
+        return "the sink is not complete yet (new tokens still go to the sink)"
+    lengths = {(layer.sink_keys.length, layer.history_length, layer.recent_keys.length) for layer in layers}
+    if len(lengths) > 1:
+        return f"layers hold different numbers of tokens {sorted(lengths)}"
+    return None
+
+
+class StaticDecoding:
+    """The frozen state of an OscarCache: device lengths, rings and the demotion launches.
+
+    Made by :meth:`OscarCache.start_static`; use that. ``capacity`` is the most tokens the cache will
+    hold (prompt and generated); ``sink_mask`` is ``[batch, sink rows]``, True for real tokens, or None.
+    """
+
+    def __init__(self, cache: "OscarCache", capacity: int, sink_mask: torch.Tensor | None):
+        self.cache = cache
+        self.layers: list[OscarLayer] = list(cache.layers)
+        first = self.layers[0]
+        config = first.config
+        self.block, self.ring_size = config.block, config.recent + config.block
+        self.sink_rows = first.sink_keys.length
+        self.history_capacity = capacity - self.sink_rows
+        self.history_rows, self.ring_start, self.ring_rows = first.history_length, 0, first.recent_keys.length
+        if self.history_capacity < self.history_rows:
+            raise ValueError(f"a capacity of {capacity} tokens is below the {self.stored_length} already stored")
+        for layer in self.layers:
+            for buffer in (*layer.history_keys.buffers(), *layer.history_values.buffers()):
+                buffer.fix_capacity(self.history_capacity)
+            for buffer in (layer.recent_keys, layer.recent_values):
+                buffer.fix_capacity(self.ring_size)
+        device = first.device
+        self.device = device
+        self.lengths = torch.tensor([self.history_rows, 0, self.ring_rows], device=device)
+        self.window = torch.zeros(3, dtype=torch.long, device=device)  # WindowQuantizer: active, ring row, history row
+        self.write_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self._shift = torch.tensor([1, 1, -1], device=device) * self.block  # a demotion moves one block
+        self._new_token = torch.tensor([0, 0, 1], device=device)
+        self.sink_mask = None if sink_mask is None else sink_mask.to(device=device, dtype=torch.uint8).contiguous()
+        self.demoters = self._demoters()
+        for layer in self.layers:
+            layer.static = self
+
+    def _demoters(self) -> list[WindowQuantizer]:
+        """One launch per quantization format over every layer's K (and V) ring."""
+        jobs: dict[tuple, list] = {}
+        for layer in self.layers:
+            pairs = ((layer.config.key, layer.recent_keys, layer.history_keys),
+                     (layer.config.value, layer.recent_values, layer.history_values))  # fmt: skip
+            for spec, ring, history in pairs:
+                key = (spec.bits, spec.group_of(layer.head_dim), spec.symmetric)
+                jobs.setdefault(key, []).append((ring.data, history.whole(), spec.clip_ratio))
+        metadata_dtype = self.cache.oscar_config.metadata_dtype
+        return [
+            WindowQuantizer([j[0] for j in same], [j[1] for j in same], self.block, self.window, bits, group,
+                            symmetric=symmetric, clip_ratios=[j[2] for j in same], metadata_dtype=metadata_dtype)
+            for (bits, group, symmetric), same in jobs.items()
+        ]  # fmt: skip
+
+    @property
+    def stored_length(self) -> int:
+        return self.sink_rows + self.history_rows + self.ring_rows
+
+    @property
+    def capacity(self) -> int:
+        return self.sink_rows + self.history_capacity
+
+    # ------------------------------------------------------------------------------------ a step
+    def advance(self) -> None:
+        """Begin a decode step (at the first layer): demote every ring's oldest block when the window is
+        full, as the eager cache would, and reserve the new token's ring slot; all on the device."""
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self.advance_host()  # a replayed graph runs no Python: its runner advances the mirror instead
+        due = (self.lengths[2:] + 1 >= self.ring_size).long()
+        self.window.copy_(torch.cat([due, self.lengths[1:2], self.lengths[:1]]))
+        for demote in self.demoters:
+            demote()
+        self.lengths.add_(due * self._shift + self._new_token)
+        self.lengths[1:2].remainder_(self.ring_size)
+        torch.remainder(self.lengths[1:2] + self.lengths[2:] - 1, self.ring_size, out=self.write_slot)
+
+    def advance_host(self) -> None:
+        """Advance the host mirror of the lengths by one step; raises before the history would overflow."""
+        rows = self.ring_rows + 1
+        if rows >= self.ring_size:
+            if self.history_rows + self.block > self.history_capacity:
+                raise RuntimeError(
+                    f"the static OscarCache is full: it was frozen for {self.capacity} tokens "
+                    "(pass a larger max_cache_len)"
+                )
+            self.history_rows += self.block
+            self.ring_start = (self.ring_start + self.block) % self.ring_size
+            rows -= self.block
+        self.ring_rows = rows
+
+    def attend(self, layer: "OscarLayer", query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Store the layer's new token in its ring and attend over all its tiers: ``[B, 1, Hq, D]``."""
+        keys, values = layer.take_pending()
+        ring_k, ring_v = layer.recent_keys.data, layer.recent_values.data
+        ring_k.index_copy_(2, self.write_slot, keys)
+        ring_v.index_copy_(2, self.write_slot, values)
+        history_k, history_v = layer.history_keys.whole(), layer.history_values.whole()
+        output = decode_attention(
+            layer.rotate_keys(query)[:, :, 0], layer.sink_keys.view(), layer.sink_values.view(),
+            history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
+            ring_k, ring_v, keys[:, :, :0], values[:, :, :0], k_bits=layer.config.key.bits,
+            v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=self.sink_mask, lengths=self.lengths,
+        )  # fmt: skip
+        return layer.unrotate_values(output.unsqueeze(1))
+
+    # ------------------------------------------------------------------------------------- thaw
+    def thaw(self) -> None:
+        """Return every layer to the eager layout (from the host mirror: no device sync)."""
+        for layer in self.layers:
+            for buffer in (*layer.history_keys.buffers(), *layer.history_values.buffers()):
+                buffer.unroll(0, self.history_rows)
+            for buffer in (layer.recent_keys, layer.recent_values):
+                buffer.unroll(self.ring_start, self.ring_rows)
+            layer.static = None
+        self.cache.static = None
+        logger.debug("OscarCache left static decoding at %d tokens", self.stored_length)

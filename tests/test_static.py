@@ -1,0 +1,177 @@
+"""Static decoding (a frozen OscarCache) and ``oscar_hf.generate``: the same tokens as the eager cache.
+
+On CPU the static steps run without a CUDA graph (``capture=False``), through the torch references;
+tests/test_kernels.py runs them through the (interpreted or compiled) kernels, and the GPU test here
+replays a captured graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import oscar_hf
+from oscar_hf import OscarCache
+from oscar_hf.compat import cache_keyword
+from oscar_hf.static import StaticDecoding
+from tests.conftest import generate, tiny_model
+from tests.test_cache_contract import left_pad, prompts
+
+SMALL = dict(sink=4, recent=8, block=4)
+CUDA = torch.cuda.is_available()
+
+
+def fast(model, input_ids, cache, capture=False, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("max_new_tokens", 24)
+    kwargs.setdefault("min_new_tokens", kwargs["max_new_tokens"])
+    with torch.no_grad():
+        return oscar_hf.generate(model, input_ids, capture=capture, **{cache_keyword(model): cache}, **kwargs)
+
+
+@pytest.fixture
+def static_steps(monkeypatch):
+    """Counts the static steps (device-side advances) a generation runs."""
+    counts = {"steps": 0}
+    advance = StaticDecoding.advance
+
+    def counting(self):
+        counts["steps"] += 1
+        return advance(self)
+
+    monkeypatch.setattr(StaticDecoding, "advance", counting)
+    return counts
+
+
+@pytest.mark.parametrize("method", ["quarot-int2", "int4", "naive-int2"])
+def test_static_greedy_is_token_identical_to_the_eager_cache(tiny, method, static_steps):
+    ids, mask = left_pad(prompts([30, 26, 29]))  # pads stay in the sink: its mask is fixed when freezing
+    want = generate(tiny, ids, OscarCache(tiny, method, **SMALL), attention_mask=mask, max_new_tokens=40)
+    cache = OscarCache(tiny, method, **SMALL)
+    got = fast(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
+    assert torch.equal(got, want)
+    assert static_steps["steps"] == 39  # every step after the prefill's
+    assert cache.static is None and cache.get_seq_length() == got.shape[1] - 1  # thawed for reuse
+
+
+def test_static_sampling_matches_the_eager_cache(tiny):
+    ids = prompts([24])[0][None]
+    options = dict(do_sample=True, top_k=20, temperature=0.8, max_new_tokens=30)
+    torch.manual_seed(7)
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options)
+    torch.manual_seed(7)
+    assert torch.equal(fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options), want)
+
+
+def test_short_prompts_decode_eagerly_until_the_sink_is_complete(tiny, static_steps):
+    ids = prompts([2])[0][None]  # the next 2 tokens still go to the 4-token sink
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=20)
+    assert torch.equal(fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=20), want)
+    assert static_steps["steps"] == 19 - 2
+
+
+def test_a_thawed_cache_continues_a_conversation_like_the_eager_one(tiny):
+    turn1 = prompts([20])[0][None]
+    eager, frozen = OscarCache(tiny, "quarot-int2", **SMALL), OscarCache(tiny, "quarot-int2", **SMALL)
+    out1 = generate(tiny, turn1, eager, max_new_tokens=13)
+    assert torch.equal(fast(tiny, turn1, frozen, max_new_tokens=13), out1)
+    for left, right in zip(eager.layers, frozen.layers):  # the ring unrolled back into the eager layout
+        assert left.history_length == right.history_length
+        assert torch.equal(left.recent_keys.view(), right.recent_keys.view())
+        assert torch.equal(left.history_keys.packed().codes, right.history_keys.packed().codes)
+    turn2 = torch.cat([out1, prompts([7], seed=3)[0][None]], dim=1)
+    assert torch.equal(fast(tiny, turn2, frozen, max_new_tokens=9), generate(tiny, turn2, eager, max_new_tokens=9))
+
+
+def test_max_cache_len_preallocates_the_history_once(tiny):
+    cache = OscarCache(tiny, "quarot-int2", max_cache_len=80, **SMALL)
+    out = fast(tiny, prompts([30])[0][None], cache, max_new_tokens=40)
+    codes = cache.layers[0].history_keys.codes
+    assert codes.data.shape[2] == 80 - SMALL["sink"]  # the preallocated buffer, never regrown
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_a_full_static_cache_raises_instead_of_overwriting(tiny):
+    cache = OscarCache(tiny, "quarot-int2", **SMALL)
+    with torch.no_grad():
+        tiny(prompts([30])[0][None], use_cache=True, **{cache_keyword(tiny): cache})
+    assert cache.start_static(capacity=34)  # 18 rows of history (capacity 30), 8 in the ring
+    for _ in range(12):  # three demotions of 4 rows fit
+        cache.static.advance_host()
+    with pytest.raises(RuntimeError, match="static OscarCache is full"):
+        for _ in range(4):
+            cache.static.advance_host()
+
+
+def test_caches_that_cannot_be_frozen_say_why(tiny, caplog):
+    caplog.set_level(logging.DEBUG, logger="oscar_hf")
+    ids, mask = left_pad(prompts([30, 26]))
+    cache = OscarCache(tiny, "quarot-int2", **SMALL)
+    assert not cache.start_static(100)
+    assert "prefill has not run" in caplog.text
+    with torch.no_grad():
+        tiny(ids, attention_mask=mask, use_cache=True, **{cache_keyword(tiny): cache})
+    assert not cache.start_static()
+    assert "no capacity" in caplog.text
+    gap = torch.ones(2, 31, dtype=torch.long)
+    gap[0, 10] = 0
+    assert not cache.start_static(100, gap)
+    assert "pads after the sink" in caplog.text
+    none = OscarCache(tiny, "none")
+    with torch.no_grad():
+        tiny(ids, attention_mask=mask, use_cache=True, **{cache_keyword(tiny): none})
+    assert not none.start_static(100)
+    assert "keeps everything in BF16" in caplog.text
+
+
+def test_models_with_sliding_window_layers_decode_eagerly(static_steps):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=512,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(config).eval()
+    model.set_attn_implementation("oscar")
+    ids = prompts([30])[0][None]
+    want = generate(model, ids, OscarCache(model, "quarot-int2", **SMALL), max_new_tokens=8)
+    assert torch.equal(fast(model, ids, OscarCache(model, "quarot-int2", **SMALL), max_new_tokens=8), want)
+    assert static_steps["steps"] == 0
+
+
+def test_generate_is_plain_generate_on_cpu_and_validates(tiny, static_steps):
+    ids = prompts([30])[0][None]
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=8)
+    assert torch.equal(fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), capture=None, max_new_tokens=8), want)
+    assert static_steps["steps"] == 0  # no CUDA graphs here: transformers' own loop, untouched
+    with pytest.raises(ValueError, match="needs an OscarCache"):
+        oscar_hf.generate(tiny, ids, max_new_tokens=2)
+    if not CUDA:
+        with pytest.raises(ValueError, match="needs a CUDA model"):
+            fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), capture=True, max_new_tokens=8)
+
+
+def test_beam_search_decodes_eagerly(tiny, static_steps):
+    ids = prompts([30])[0][None]
+    options = dict(num_beams=2, max_new_tokens=6)
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options)
+    assert torch.equal(fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options), want)
+    assert static_steps["steps"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_captured_decode_steps_match_the_eager_cache_on_gpu(arch):
+    model = tiny_model(arch, head_dim=64).to("cuda", torch.bfloat16)
+    ids, mask = left_pad(prompts([300, 290]))
+    ids, mask = ids.cuda(), mask.cuda()
+    rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
+    options = dict(attention_mask=mask, max_new_tokens=64)
+    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, **SMALL), **options)
+    cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=400, **SMALL)
+    got = fast(model, ids, cache, capture=True, **options)
+    assert torch.equal(got, want)
