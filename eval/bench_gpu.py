@@ -69,8 +69,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method
 # "<method>+absorbed": that OscarCache method on the model with R_V folded into v_proj/o_proj.
 ABSORBED_SUFFIX = "+absorbed"
-# "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder).
+# "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder);
+# "<cache>+graph+compile": with the decoder layers compiled inside the captured step.
 GRAPH_SUFFIX = "+graph"
+COMPILE_SUFFIX = "+compile"
 
 # Qwen3 shapes from the models' config.json, with room for 128K positions (weights are random).
 MODEL_PRESETS: dict[str, dict] = {
@@ -763,14 +765,25 @@ def bench_e2e(config: dict) -> list[dict]:
 # ------------------------------------------------------------------------------ (d) CUDA graphs
 
 
-def graph_decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: int, capacity: int) -> dict:
+def graph_variant(cache_name: str) -> tuple[str, bool, bool]:
+    """``"<cache>[+graph[+compile]]"`` -> (cache name for :func:`model_for`, captured, compiled)."""
+    base, graph, rest = cache_name.partition(GRAPH_SUFFIX)
+    return base, bool(graph), rest == COMPILE_SUFFIX
+
+
+def static_decoder(model: PreTrainedModel, cache, capacity: int, compiled: bool) -> StaticDecoder:
+    """Captured on CUDA; elsewhere (the CPU smoke test) the same static steps run eagerly."""
+    return StaticDecoder(model, cache, capacity, capture=input_device(model).type == "cuda", compile=compiled)
+
+
+def graph_decode_steps(model: PreTrainedModel, decoder: StaticDecoder, batch: int, warmup: int, steps: int) -> dict:
     """Times (ms) of single-token steps through :class:`oscar_hf.StaticDecoder`, each synchronised.
 
     The first step freezes the cache and runs eagerly, the second captures the graph; both are part
-    of ``warmup``. Captured on CUDA; elsewhere (the CPU smoke test) the same static steps run eagerly.
+    of ``warmup``.
     """
     device, devices = input_device(model), model_devices(model)
-    decoder = StaticDecoder(model, cache, capacity, capture=device.type == "cuda")
+    cache = decoder.cache
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     times = []
 
@@ -788,11 +801,11 @@ def graph_decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, s
     return {"step_ms_all": times, "captured": captured}
 
 
-def fast_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> float:
+def fast_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, compiled: bool) -> float:
     """One timed ``oscar_hf.generate`` of ``new_tokens`` greedy tokens over a filled cache."""
     call = functools.partial(
         oscar_hf.generate, model, input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache},
+        min_new_tokens=new_tokens, do_sample=False, compile=compiled, **{cache_keyword(model): cache},
     )  # fmt: skip
     return elapsed_ms(call, model_devices(model))
 
@@ -806,11 +819,9 @@ def compiled_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor,
     return elapsed_ms(call, model_devices(model))
 
 
-def graph_case(model: PreTrainedModel, cache_name: str, context: int, batch: int, run: dict,
-               rotations: RotationSet | None) -> dict:  # fmt: skip
+def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bool, context: int, batch: int,
+               run: dict, rotations: RotationSet | None) -> dict:  # fmt: skip
     """One cache's median decode step over a synthetic ``context`` (and generate tokens/s where cheap)."""
-    captured = cache_name.endswith(GRAPH_SUFFIX)
-    method = cache_name.removesuffix(GRAPH_SUFFIX)
     capacity = context + run["warmup_steps"] + run["steps"] + run["new_tokens"] + 16
     model.set_attn_implementation(attention_for(method))
     fill = synthetic_fill(model, batch, context, run["fill_chunk_rows"])
@@ -825,7 +836,9 @@ def graph_case(model: PreTrainedModel, cache_name: str, context: int, batch: int
     cache = filled()
     row = {"kv_bytes": kv_bytes(cache)}
     if captured:
-        row.update(graph_decode_steps(model, cache, batch, run["warmup_steps"], run["steps"], capacity))
+        decoder = static_decoder(model, cache, capacity, compiled)
+        row.update(graph_decode_steps(model, decoder, batch, run["warmup_steps"], run["steps"]))
+        del decoder
     else:
         row["step_ms_all"] = decode_steps(model, cache, batch, run["warmup_steps"], run["steps"])
     del cache
@@ -834,8 +847,10 @@ def graph_case(model: PreTrainedModel, cache_name: str, context: int, batch: int
         times = []
         for _ in range(run["repeats"] + 1):  # the first call warms up (compiles and captures)
             cache = filled()
-            timed = fast_generate_ms if captured else generate_ms_eager
-            times.append(timed(model, cache, ids, run["new_tokens"]))
+            if captured:
+                times.append(fast_generate_ms(model, cache, ids, run["new_tokens"], compiled))
+            else:
+                times.append(generate_ms_eager(model, cache, ids, run["new_tokens"]))
             del cache
             free_memory()
         row["generate_tokens_per_s"] = batch * run["new_tokens"] * 1e3 / median(times[1:])
@@ -873,16 +888,17 @@ def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: 
             **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s"))}  # fmt: skip
 
 
-def profile_graph_step(model: PreTrainedModel, context: int, batch: int, run: dict, rotations) -> list[dict]:
+def profile_graph_step(model: PreTrainedModel, method: str, compiled: bool, context: int, batch: int, run: dict,
+                       rotations) -> list[dict]:  # fmt: skip
     """Where a captured OscarCache step spends its GPU time: kernels by total time over replays."""
     from torch.profiler import ProfilerActivity, profile
 
     capacity = context + 64
     model.set_attn_implementation("oscar")
-    cache = make_cache("oscar-int2", model, capacity, rotations, preallocate=True)
+    cache = make_cache(method, model, capacity, rotations, preallocate=True)
     fill_cache(cache, model, batch, context, run["fill_chunk_rows"])
     device = input_device(model)
-    decoder = StaticDecoder(model, cache, capacity, capture=device.type == "cuda")
+    decoder = static_decoder(model, cache, capacity, compiled)
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     for _ in range(3):  # freeze, capture, replay once
         decoder.step({"input_ids": token, cache_keyword(model): cache})
@@ -908,8 +924,9 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
     for context, batch, cache_name in tqdm(grid, desc=f"graph {name}"):
         def measure() -> dict:
-            with model_for(model, cache_name.removesuffix(GRAPH_SUFFIX), rotations):
-                return graph_case(model, cache_name, context, batch, run, rotations)
+            base, captured, compiled = graph_variant(cache_name)
+            with model_for(model, base, rotations) as method:
+                return graph_case(model, method, captured, compiled, context, batch, run, rotations)
 
         rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
                              "cache": cache_name}, measure))  # fmt: skip
@@ -922,9 +939,16 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     profiled = config["profile"]
     if name == profiled["model"]:
         holder: list = []
-        row = guarded({"part": "profile", "model": name, "context": profiled["context"], "batch": profiled["batch"]},
-                      lambda: holder.extend(profile_graph_step(model, profiled["context"], profiled["batch"],
-                                                               {**run, **profiled}, rotations)) or {})  # fmt: skip
+        base, _, compiled = graph_variant(profiled["cache"])
+
+        def trace() -> dict:
+            with model_for(model, base, rotations) as method:
+                holder.extend(profile_graph_step(model, method, compiled, profiled["context"], profiled["batch"],
+                                                 {**run, **profiled}, rotations))  # fmt: skip
+            return {}
+
+        row = guarded({"part": "profile", "model": name, "context": profiled["context"], "batch": profiled["batch"],
+                       "cache": profiled["cache"]}, trace)  # fmt: skip
         if holder:
             rows.extend({**row, **entry} for entry in holder)
         else:
@@ -1317,7 +1341,7 @@ def graph_markdown(result: dict) -> str:
     profiled = result["config"]["profile"]
     return ("Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
             "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS)
-            + f"\n\nWhere a captured OscarCache step spends its GPU time ({profiled['model']}, "
+            + f"\n\nWhere a captured OscarCache step spends its GPU time ({profiled['model']}, {profiled['cache']}, "
             f"{short_tokens(profiled['context'])}, batch {profiled['batch']}; torch.profiler over "
             f"{profiled['profile_steps']} replays)\n\n" + table([r for r in cases if r.get("part") == "profile"],
                                                                  PROFILE_COLUMNS))  # fmt: skip
@@ -1493,7 +1517,8 @@ DEFAULTS: dict[str, dict] = {
         "caches": ["dynamic", "oscar-int2", "oscar-int2+graph"],
         "decode": {**_DECODE, "compiled_new_tokens": [8, 24], "bandwidth_bytes_per_s": None},
         "compiled_static": {"models": [], "contexts": [100000], "batches": [1, 8]},
-        "profile": {"model": "qwen3-8b", "context": 100000, "batch": 1, "profile_steps": 5, "profile_top": 15},
+        "profile": {"model": "qwen3-8b", "cache": "oscar-int2+graph", "context": 100000, "batch": 1,
+                    "profile_steps": 5, "profile_top": 15},
     },
     "multigpu": {
         "dtype": "bfloat16", "seed": 0, "gpus": 2, "model": "qwen3-4b",

@@ -23,6 +23,7 @@ from .cache import ATTENTION_NAME, OscarLayer, active_cache
 from .kernels.decode_attention import decode_attention
 
 
+@torch.compiler.disable  # it reads the cache's state on the host; compiled layers break around it
 def oscar_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -568,6 +568,9 @@ class OscarCache(Cache):
             raise ValueError(f"the rotations lack R_K or R_V for layers {missing}")
         return rotations
 
+    # The cache's bookkeeping (Python ints, a context variable, host-side plans) runs eagerly under
+    # torch.compile: a compiled model breaks its graph here and compiles the layers around it.
+    @torch.compiler.disable
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,12 +46,25 @@ class StaticDecoder:
         capacity: the most tokens the cache will hold (default: its ``max_cache_len``).
         capture: replay a CUDA graph (needs CUDA); False runs the very same static steps eagerly,
             which is what the tests compare on CPU.
+        compile: run the decoder layers through ``torch.compile`` inside the step (regional: one
+            compiled graph serves every layer; the cache update and attention stay eager). It fuses
+            the many small kernels of norms, RoPE and activations that a replay still runs one by
+            one; compiling takes about a minute for an 8B model, once per process and batch size.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: OscarCache, capacity: int | None = None, capture: bool = True):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: OscarCache,
+        capacity: int | None = None,
+        capture: bool = True,
+        compile: bool = False,
+    ):
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA-graph capture needs a CUDA model, this one is on {model.device}")
         self.model, self.cache, self.capacity, self.capture = model, cache, capacity, capture
+        self.layers = list(model.get_decoder().layers)
+        self.compiled_layers = [torch.compile(layer.forward, dynamic=False) for layer in self.layers] if compile else []
         self.eager_forward = model.forward
         self.keyword = cache_keyword(model)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -60,21 +73,18 @@ class StaticDecoder:
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
         """Route the model's one-token forwards through :meth:`forward` meanwhile (``generate`` calls it)."""
-        instance = self.model.__dict__
-        own_forward = instance.get("forward")  # e.g. accelerate's device hooks wrap forward per instance
+        own_forward = self.model.__dict__.get("forward")  # e.g. accelerate's device hooks wrap forward per instance
+
         # generate inspects forward's signature to decide what to pass (position_ids among others)
         @functools.wraps(self.eager_forward)
         def forward(*args, **kwargs):
             return self.forward(*args, **kwargs)
 
-        instance["forward"] = forward
+        self.model.forward = forward
         try:
             yield
         finally:
-            if own_forward is None:
-                del instance["forward"]
-            else:
-                instance["forward"] = own_forward
+            _restore_forward(self.model, own_forward)
             self.cache.stop_static()
             self.graph = None
 
@@ -145,14 +155,40 @@ class StaticDecoder:
 
     def _run(self) -> torch.Tensor:
         """The step a graph captures: forward on the static inputs, then the next position."""
-        with torch.no_grad():
+        with torch.no_grad(), self._compiled_layers():
             output = self.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=True,
                                         logits_to_keep=1, return_dict=True, **{self.keyword: self.cache})  # fmt: skip
         self.position_ids.add_(1)
         return output.logits
 
+    @contextlib.contextmanager
+    def _compiled_layers(self) -> Iterator[None]:
+        """The compiled layer forwards for the static step only (prefill shapes would recompile them)."""
+        for layer, compiled in zip(self.layers, self.compiled_layers):
+            layer.forward = compiled
+        try:
+            yield
+        finally:
+            for layer in self.layers[: len(self.compiled_layers)]:
+                del layer.forward
 
-def generate(model: PreTrainedModel, inputs: torch.Tensor | None = None, *, capture: bool | None = None, **kwargs):
+
+def _restore_forward(module: torch.nn.Module, own_forward) -> None:
+    """Undo an instance-level ``forward`` override: back to the module's own one, or to its class's."""
+    if own_forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own_forward
+
+
+def generate(
+    model: PreTrainedModel,
+    inputs: torch.Tensor | None = None,
+    *,
+    capture: bool | None = None,
+    compile: bool = False,
+    **kwargs,
+):
     """``model.generate`` with its decode steps replayed from a CUDA graph: same arguments, same outputs.
 
     Pass the OscarCache as in ``model.generate`` (``past_key_values=`` or, on newer transformers,
@@ -164,6 +200,7 @@ def generate(model: PreTrainedModel, inputs: torch.Tensor | None = None, *, capt
         inputs, **kwargs: as ``model.generate``.
         capture: None (default) captures on CUDA and falls back to plain ``model.generate`` elsewhere
             (CPU has no CUDA graphs); False runs the static steps without a graph (for tests).
+        compile: also compile the decoder layers inside the captured step (see :class:`StaticDecoder`).
 
     Beam search, assisted decoding and caches that cannot be frozen run eagerly (logged).
 
@@ -186,7 +223,7 @@ def generate(model: PreTrainedModel, inputs: torch.Tensor | None = None, *, capt
         return model.generate(inputs, **kwargs)
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     capacity = cache.capacity or _capacity(prompt, config, cache)
-    decoder = StaticDecoder(model, cache, capacity, capture=capture is not False)
+    decoder = StaticDecoder(model, cache, capacity, capture=capture is not False, compile=compile)
     with decoder.patched():
         return model.generate(inputs, **kwargs)
 

@@ -8,6 +8,7 @@ replays a captured graph.
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -161,6 +162,20 @@ def test_beam_search_decodes_eagerly(tiny, static_steps):
     want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options)
     assert torch.equal(fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options), want)
     assert static_steps["steps"] == 0
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps):
+    model = tiny_model("qwen3")
+    ids = prompts([30])[0][None]
+    want = generate(model, ids, OscarCache(model, "quarot-int2", **SMALL), max_new_tokens=10)
+    torch._dynamo.reset()
+    got = fast(model, ids, OscarCache(model, "quarot-int2", **SMALL), compile=True, max_new_tokens=10)
+    assert torch.equal(got, want)
+    assert static_steps["steps"] == 9
+    assert "forward" not in model.model.layers[0].__dict__  # the eager layers are back
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] <= 8  # one set of graphs for both layers and every step: no recompiles
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
