@@ -1338,13 +1338,15 @@ def e2e_markdown(result: dict) -> str:
 
 def graph_markdown(result: dict) -> str:
     cases = result["cases"]
-    profiled = result["config"]["profile"]
-    return ("Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
-            "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS)
-            + f"\n\nWhere a captured OscarCache step spends its GPU time ({profiled['model']}, {profiled['cache']}, "
-            f"{short_tokens(profiled['context'])}, batch {profiled['batch']}; torch.profiler over "
-            f"{profiled['profile_steps']} replays)\n\n" + table([r for r in cases if r.get("part") == "profile"],
-                                                                 PROFILE_COLUMNS))  # fmt: skip
+    text = ("Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
+            "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS))
+    profile = [r for r in cases if r.get("part") == "profile"]
+    if profile:
+        p = result["config"]["profile"]
+        text += (f"\n\nWhere a captured OscarCache step spends its GPU time ({p['model']}, {p['cache']}, "
+                 f"{short_tokens(p['context'])}, batch {p['batch']}; torch.profiler over {p['profile_steps']} "
+                 "replays)\n\n" + table(profile, PROFILE_COLUMNS))  # fmt: skip
+    return text
 
 
 def memory_markdown(result: dict) -> str:
@@ -1433,20 +1435,28 @@ def e2e_plot(result: dict, path: Path) -> None:
 
 
 def graph_plot(result: dict, path: Path) -> None:
-    """Median step ms per (model, context, batch), one bar per cache, with each group's roofline marked."""
+    """Median step ms per (model, context, batch), one bar per cache, a black tick at each bar's roofline."""
     decode = [r for r in result["cases"] if r.get("part") == "decode"]
     groups = sorted({(r["model"], r["context"], r["batch"]) for r in decode})
     caches = list(dict.fromkeys(r["cache"] for r in decode))
-    value = {(r["model"], r["context"], r["batch"], r["cache"]): r.get("step_ms") for r in decode}
-    fig, axes = _figure(width=max(6.0, 1.1 * len(groups)))
+    rows = {(r["model"], r["context"], r["batch"], r["cache"]): r for r in decode}
+    fig, axes = _figure(width=max(7.0, 1.4 * len(groups)), height=5.5)
     ax = axes[0][0]
     if not groups:
         _no_data(ax)
     else:
-        _bars(ax, [f"{m} {short_tokens(c)} b{b}" for m, c, b in groups],
-              {k: [value.get((*g, k)) for g in groups] for k in caches}, "ms per decode step")  # fmt: skip
+        series = {k: [rows.get((*g, k), {}).get("step_ms") for g in groups] for k in caches}
+        _bars(ax, [f"{m} {short_tokens(c)} b{b}" for m, c, b in groups], series, "ms per decode step")
+        width = 0.8 / len(caches)
+        for index, cache in enumerate(caches):
+            for group_index, group in enumerate(groups):
+                roof = rows.get((*group, cache), {}).get("roofline_ms")
+                if roof:
+                    x = group_index + index * width
+                    ax.hlines(roof, x - width / 2, x + width / 2, color="black", linewidth=2)
         ax.set_yscale("log")
-        ax.set_title("decode step: eager vs CUDA graph (log scale)")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, fontsize="small")
+        ax.set_title("decode step: eager vs CUDA graph (log scale; black: memory roofline)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
