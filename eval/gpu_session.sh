@@ -4,8 +4,8 @@
 #
 #   bash eval/gpu_session.sh OUT_DIR STEP...      e.g.  bash eval/gpu_session.sh $OUT tests kernel e2e
 #
-# Steps and their wall time on one H200 (2026-11-30): tests 55 s (compiled kernel tests, 8 workers),
-# graph / graph-4b (issue 7's CUDA-graph decode benchmark, one model each),
+# Steps and their wall time on one H200 (2026-11-30): tests ~210 s (compiled kernel and static tests, 8 workers),
+# static-tests 135 s, graph 250 s, graph-4b 120 s, graph-8b-64k 60 s (issue 7's CUDA-graph decode),
 # tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
 # 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s.
 # A device call may run 10 minutes.
@@ -30,7 +30,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, r
 
 for step in "$@"; do
     case $step in
-        tests) run tests 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_static.py ;;
+        tests) run tests 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_static.py ;;
         tune) run tune 300 python3 eval/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
         e2e | e2e-4b)
@@ -38,11 +38,20 @@ for step in "$@"; do
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
             run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
-        graph | graph-4b)  # GRAPH_SETS: extra --set arguments, e.g. to pick contexts
-            model=qwen3-8b name=bench_graph
-            [ "$step" = graph-4b ] && model=qwen3-4b name=bench_graph_4b
-            run "$step" 480 $bench --config eval/configs/bench_graph.json --name $name --set "models=[\"$model\"]" \
-                ${GRAPH_SETS:-} ;;
+        static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
+                          tests/test_kernels.py -k "static or window or compiled" ;;
+        graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \
+                   --set 'models=["qwen3-8b"]' --set 'contexts=[32768,100000]' ;;
+        graph-4b | graph-8b-64k)  # fewer variants: eager, captured, and the best captured one
+            caches='caches=["dynamic","oscar-int2","oscar-int2+graph","oscar-int2+absorbed+graph+compile"]'
+            if [ "$step" = graph-4b ]; then
+                run "$step" 290 $bench --config eval/configs/bench_graph.json --name bench_graph_4b \
+                    --set 'models=["qwen3-4b"]' --set "$caches"
+            else
+                run "$step" 120 $bench --config eval/configs/bench_graph.json --name bench_graph_8b_64k \
+                    --set 'models=["qwen3-8b"]' --set 'contexts=[65536]' --set "$caches" \
+                    --set 'compiled_static.models=[]' --set 'profile.model="none"'
+            fi ;;
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;
