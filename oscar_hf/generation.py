@@ -85,15 +85,17 @@ class StaticDecoder:
             yield
         finally:
             _restore_forward(self.model, own_forward)
-            self.cache.stop_static()
-            self.graph = None
+            self._leave_static()
+
+    def _leave_static(self) -> None:
+        self.cache.stop_static()
+        self.graph = self.input_ids = None
 
     def forward(self, *args, **kwargs) -> Any:
         """A model forward: static for plain one-token steps on our cache, eager for anything else."""
         logits = self.step(kwargs) if not args and self._is_decode_step(kwargs) else None
         if logits is None:
-            self.cache.stop_static()
-            self.graph = None
+            self._leave_static()
             return self.eager_forward(*args, **kwargs)
         return CausalLMOutputWithPast(logits=logits, **{self.keyword: self.cache})
 
@@ -113,7 +115,7 @@ class StaticDecoder:
     def step(self, kwargs: dict) -> torch.Tensor | None:
         """Logits ``[B, 1, vocab]`` of one decode step, or None when the cache cannot be static now."""
         ids = kwargs["input_ids"]
-        if self.cache.static is None:
+        if self.cache.static is None or self.input_ids is None:  # (re)freeze: new buffers, a new graph
             if not self.cache.start_static(self.capacity, kwargs.get("attention_mask")):
                 return None
             self.input_ids = ids.clone()
