@@ -1,0 +1,116 @@
+"""Instructions per history tile of the decode kernel, compiled for an H100/H200 (sm_90) on any machine.
+
+    python eval/sass_count.py [--warps 4] [--block-n 64] [--ring] [--sass out.sass]
+
+No GPU is needed: Triton compiles the stage-1 kernel for ``GPUTarget("cuda", 90, 32)`` with the
+argument types and specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128,
+INT2 K and V, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The kernel is bound
+by instruction issue (``kernels/NOTES.md``), so warp-instructions per key are what a change to the
+history loop must lower; this measures them without device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+class _Sm90Driver:
+    """Just enough of a Triton driver to compile (never launch) for sm_90 without a GPU."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_000):
+    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only)."""
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90Driver())
+    from oscar_hf.kernels import decode_attention as kernel
+
+    bf16, u8, f32 = torch.bfloat16, torch.uint8, torch.float32
+    kv_heads, dims = 8, 128
+    dense = (kv_heads * 512 * dims, 512 * dims, dims)
+    codes, meta = (kv_heads * history * 32, history * 32, 32), (kv_heads * history, history, 1)
+    magic, offset = kernel._CODE_MAGIC[bf16]
+    unpack = kernel._unpack_asm(2, magic)
+    args = (
+        bf16, (32 * dims, dims),
+        bf16, dense, bf16, dense, 64, 64,
+        bf16, dense, bf16, dense, 264, 256,
+        bf16, dense, bf16, dense, 1, 16,
+        u8, codes, bf16, meta, bf16, meta, u8, codes, bf16, meta, bf16, meta, history, 1536,
+        bf16, 128, f32, f32, f32, 0.088, 66, 2, 72, torch.int64 if ring else bf16,
+    )  # fmt: skip  (the launcher's argument order)
+    return kernel._decode_stage1_kernel.warmup(
+        *args, grid=(1,), GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=block_n, DENSE_BLOCK_N=16, D=dims,
+        K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_UNPACK=unpack, V_UNPACK=unpack,
+        HAS_MASK=False, RING=ring, INTERPRETED=False, num_warps=num_warps, num_stages=3,
+    )  # fmt: skip
+
+
+def sass_of(compiled) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        return subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def history_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the largest loop with tensor-core instructions (the packed-history loop)."""
+    instructions = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+    position = {address: i for i, (address, _) in enumerate(instructions)}
+    best: list[str] = []
+    for i, (address, text) in enumerate(instructions):
+        branch = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [t for _, t in instructions[position[int(branch.group(1), 16)] : i + 1]]
+            if any("HMMA" in t for t in body) and len(body) > len(best):
+                best = body
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--ring", action="store_true", help="the static-decoding (device lengths) variant")
+    parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    sass = sass_of(compile_stage1(args.warps, args.block_n, args.ring))
+    if args.sass:
+        args.sass.write_text(sass)
+    ops = history_loop(sass)
+    total = sum(ops.values())
+    per_key = total * args.warps / args.block_n
+    print(f"history loop: {total} instructions per thread per {args.block_n}-key tile at {args.warps} warps "
+          f"= {per_key:.1f} warp-instructions per key")  # fmt: skip
+    print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
