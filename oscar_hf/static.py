@@ -54,6 +54,8 @@ def static_unsupported(cache: "OscarCache") -> str | None:
     first = layers[0]
     if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
         return "the sink is not complete yet (new tokens still go to the sink)"
+    if len({layer.device for layer in layers}) > 1:  # one device tensor of lengths serves every layer
+        return "the cache's layers live on several devices (device_map); static decoding needs one"
     lengths = {(layer.sink_keys.length, layer.history_length, layer.recent_keys.length) for layer in layers}
     if len(lengths) > 1:
         return f"layers hold different numbers of tokens {sorted(lengths)}"

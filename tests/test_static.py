@@ -120,6 +120,10 @@ def test_caches_that_cannot_be_frozen_say_why(tiny, caplog):
     gap[0, 10] = 0
     assert not cache.start_static(100, gap)
     assert "pads after the sink" in caplog.text
+    cache.layers[1].device = torch.device("meta")  # as if device_map had put it on another GPU
+    assert not cache.start_static(100)
+    assert "several devices" in caplog.text
+    cache.layers[1].device = cache.layers[0].device
     none = OscarCache(tiny, "none")
     with torch.no_grad():
         tiny(ids, attention_mask=mask, use_cache=True, **{cache_keyword(tiny): none})
