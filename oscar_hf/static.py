@@ -6,7 +6,8 @@ CUDA graph replays the same kernels on the same addresses with no host in the lo
 (after the prefill, once the sink is complete) makes every decode step shape-stable:
 
 * each layer's history is allocated at its final capacity, and its recent window becomes a ring of
-  ``recent + block`` rows; the new token goes to a slot computed on the device;
+  ``recent + block`` rows (rounded up to whole blocks); the new token goes to a slot computed on the
+  device;
 * the lengths all layers share (history rows, ring start, ring rows) live in one device tensor,
   which the decode-attention kernel reads and each step advances on the device;
 * demoting the oldest ``block`` ring rows of every layer is one launch per format, whose rows, and
@@ -74,7 +75,11 @@ class StaticDecoding:
         self.layers: list[OscarLayer] = list(cache.layers)
         first = self.layers[0]
         config = first.config
-        self.block, self.ring_size = config.block, config.recent + config.block
+        self.block = config.block
+        # The eager window demotes when it would reach `recent + block` rows. The ring is rounded up to
+        # whole blocks, so that a demoted block (which starts block-aligned) never wraps around its end.
+        self.window_limit = config.recent + config.block
+        self.ring_size = -(-self.window_limit // self.block) * self.block
         self.sink_rows = first.sink_keys.length
         self.history_capacity = capacity - self.sink_rows
         self.history_rows, self.ring_start, self.ring_rows = first.history_length, 0, first.recent_keys.length
@@ -127,7 +132,7 @@ class StaticDecoding:
         full, as the eager cache would, and reserve the new token's ring slot; all on the device."""
         if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self.advance_host()  # a replayed graph runs no Python: its runner advances the mirror instead
-        due = (self.lengths[2:] + 1 >= self.ring_size).long()
+        due = (self.lengths[2:] + 1 >= self.window_limit).long()
         self.window.copy_(torch.cat([due, self.lengths[1:2], self.lengths[:1]]))
         for demote in self.demoters:
             demote()
@@ -138,7 +143,7 @@ class StaticDecoding:
     def advance_host(self) -> None:
         """Advance the host mirror of the lengths by one step; raises before the history would overflow."""
         rows = self.ring_rows + 1
-        if rows >= self.ring_size:
+        if rows >= self.window_limit:
             if self.history_rows + self.block > self.history_capacity:
                 raise RuntimeError(
                     f"the static OscarCache is full: it was frozen for {self.capacity} tokens "

@@ -57,6 +57,14 @@ def test_static_greedy_is_token_identical_to_the_eager_cache(tiny, method, stati
     assert cache.static is None and cache.get_seq_length() == got.shape[1] - 1  # thawed for reuse
 
 
+def test_a_window_that_is_not_whole_blocks_never_wraps_a_demoted_block(tiny):
+    ids = prompts([30])[0][None]  # recent 10 + block 4: the ring holds 16 rows, demotions stay aligned
+    options = dict(sink=4, recent=10, block=4)
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **options), max_new_tokens=40)
+    cache = OscarCache(tiny, "quarot-int2", **options)
+    assert torch.equal(fast(tiny, ids, cache, max_new_tokens=40), want)
+
+
 def test_static_sampling_matches_the_eager_cache(tiny):
     ids = prompts([24])[0][None]
     options = dict(do_sample=True, top_k=20, temperature=0.8, max_new_tokens=30)
