@@ -402,17 +402,26 @@ def kv_bytes(cache) -> int:
     return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def generate(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def generate(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, runner: Callable | None = None,
+             **options) -> torch.Tensor:  # fmt: skip
     """Greedy decoding of exactly ``new_tokens``; a filled cache makes generate run only the uncached tokens.
 
-    ``disable_compile``: generate would otherwise compile the forward for StaticCache on its own,
-    and every cache must be timed running the same (eager) model code.
+    ``runner`` is ``model.generate`` by default (or e.g. ``oscar_hf.generate`` bound to the model);
+    ``options`` go to it. ``disable_compile`` defaults to True: generate would otherwise compile the
+    forward for StaticCache on its own, and every cache must be timed running the same (eager) code
+    unless a case asks for compilation.
     """
+    options.setdefault("disable_compile", True)
     with torch.no_grad():
-        return model.generate(
+        return (runner or model.generate)(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, disable_compile=True, **{cache_keyword(model): cache},
+            min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache}, **options,
         )  # fmt: skip
+
+
+def generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, **options) -> float:
+    """Time of one :func:`generate` call (options as there)."""
+    return elapsed_ms(functools.partial(generate, model, cache, input_ids, new_tokens, **options), model_devices(model))
 
 
 def decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: int) -> list[float]:
@@ -489,15 +498,13 @@ def decode_case(
         row.update(inspect(cache))
     del cache
     free_memory()
-    generate_ms = []
+    generate_times = []
     for _ in range(run["repeats"]):
         cache = filled()
-        call = functools.partial(generate, model, cache, input_ids, new_tokens)
-        generate_ms.append(elapsed_ms(call, model_devices(model)))
-        del call
+        generate_times.append(generate_ms(model, cache, input_ids, new_tokens))
         del cache
         free_memory()
-    step_ms, total_ms = median(steps), median(generate_ms)
+    step_ms, total_ms = median(steps), median(generate_times)
     return {
         **row,
         **roofline(model, row["kv_bytes"], step_ms, run.get("bandwidth_bytes_per_s")),
@@ -505,7 +512,7 @@ def decode_case(
         "step_tokens_per_s": batch * 1e3 / step_ms,
         "generate_ms": total_ms,
         "tokens_per_s": batch * new_tokens * 1e3 / total_ms,
-        "generate_ms_all": generate_ms,
+        "generate_ms_all": generate_times,
     }
 
 
@@ -801,24 +808,6 @@ def graph_decode_steps(model: PreTrainedModel, decoder: StaticDecoder, batch: in
     return {"step_ms_all": times, "captured": captured}
 
 
-def fast_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, compiled: bool) -> float:
-    """One timed ``oscar_hf.generate`` of ``new_tokens`` greedy tokens over a filled cache."""
-    call = functools.partial(
-        oscar_hf.generate, model, input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, compile=compiled, **{cache_keyword(model): cache},
-    )  # fmt: skip
-    return elapsed_ms(call, model_devices(model))
-
-
-def compiled_generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> float:
-    """One timed ``model.generate`` that transformers compiles (StaticCache: ``mode="reduce-overhead"``)."""
-    call = functools.partial(
-        model.generate, input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache},
-    )  # fmt: skip
-    return elapsed_ms(call, model_devices(model))
-
-
 def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bool, context: int, batch: int,
                run: dict, rotations: RotationSet | None) -> dict:  # fmt: skip
     """One cache's median decode step over a synthetic ``context`` (and generate tokens/s where cheap)."""
@@ -847,19 +836,13 @@ def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bo
         times = []
         for _ in range(run["repeats"] + 1):  # the first call warms up (compiles and captures)
             cache = filled()
-            if captured:
-                times.append(fast_generate_ms(model, cache, ids, run["new_tokens"], compiled))
-            else:
-                times.append(generate_ms_eager(model, cache, ids, run["new_tokens"]))
+            fast = dict(runner=functools.partial(oscar_hf.generate, model), compile=compiled) if captured else {}
+            times.append(generate_ms(model, cache, ids, run["new_tokens"], **fast))
             del cache
             free_memory()
         row["generate_tokens_per_s"] = batch * run["new_tokens"] * 1e3 / median(times[1:])
     row["step_ms"] = median(row["step_ms_all"])
     return {**row, **roofline(model, row["kv_bytes"], row["step_ms"], run.get("bandwidth_bytes_per_s"))}
-
-
-def generate_ms_eager(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int) -> float:
-    return elapsed_ms(functools.partial(generate, model, cache, input_ids, new_tokens), model_devices(model))
 
 
 def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: dict) -> dict:
@@ -876,7 +859,7 @@ def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: 
     for index, tokens in enumerate([short] + [short, long] * run["repeats"]):
         cache = make_cache("static", model, capacity, None)
         fill(cache)
-        ms = compiled_generate_ms(model, cache, ids, tokens)
+        ms = generate_ms(model, cache, ids, tokens, disable_compile=False)  # StaticCache: transformers compiles
         if index:
             times[tokens].append(ms)
         del cache

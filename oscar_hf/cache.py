@@ -578,7 +578,8 @@ class OscarCache(Cache):
         if not isinstance(layer, OscarLayer):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         _active_cache.set(weakref.ref(self))
-        if self.static is not None and key_states.shape[2] != 1:
+        static_step = key_states.shape[2] == 1 and self.text_config._attn_implementation == ATTENTION_NAME
+        if self.static is not None and not static_step:
             self.static.thaw()
         if layer_idx == self._first_oscar_layer:
             if self.static is not None:

@@ -81,15 +81,17 @@ class StaticDecoding:
         self.window_limit = config.recent + config.block
         self.ring_size = -(-self.window_limit // self.block) * self.block
         self.sink_rows = first.sink_keys.length
-        self.history_capacity = capacity - self.sink_rows
         self.history_rows, self.ring_start, self.ring_rows = first.history_length, 0, first.recent_keys.length
-        if self.history_capacity < self.history_rows:
+        if capacity - self.sink_rows < self.history_rows:
             raise ValueError(f"a capacity of {capacity} tokens is below the {self.stored_length} already stored")
         for layer in self.layers:
+            # A history preallocated by max_cache_len stays where it is if it is large enough (a left-
+            # padded sink is longer than `sink`, so it needs fewer rows than were reserved for it).
             for buffer in (*layer.history_keys.buffers(), *layer.history_values.buffers()):
-                buffer.fix_capacity(self.history_capacity)
+                buffer.fix_capacity(capacity - self.sink_rows, at_least=layer.capacity is not None)
             for buffer in (layer.recent_keys, layer.recent_values):
                 buffer.fix_capacity(self.ring_size)
+        self.history_capacity = min(layer.history_keys.codes.data.shape[2] for layer in self.layers)
         device = first.device
         self.device = device
         self.lengths = torch.tensor([self.history_rows, 0, self.ring_rows], device=device)

@@ -56,11 +56,13 @@ class RowBuffer:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def fix_capacity(self, capacity: int) -> None:
-        """Hold exactly ``capacity`` rows, the valid ones first: fixed addresses for static decoding."""
+    def fix_capacity(self, capacity: int, at_least: bool = False) -> None:
+        """Hold exactly ``capacity`` rows (``at_least``: or more, if already allocated), the valid ones
+        first: fixed addresses for static decoding. Reallocates only when the layout does not fit."""
         if capacity < self.length:
             raise ValueError(f"a capacity of {capacity} rows cannot hold the {self.length} stored")
-        if self.start == 0 and self.data.shape[2] == capacity:
+        allocated = self.data.shape[2]
+        if self.start == 0 and (allocated == capacity or (at_least and allocated > capacity)):
             return
         fixed = self.data.new_empty(*self.data.shape[:2], capacity, *self.data.shape[3:])
         fixed[:, :, : self.length] = self.view()

@@ -102,6 +102,16 @@ def test_max_cache_len_preallocates_the_history_once(tiny):
     assert cache.get_seq_length() == out.shape[1] - 1
 
 
+def test_freezing_keeps_a_preallocated_history_in_place_with_a_padded_sink(tiny):
+    ids, mask = left_pad(prompts([30, 26]))  # the sink grows to 8 rows: fewer history rows are needed
+    cache = OscarCache(tiny, "quarot-int2", max_cache_len=80, **SMALL)
+    with torch.no_grad():
+        tiny(ids, attention_mask=mask, use_cache=True, **{cache_keyword(tiny): cache})
+    before = cache.layers[0].history_keys.codes.data.data_ptr()
+    assert cache.start_static(attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1))
+    assert cache.layers[0].history_keys.codes.data.data_ptr() == before  # no copy of the history
+
+
 def test_a_full_static_cache_raises_instead_of_overwriting(tiny):
     cache = OscarCache(tiny, "quarot-int2", **SMALL)
     with torch.no_grad():
