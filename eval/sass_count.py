@@ -52,8 +52,9 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
     kv_heads, dims = 8, 128
     dense = (kv_heads * 512 * dims, 512 * dims, dims)
     codes, meta = (kv_heads * history * 32, history * 32, 32), (kv_heads * history, history, 1)
-    magic, offset = kernel._CODE_MAGIC[bf16]
-    unpack = kernel._unpack_asm(2, magic)
+    magic, offset = kernel._CODE_MAGIC[bf16][:2]
+    unpack, free = kernel._unpack_asm(2, bf16), kernel._shift_free_blocks(2, bf16)
+    block_h, head_blocks, block_n = kernel._block_sizes(4, block_n)
     args = (
         bf16, (32 * dims, dims),
         bf16, dense, bf16, dense, 64, 64,
@@ -63,8 +64,9 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         bf16, 128, f32, f32, f32, 0.088, 66, 2, 72, torch.int64 if ring else bf16,
     )  # fmt: skip  (the launcher's argument order)
     return kernel._decode_stage1_kernel.warmup(
-        *args, grid=(1,), GROUP=4, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=block_n, DENSE_BLOCK_N=16, D=dims,
-        K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_UNPACK=unpack, V_UNPACK=unpack,
+        *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
+        D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
+        K_UNPACK=unpack, V_UNPACK=unpack,
         HAS_MASK=False, RING=ring, INTERPRETED=False, num_warps=num_warps, num_stages=3,
     )  # fmt: skip
 

@@ -50,7 +50,8 @@ _MIN_SPLIT_TOKENS = 256  # below this a history split costs more in the merge th
 _MAX_SPLITS = 256  # bounds the stage-2 merge and the partial buffers
 # Codes enter the dots as OFFSET + code: int16 bits of a power of two whose ulp is 1, OR-ed with the
 # code (see _code_block); float32 converts codes directly.
-_CODE_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0), torch.float32: (0, 0.0)}
+# The third number is the mantissa's width: column blocks of codes that fit in it need no shift.
+_CODE_MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10), torch.float32: (0, 0.0, 23)}
 
 # ------------------------------------------------------------------------------------ jit helpers
 
@@ -114,16 +115,29 @@ def _load_parts(BASE, stride_n, rows, valid, D: tl.constexpr, PARTS: tl.constexp
 
 
 @triton.jit
-def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-    """Column block ``J`` of packed bytes (``int16``) as ``DTYPE`` values ``OFFSET + code``, exactly.
+def _part_factor(J: tl.constexpr, BITS: tl.constexpr, FREE: tl.constexpr):
+    """Column block ``J``'s codes enter the dots as ``OFFSET + factor * c`` (see :func:`_code_block`)."""
+    return 1 << (J * BITS * (J < FREE))
+
+
+@triton.jit
+def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr,
+                FREE: tl.constexpr):  # fmt: skip
+    """Column block ``J`` of packed bytes (``int16``) as ``DTYPE`` values ``OFFSET + factor * code``, exactly.
 
     Bits ``J*BITS..`` of byte ``c`` are dim ``J*D/k + c`` (k = 8/BITS codes per byte). For 16-bit
     floats the code is OR-ed into the mantissa of a power of two whose ulp is 1 (``MAGIC``: bf16
     128.0, fp16 1024.0), two integer operations and a free bitcast: an int-to-float conversion runs
     at a quarter of the ALU rate and was the bottleneck of the dequantizing first version. float32
-    (``MAGIC`` 0, offset 0) converts directly.
+    (``MAGIC`` 0, offset 0) converts directly. The first ``FREE`` blocks lie inside the mantissa
+    where they are, so they skip the shift and come out multiplied by ``2**(J*BITS)``
+    (:func:`_part_factor`); q is divided by the same power of two, which is exact.
     """
-    codes = (raw >> (J * BITS)) & ((1 << BITS) - 1)
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if J < FREE:
+        codes = raw & (MASK << (J * BITS))
+    else:
+        codes = (raw >> (J * BITS)) & MASK
     # (Triton compiles the statements after a returning static branch too, hence the else.)
     if MAGIC == 0:
         values = codes.to(DTYPE)
@@ -133,7 +147,8 @@ def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, M
 
 
 @triton.jit
-def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, UNPACK: tl.constexpr):
+def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr,
+                 UNPACK: tl.constexpr):  # fmt: skip
     """All column blocks of a packed ``uint8`` tile (blocks 2-3 repeat 0-1 for 4-bit codes).
 
     With ``UNPACK`` (PTX from :func:`_unpack_asm`: compiled 16-bit kernels) the 4 bytes a thread holds
@@ -151,10 +166,10 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
             c2, c3 = c0, c1
     else:
         raw = raw.to(tl.int16)
-        c0, c1 = _code_block(raw, 0, BITS, DTYPE, MAGIC), _code_block(raw, 1, BITS, DTYPE, MAGIC)
+        c0, c1 = _code_block(raw, 0, BITS, DTYPE, MAGIC, FREE), _code_block(raw, 1, BITS, DTYPE, MAGIC, FREE)
         c2, c3 = c0, c1
         if PARTS == 4:
-            c2, c3 = _code_block(raw, 2, BITS, DTYPE, MAGIC), _code_block(raw, 3, BITS, DTYPE, MAGIC)
+            c2, c3 = _code_block(raw, 2, BITS, DTYPE, MAGIC, FREE), _code_block(raw, 3, BITS, DTYPE, MAGIC, FREE)
     return c0, c1, c2, c3
 
 
@@ -172,25 +187,31 @@ def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.c
 
 
 @triton.jit
-def _affine(dots, q_sum, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr,
-            OFFSET: tl.constexpr):  # fmt: skip
-    """Scores from code dots: ``q·k = scale * (q·(OFFSET + c) - (OFFSET + zero) * sum(q))`` per key row."""
-    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, OFFSET)
-    return scale[None, :] * (dots - zero[None, :] * q_sum[:, None])
+def _affine(dots, q_sum, bias, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr):
+    """Scores from code dots: ``q·k = scale * (dots - bias - zero * sum(q))`` per key row, where
+    ``bias`` is what the codes' offset adds to ``dots`` (``OFFSET * sum(q_j / factor_j)``)."""
+    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, 0.0)
+    return scale[None, :] * (dots - bias[:, None] - zero[None, :] * q_sum[:, None])
 
 
 @triton.jit
 def _packed_scores(
     q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows,
-    valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, OFFSET: tl.constexpr, INTERPRETED: tl.constexpr,
+    valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, OFFSET: tl.constexpr, FREE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
 
     Per-row metadata makes dequantization affine, so it moves from the ``N x D`` key tile to the
-    ``H x N`` scores. ``q_sum`` is the float32 sum of q, ``s_j`` that of its column block ``j``;
-    each column block lies within one group (the dispatcher checks that groups are that wide).
+    ``H x N`` scores. ``q_j`` are q's column blocks divided by their codes' factors, ``q_sum`` is the
+    float32 sum of q, ``s_j`` that of its column block ``j``; each column block lies within one group
+    (the dispatcher checks that groups are that wide).
     """
     PARTS: tl.constexpr = 8 // BITS
+    b0 = s0 * (OFFSET / _part_factor(0, BITS, FREE))
+    b1 = s1 * (OFFSET / _part_factor(1, BITS, FREE))
+    b2 = s2 * (OFFSET / _part_factor(2, BITS, FREE))
+    b3 = s3 * (OFFSET / _part_factor(3, BITS, FREE))
     d0 = _dot(q0, tl.trans(k0), INTERPRETED)
     d1 = _dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
@@ -199,31 +220,40 @@ def _packed_scores(
     if GROUPS == 1:  # one (scale, zero) per row: one correction for the sum of the block dots
         if PARTS == 4:
             d0 += d2 + d3
-        scores = _affine(d0 + d1, q_sum, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, 0, OFFSET)
+            b0 += b2 + b3
+        scores = _affine(d0 + d1, q_sum, b0 + b1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, 0)
     else:
-        scores = _affine(d0, s0, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                         _group_of(0, D, BITS, GROUPS), OFFSET)  # fmt: skip
-        scores += _affine(d1, s1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                          _group_of(1, D, BITS, GROUPS), OFFSET)  # fmt: skip
+        scores = _affine(d0, s0, b0, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                         _group_of(0, D, BITS, GROUPS))  # fmt: skip
+        scores += _affine(d1, s1, b1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                          _group_of(1, D, BITS, GROUPS))  # fmt: skip
         if PARTS == 4:
-            scores += _affine(d2, s2, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                              _group_of(2, D, BITS, GROUPS), OFFSET)  # fmt: skip
-            scores += _affine(d3, s3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                              _group_of(3, D, BITS, GROUPS), OFFSET)  # fmt: skip
+            scores += _affine(d2, s2, b2, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                              _group_of(2, D, BITS, GROUPS))  # fmt: skip
+            scores += _affine(d3, s3, b3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+                              _group_of(3, D, BITS, GROUPS))  # fmt: skip
     return scores
 
 
 @triton.jit
 def _value_weights(p, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr,
-                   OFFSET: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    """``p * scale`` as the dot operand, and its products with ``OFFSET + zero`` summed per head.
+                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """``w = p * scale`` as the dot operand, and per head ``sum(w)`` and ``sum(w * zero)``.
 
-    ``sum_n p_n (c_n - zero_n) scale_n = (p*scale)·(OFFSET + c) - sum_n (p*scale)_n (OFFSET + zero_n)``:
-    the second term, from the same rounded weights, is subtracted once at the end of the span.
+    ``sum_n w_n (c_n - zero_n) = (w·(OFFSET + f c) - OFFSET sum(w)) / f - sum(w * zero)`` for a column
+    block whose codes come with factor ``f``: the corrections, from the same rounded weights, are
+    applied once at the end of the span.
     """
-    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, OFFSET)
+    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, 0.0)
     weights = to_dtype(p * scale[None, :], DTYPE, INTERPRETED)
-    return weights, tl.sum(weights.to(tl.float32) * zero[None, :], axis=1)
+    w = weights.to(tl.float32)
+    return weights, tl.sum(w, axis=1), tl.sum(w * zero[None, :], axis=1)
+
+
+@triton.jit
+def _divided(q, J: tl.constexpr, BITS: tl.constexpr, FREE: tl.constexpr):
+    """Column block ``J`` of q divided by its codes' factor (a power of two: exact)."""
+    return (q.to(tl.float32) * (1.0 / _part_factor(J, BITS, FREE))).to(q.dtype)
 
 
 @triton.jit
@@ -232,44 +262,54 @@ def _packed_span(
     KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n, start, end, MASK, position, sm_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr,
     V_BITS: tl.constexpr, V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
+    K_FREE: tl.constexpr, V_FREE: tl.constexpr, K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr,
+    HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
     V_PARTS: tl.constexpr = 8 // V_BITS
     dtype = q0.dtype
-    # Value offsets (sum of weights * (OFFSET + zero)) per column block, rescaled like the accumulators.
+    q0, q1 = _divided(q0, 0, K_BITS, K_FREE), _divided(q1, 1, K_BITS, K_FREE)
+    q2, q3 = _divided(q2, 2, K_BITS, K_FREE), _divided(q3, 3, K_BITS, K_FREE)
+    # Value corrections per column block (see _value_weights), rescaled like the accumulators.
     c0 = tl.zeros(l_i.shape, tl.float32)
     c1, c2, c3 = c0, c0, c0
     for block in range(start, end, BLOCK_N):
         rows = block + tl.arange(0, BLOCK_N)
         valid = _key_valid(rows, end, MASK, position, HAS_MASK)
         raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
-        k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_UNPACK)
+        k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
             q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, KS, ks_n, KZ, kz_n, rows, valid,
-            D, K_BITS, K_GROUPS, OFFSET, INTERPRETED,
+            D, K_BITS, K_GROUPS, OFFSET, K_FREE, INTERPRETED,
         )  # fmt: skip
         m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i, sm_scale)
         raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
-        v0, v1, v2, v3 = _code_blocks(raw_v, V_BITS, dtype, MAGIC, V_UNPACK)
-        w0, o0 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(0, D, V_BITS, V_GROUPS), OFFSET, dtype, INTERPRETED)
-        w1, o1, w2, o2, w3, o3 = w0, o0, w0, o0, w0, o0
+        v0, v1, v2, v3 = _code_blocks(raw_v, V_BITS, dtype, MAGIC, V_FREE, V_UNPACK)
+        w0, sw0, sz0 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(0, D, V_BITS, V_GROUPS), dtype,
+                                      INTERPRETED)  # fmt: skip
+        w1, sw1, sz1, w2, sw2, sz2, w3, sw3, sz3 = w0, sw0, sz0, w0, sw0, sz0, w0, sw0, sz0
         if V_GROUPS > 1:
-            w1, o1 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(1, D, V_BITS, V_GROUPS), OFFSET, dtype,
-                                    INTERPRETED)  # fmt: skip
+            w1, sw1, sz1 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(1, D, V_BITS, V_GROUPS), dtype,
+                                          INTERPRETED)  # fmt: skip
             if V_PARTS == 4:
-                w2, o2 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(2, D, V_BITS, V_GROUPS), OFFSET, dtype,
-                                        INTERPRETED)  # fmt: skip
-                w3, o3 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(3, D, V_BITS, V_GROUPS), OFFSET, dtype,
-                                        INTERPRETED)  # fmt: skip
+                w2, sw2, sz2 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(2, D, V_BITS, V_GROUPS),
+                                              dtype, INTERPRETED)  # fmt: skip
+                w3, sw3, sz3 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(3, D, V_BITS, V_GROUPS),
+                                              dtype, INTERPRETED)  # fmt: skip
         a0 = a0 * alpha[:, None] + _dot(w0, v0, INTERPRETED)
         a1 = a1 * alpha[:, None] + _dot(w1, v1, INTERPRETED)
-        c0, c1 = c0 * alpha + o0, c1 * alpha + o1
+        c0 = c0 * alpha + sz0 + sw0 * (OFFSET / _part_factor(0, V_BITS, V_FREE))
+        c1 = c1 * alpha + sz1 + sw1 * (OFFSET / _part_factor(1, V_BITS, V_FREE))
         if V_PARTS == 4:
             a2 = a2 * alpha[:, None] + _dot(w2, v2, INTERPRETED)
             a3 = a3 * alpha[:, None] + _dot(w3, v3, INTERPRETED)
-            c2, c3 = c2 * alpha + o2, c3 * alpha + o3
-    return m_i, l_i, a0 - c0[:, None], a1 - c1[:, None], a2 - c2[:, None], a3 - c3[:, None]
+            c2 = c2 * alpha + sz2 + sw2 * (OFFSET / _part_factor(2, V_BITS, V_FREE))
+            c3 = c3 * alpha + sz3 + sw3 * (OFFSET / _part_factor(3, V_BITS, V_FREE))
+    a0 = a0 * (1.0 / _part_factor(0, V_BITS, V_FREE)) - c0[:, None]
+    a1 = a1 * (1.0 / _part_factor(1, V_BITS, V_FREE)) - c1[:, None]
+    a2 = a2 * (1.0 / _part_factor(2, V_BITS, V_FREE)) - c2[:, None]
+    a3 = a3 * (1.0 / _part_factor(3, V_BITS, V_FREE)) - c3[:, None]
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit
@@ -324,8 +364,9 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
-    V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_UNPACK: tl.constexpr,
-    V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr, INTERPRETED: tl.constexpr,
+    V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_FREE: tl.constexpr, V_FREE: tl.constexpr,
+    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -369,7 +410,8 @@ def _decode_stage1_kernel(
             KZ + b * kz_st[0] + kv_head * kz_st[1], kz_st[2], VC + b * vc_st[0] + kv_head * vc_st[1], vc_st[2],
             VS + b * vs_st[0] + kv_head * vs_st[1], vs_st[2], VZ + b * vz_st[0] + kv_head * vz_st[1], vz_st[2],
             start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, sm_scale,
-            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_UNPACK, V_UNPACK, TIER_MASK, INTERPRETED,
+            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_FREE, V_FREE, K_UNPACK, V_UNPACK, TIER_MASK,
+            INTERPRETED,
         )  # fmt: skip
     else:
         tier = (slot - hist_splits) // dense_splits
@@ -482,7 +524,7 @@ def _dense_chunk(length: int, splits: int, block_n: int) -> int:
 def _block_sizes(group: int, block_n: int) -> tuple[int, int, int]:
     # tl.dot needs at least 16 rows, so small groups are padded to 16 (masked) query heads. 64 keys a
     # tile was the fastest at batch 1 and 8 on an H200 (eval/tune_decode.py, decode_kernel_tuning.md).
-    block_h = max(16, min(64, next_power_of_two(group)))
+    block_h = min(64, next_power_of_two(group))
     return block_h, cdiv(group, block_h), block_n or 64
 
 
@@ -536,7 +578,7 @@ def decode_attention_triton(
     # kernel never reads the pointer: q stands in, sparing an allocation per call.
     mask = q if key_mask is None else key_mask.to(torch.uint8).contiguous()
     t = _last_dim_contiguous
-    magic, offset = _CODE_MAGIC[q.dtype]
+    magic, offset = _CODE_MAGIC[q.dtype][:2]
 
     _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots)](
         *t(q),
@@ -548,7 +590,9 @@ def decode_attention_triton(
         q if lengths is None else lengths,  # unread without RING
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
-        MAGIC=magic, OFFSET=offset, K_UNPACK=_unpack_asm(k_bits, magic), V_UNPACK=_unpack_asm(v_bits, magic),
+        MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
+        K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
+        V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
         HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
@@ -559,23 +603,38 @@ def decode_attention_triton(
     return out
 
 
-def _unpack_asm(bits: int, magic: int) -> str:
-    """PTX for :func:`_code_blocks`: 4 packed bytes in, their codes as 16-bit floats ``OFFSET + c`` out.
+def _shift_free_blocks(bits: int, dtype: torch.dtype) -> int:
+    """How many leading column blocks of a packed byte lie inside ``dtype``'s mantissa.
+
+    Such a block's codes are masked where they are, without a shift: ``OFFSET + 2**(j*bits) * c``
+    (:func:`_part_factor`). bf16 with 2-bit codes: blocks 0-2 of 4, a quarter fewer unpacking
+    instructions than shifting each block down.
+    """
+    return min(8 // bits, _CODE_MAGIC[dtype][2] // bits)
+
+
+def _unpack_asm(bits: int, dtype: torch.dtype) -> str:
+    """PTX for :func:`_code_blocks`: 4 packed bytes in, their codes as 16-bit floats ``OFFSET + f * c`` out.
 
     ``prmt`` moves bytes 0 and 1 (then 2 and 3) into the low bytes of the two 16-bit halves of a
-    register; per column block ``j`` one shift and one ``lop3`` ``(t >> j*bits) & mask | magic`` then
-    yield two codes. Output element ``i`` depends on input byte ``i`` only, so the result does not
-    depend on how the compiler lays the bytes out across threads and registers. Empty (the portable
-    path) in the interpreter and for float32.
+    register; per column block ``j`` one ``lop3`` ``(t & mask) | magic`` (after a shift of ``t`` by
+    ``j*bits`` for blocks outside the mantissa, :func:`_shift_free_blocks`) then yields two codes,
+    the same values as :func:`_code_block`. Output element ``i`` depends on input byte ``i`` only, so
+    the result does not depend on how the compiler lays the bytes out across threads and registers.
+    Empty (the portable path) for float32; the interpreter runs the portable path too.
     """
-    if INTERPRET or magic == 0:
+    magic = _CODE_MAGIC[dtype][0]
+    if magic == 0:
         return ""
-    mask, magic2 = ((1 << bits) - 1) * 0x10001, magic * 0x10001
+    free, magic2 = _shift_free_blocks(bits, dtype), magic * 0x10001
     lines = [".reg .b32 lo, hi, t;", "prmt.b32 lo, $IN, 0, 0x1100;", "prmt.b32 hi, $IN, 0, 0x3322;"]
     for j in range(8 // bits):
         for half, word in enumerate(("lo", "hi")):
-            source = word if j == 0 else "t"
-            if j:
+            mask = ((1 << bits) - 1) * 0x10001
+            if j < free:
+                source, mask = word, mask << (j * bits)
+            else:
+                source = "t"
                 lines.append(f"shr.b32 t, {word}, {j * bits};")
             lines.append(f"lop3.b32 ${2 * j + half}, {source}, {mask}, {magic2}, 0xEA;")
     return "{ " + " ".join(lines).replace("$IN", f"${2 * (8 // bits)}") + " }"

@@ -246,7 +246,11 @@ DECODE_CASES = {
     "no-sink-no-recent": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (2, 4), (2, 2)),
     "head-dim-256": (1, 4, 1, 256, 4, 20, 6, 1, 2, 16, [1], (4, 2), (1, 2)),
 }
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
 
 
 def _run_decode_case(case, dtype, num_warps=0):
@@ -258,12 +262,57 @@ def _run_decode_case(case, dtype, num_warps=0):
     return got, want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("name", list(DECODE_CASES))
 def test_decode_attention_matches_reference(name, dtype):
     got, want = _run_decode_case(DECODE_CASES[name], dtype)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+def _run_unpack_ptx(ptx: str, word: int) -> dict[int, int]:
+    """Execute the PTX subset of ``_unpack_asm`` (prmt, shr, lop3 0xEA on 32-bit registers)."""
+    registers = {"$in": word}
+    parts = ptx.count("lop3") // 2
+    body = ptx.strip("{} ").replace(f"${2 * parts}", "$in")
+    for statement in filter(None, (line.strip() for line in body.split(";"))):
+        op, operands = statement.split(None, 1)
+        if op == ".reg":
+            continue
+        dest, *sources = [x.strip() for x in operands.split(",")]
+        values = [registers[x] if x in registers or x.startswith("$") else int(x, 0) for x in sources]
+        if op == "prmt.b32":
+            pool = values[0].to_bytes(4, "little") + values[1].to_bytes(4, "little")
+            result = bytes(pool[(values[2] >> (4 * i)) & 7] for i in range(4))
+            registers[dest] = int.from_bytes(result, "little")
+        elif op == "shr.b32":
+            registers[dest] = values[0] >> values[1]
+        else:
+            assert op == "lop3.b32" and values[3] == 0xEA, statement  # (a & b) | c
+            registers[dest] = (values[0] & values[1]) | values[2]
+    return registers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpack_ptx_gives_offset_plus_factor_times_code(bits, dtype):
+    """The compiled kernels' PTX unpack (GPU only) against its specification, on every byte value:
+    block j of byte i comes out as OFFSET + 2**(j*bits) * code for the shift-free blocks, else
+    OFFSET + code, in output register 2j (bytes 0, 1) or 2j + 1 (bytes 2, 3)."""
+    from oscar_hf.kernels.decode_attention import _CODE_MAGIC, _shift_free_blocks, _unpack_asm
+
+    ptx, free, offset = _unpack_asm(bits, dtype), _shift_free_blocks(bits, dtype), _CODE_MAGIC[dtype][1]
+    assert free >= 1 and ptx.count("shr") == 2 * (8 // bits - free)
+    for first in range(0, 256, 4):
+        word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
+        registers = _run_unpack_ptx(ptx, word)
+        for j in range(8 // bits):
+            halves = [registers[f"${2 * j}"] & 0xFFFF, registers[f"${2 * j}"] >> 16,
+                      registers[f"${2 * j + 1}"] & 0xFFFF, registers[f"${2 * j + 1}"] >> 16]  # fmt: skip
+            got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(dtype).float()
+            codes = torch.tensor([((first + i) >> (j * bits)) & ((1 << bits) - 1) for i in range(4)])
+            factor = 2 ** (j * bits) if j < free else 1
+            assert torch.equal(got, offset + factor * codes.float()), (j, first)
 
 
 @pytest.mark.parametrize("num_warps", [1, 2])
