@@ -98,7 +98,7 @@ def history_loop(sass: str) -> collections.Counter:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", type=int, default=4)
-    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--ring", action="store_true", help="the static-decoding (device lengths) variant")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     args = parser.parse_args(argv)

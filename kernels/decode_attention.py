@@ -492,13 +492,9 @@ def _device_programs(device: torch.device, num_warps: int) -> int:
 
 
 def _default_warps(programs_per_split: int) -> int:
-    """4 warps a program when few (batch, kv head) pairs share the GPU, 1 when many do.
-
-    At batch 1 (8 KV heads) 4 warps and 66 splits were fastest (72 us against 81 us with 1 warp); at
-    batch 8, 1 warp with 4x the programs (33 splits) was fastest (477 us against 513-524 us with 4):
-    one warp needs no cross-warp reductions and more programs hide latency (decode_kernel_tuning.md).
-    """
-    return 1 if programs_per_split >= 32 else 4
+    """4 warps a program: with 128-key tiles the fastest at batches 1 and 8 (51.5 and 355 us at 100K
+    against 69 and 486 us for the former 64-key tiles with 1 warp at batch 8; decode_kernel_tuning.md)."""
+    return 4
 
 
 def _splits(
@@ -522,10 +518,11 @@ def _dense_chunk(length: int, splits: int, block_n: int) -> int:
 
 
 def _block_sizes(group: int, block_n: int) -> tuple[int, int, int]:
-    # tl.dot needs at least 16 rows, so small groups are padded to 16 (masked) query heads. 64 keys a
-    # tile was the fastest at batch 1 and 8 on an H200 (eval/tune_decode.py, decode_kernel_tuning.md).
+    # One row per query head of the group: Triton pads the MMA's 16 rows itself, and tiles of 4 real
+    # rows spend less on the elementwise softmax than 16 padded ones. 128 keys a tile was the fastest
+    # at batch 1 and 8 on an H200 (eval/tune_decode.py, decode_kernel_tuning.md).
     block_h = min(64, next_power_of_two(group))
-    return block_h, cdiv(group, block_h), block_n or 64
+    return block_h, cdiv(group, block_h), block_n or 128
 
 
 def decode_attention_triton(
