@@ -477,6 +477,10 @@ def _decode_stage2_kernel(
 # --------------------------------------------------------------------------------------- launcher
 
 
+# 4 warps a program with 128-key tiles: the fastest at batches 1, 8 and 32 on an H200 (51, 352 and
+# 1,374 us at 100K, against 69, 486 and ~1,850 us for 64-key tiles with 1 warp from batch 8 on;
+# decode_kernel_tuning.md).
+_WARPS = 4
 _RESIDENT_WARPS_PER_SM = 16  # ~128 registers a thread fill the register file at 16 warps
 
 
@@ -488,12 +492,6 @@ def _device_programs(device: torch.device, num_warps: int) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return _RESIDENT_WARPS_PER_SM // num_warps * sms
-    return 4
-
-
-def _default_warps(programs_per_split: int) -> int:
-    """4 warps a program: with 128-key tiles the fastest at batches 1 and 8 (51.5 and 355 us at 100K
-    against 69 and 486 us for the former 64-key tiles with 1 warp at batch 8; decode_kernel_tuning.md)."""
     return 4
 
 
@@ -563,7 +561,7 @@ def decode_attention_triton(
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
     programs_per_split = batch * kv_heads * head_blocks
-    num_warps = num_warps or _default_warps(programs_per_split)
+    num_warps = num_warps or _WARPS
     hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n, num_warps)
     n_slots = hist_splits + 3 * dense_splits
 

@@ -318,7 +318,7 @@ def test_unpack_ptx_gives_offset_plus_factor_times_code(bits, dtype):
 @pytest.mark.parametrize("num_warps", [1, 2])
 @pytest.mark.parametrize("name", ["several-splits-gqa4-padded-sink", "head-dim-256"])
 def test_decode_attention_with_fewer_warps(name, num_warps):
-    # large batches launch 1 warp a program (_default_warps); the layouts change with the warp count
+    # the launcher's default is 4 warps (tuning knob); the layouts change with the warp count
     got, want = _run_decode_case(DECODE_CASES[name], torch.bfloat16, num_warps)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
 
