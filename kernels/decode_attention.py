@@ -488,7 +488,7 @@ _RESIDENT_WARPS_PER_SM = 16  # ~128 registers a thread fill the register file at
 def _device_programs(device: torch.device, num_warps: int) -> int:
     """Stage-1 programs that run at once: 16 warps per SM on CUDA, else 4. History splits fill one
     such wave: a partial second wave nearly doubled the time (batch 8 at 100K on an H200: 17 splits
-    704 us, 16 splits 526 us; decode_kernel_tuning.md)."""
+    704 us, 16 splits 526 us; decode_kernel_tuning_v3.md)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return _RESIDENT_WARPS_PER_SM // num_warps * sms
@@ -551,7 +551,7 @@ def decode_attention_triton(
 
     ``num_splits``, ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` of stage 1 are tuning
     knobs, 0 meaning automatic. Software pipelining uses 3 stages (1 in float32): 5-10% faster than 2
-    on an H200 (decode_kernel_tuning.md); head_dim 256 then takes 72 KiB of shared memory.
+    on an H200 (decode_kernel_tuning_v3.md); head_dim 256 with 4-bit K then takes 72 KiB of shared memory.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
