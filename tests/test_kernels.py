@@ -245,6 +245,9 @@ DECODE_CASES = {
     "auto-splits-int2-both-block64": (2, 8, 2, 128, 3, 40, 17, 1, 0, 64, [2, 0], (2, 2), (1, 1)),
     "no-sink-no-recent": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (2, 4), (2, 2)),
     "head-dim-256": (1, 4, 1, 256, 4, 20, 6, 1, 2, 16, [1], (4, 2), (1, 2)),
+    # block_n 0: the launcher's tiles (128 keys), here with a partial last tile
+    "default-tiles-int2-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (2, 2), (1, 1)),
+    "default-tiles-int4-head-dim-256": (1, 8, 2, 256, 4, 200, 5, 1, 0, 0, [1], (4, 4), (1, 1)),
 }
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
