@@ -17,8 +17,9 @@ History tiles are loaded as contiguous packed bytes and never dequantized: with 
 row and group, dequantization is affine, so ``q·k = scale * (q·c - zero * sum(q))`` moves it from the
 ``N x D`` key tile to the ``H x N`` scores, and ``sum_n p_n (c_n - zero_n) scale_n`` becomes a dot of
 the weights ``p * scale`` with the codes minus one correction per head. Codes enter the dots as exact
-16-bit floats ``OFFSET + c`` built with two integer operations (:func:`_code_block`), and the offset
-is folded into the same corrections. A first version dequantized each element in float32 (an
+16-bit floats ``OFFSET + f * c`` built with one or two integer operations (:func:`_code_block`; ``f``
+a power of two for the blocks unpacked without a shift, q divided by it), and the offset is folded
+into the same corrections. A first version dequantized each element in float32 (an
 int-to-float conversion, a subtract, a multiply and a cast) and was bound by that arithmetic, not
 by memory. Byte ``c`` of a packed row holds dims ``c, c + D/k, ...`` (k codes per
 byte), so shift ``j`` of the byte tile is the column block ``j`` of the rows: every tile (q, K, V, the
@@ -174,11 +175,11 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 
 
 @triton.jit
-def _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr, OFFSET: tl.constexpr):
-    """Per row of a tile, ``scale`` and ``OFFSET + zero`` of one group, float32 (0 for invalid rows)."""
+def _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr):
+    """Per row of a tile, ``scale`` and ``zero`` of one group, float32 (0 for invalid rows)."""
     scale = tl.load(SCALE + rows * scale_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
     zero = tl.load(ZERO + rows * zero_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
-    return scale, zero + OFFSET
+    return scale, zero
 
 
 @triton.jit
@@ -190,7 +191,7 @@ def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.c
 def _affine(dots, q_sum, bias, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr):
     """Scores from code dots: ``q·k = scale * (dots - bias - zero * sum(q))`` per key row, where
     ``bias`` is what the codes' offset adds to ``dots`` (``OFFSET * sum(q_j / factor_j)``)."""
-    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, 0.0)
+    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP)
     return scale[None, :] * (dots - bias[:, None] - zero[None, :] * q_sum[:, None])
 
 
@@ -244,7 +245,7 @@ def _value_weights(p, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, G
     block whose codes come with factor ``f``: the corrections, from the same rounded weights, are
     applied once at the end of the span.
     """
-    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP, 0.0)
+    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP)
     weights = to_dtype(p * scale[None, :], DTYPE, INTERPRETED)
     w = weights.to(tl.float32)
     return weights, tl.sum(w, axis=1), tl.sum(w * zero[None, :], axis=1)
