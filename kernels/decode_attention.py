@@ -43,6 +43,7 @@ from ._triton import (
     INTERPRET, cdiv, define_op, is_power_of_two, next_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
 )  # fmt: skip
 
+_LOG2E = 1.4426950408889634  # scores go to the kernels in base-2 units (see _online_softmax)
 _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a couple of splits each
 # Dense tiles stay small: the kernel's shared memory is sized by its largest branch, and wide dense
 # tiles (pipelined) would cap how many history programs fit on a multiprocessor.
@@ -70,7 +71,7 @@ def _dot(a, b, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _attend(
-    q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, sm_scale,
+    q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, score_scale,
     K_PARTS: tl.constexpr, V_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step of ``BLOCK_H`` query heads over a ``BLOCK_N``-row K/V tile.
@@ -82,7 +83,7 @@ def _attend(
     scores = _dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)
     if K_PARTS == 4:
         scores += _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
-    m_new, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i, sm_scale)
+    m_new, l_i, alpha, p = _online_softmax(scores * score_scale, valid, m_i, l_i)
     p = to_dtype(p, v0.dtype, INTERPRETED)
     a0 = a0 * alpha[:, None] + _dot(p, v0, INTERPRETED)
     a1 = a1 * alpha[:, None] + _dot(p, v1, INTERPRETED)
@@ -188,17 +189,19 @@ def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.c
 
 
 @triton.jit
-def _affine(dots, q_sum, bias, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr):
+def _affine(dots, q_sum, bias, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+            GROUP: tl.constexpr):  # fmt: skip
     """Scores from code dots: ``q·k = scale * (dots - bias - zero * sum(q))`` per key row, where
-    ``bias`` is what the codes' offset adds to ``dots`` (``OFFSET * sum(q_j / factor_j)``)."""
+    ``bias`` is what the codes' offset adds to ``dots`` (``OFFSET * sum(q_j / factor_j)``), times
+    ``score_scale`` (folded into the per-row scale, not applied per score)."""
     scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP)
-    return scale[None, :] * (dots - bias[:, None] - zero[None, :] * q_sum[:, None])
+    return (scale * score_scale)[None, :] * (dots - bias[:, None] - zero[None, :] * q_sum[:, None])
 
 
 @triton.jit
 def _packed_scores(
-    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows,
-    valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, OFFSET: tl.constexpr, FREE: tl.constexpr,
+    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n,
+    rows, valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, OFFSET: tl.constexpr, FREE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
@@ -222,16 +225,16 @@ def _packed_scores(
         if PARTS == 4:
             d0 += d2 + d3
             b0 += b2 + b3
-        scores = _affine(d0 + d1, q_sum, b0 + b1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, 0)
+        scores = _affine(d0 + d1, q_sum, b0 + b1, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, 0)
     else:
-        scores = _affine(d0, s0, b0, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+        scores = _affine(d0, s0, b0, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
                          _group_of(0, D, BITS, GROUPS))  # fmt: skip
-        scores += _affine(d1, s1, b1, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+        scores += _affine(d1, s1, b1, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
                           _group_of(1, D, BITS, GROUPS))  # fmt: skip
         if PARTS == 4:
-            scores += _affine(d2, s2, b2, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+            scores += _affine(d2, s2, b2, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
                               _group_of(2, D, BITS, GROUPS))  # fmt: skip
-            scores += _affine(d3, s3, b3, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
+            scores += _affine(d3, s3, b3, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
                               _group_of(3, D, BITS, GROUPS))  # fmt: skip
     return scores
 
@@ -260,7 +263,7 @@ def _divided(q, J: tl.constexpr, BITS: tl.constexpr, FREE: tl.constexpr):
 @triton.jit
 def _packed_span(
     q0, q1, q2, q3, q_sum, s0, s1, s2, s3, m_i, l_i, a0, a1, a2, a3,
-    KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n, start, end, MASK, position, sm_scale,
+    KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n, start, end, MASK, position, score_scale,
     D: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr,
     V_BITS: tl.constexpr, V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
     K_FREE: tl.constexpr, V_FREE: tl.constexpr, K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr,
@@ -280,10 +283,10 @@ def _packed_span(
         raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
         k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
-            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, KS, ks_n, KZ, kz_n, rows, valid,
+            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, score_scale, KS, ks_n, KZ, kz_n, rows, valid,
             D, K_BITS, K_GROUPS, OFFSET, K_FREE, INTERPRETED,
         )  # fmt: skip
-        m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i, sm_scale)
+        m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i)
         raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
         v0, v1, v2, v3 = _code_blocks(raw_v, V_BITS, dtype, MAGIC, V_FREE, V_UNPACK)
         w0, sw0, sz0 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(0, D, V_BITS, V_GROUPS), dtype,
@@ -314,20 +317,22 @@ def _packed_span(
 
 
 @triton.jit
-def _online_softmax(scores, valid, m_i, l_i, sm_scale):
-    """One online-softmax step: new max and sum, the rescale factor of older terms, and the weights."""
-    scores = tl.where(valid[None, :], scores * sm_scale, float("-inf"))
+def _online_softmax(scores, valid, m_i, l_i):
+    """One online-softmax step over scores in base-2 units (``q·k * sm_scale * log2(e)``, so that
+    ``exp2`` replaces ``exp`` and its multiply): new max and sum, the rescale factor of older terms,
+    and the weights."""
+    scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     # A fully masked tile keeps m at -inf; subtracting 0 instead avoids exp(-inf - -inf) = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
     return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
 
 
 @triton.jit
 def _dense_span(
-    q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, K, k_stride_n, V, v_stride_n, start, end, MASK, position, sm_scale,
+    q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, K, k_stride_n, V, v_stride_n, start, end, MASK, position, score_scale,
     ring_start, ring_rows, ring_size,
     D: tl.constexpr, BLOCK_N: tl.constexpr, K_PARTS: tl.constexpr, V_PARTS: tl.constexpr,
     HAS_MASK: tl.constexpr, RING: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -345,7 +350,7 @@ def _dense_span(
         k0, k1, k2, k3 = _load_parts(K, k_stride_n, rows, valid, D, K_PARTS)
         v0, v1, v2, v3 = _load_parts(V, v_stride_n, rows, valid, D, V_PARTS)
         m_i, l_i, a0, a1, a2, a3 = _attend(
-            q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, sm_scale,
+            q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, score_scale,
             K_PARTS, V_PARTS, INTERPRETED,
         )  # fmt: skip
     return m_i, l_i, a0, a1, a2, a3
@@ -361,7 +366,7 @@ def _decode_stage1_kernel(
     RK, rk_st, RV, rv_st, n_recent, chunk_recent,
     NK, nk_st, NV, nv_st, n_new, chunk_new,
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, sm_scale, hist_splits, dense_splits, n_slots, LENGTHS,
+    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, LENGTHS,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
@@ -410,7 +415,7 @@ def _decode_stage1_kernel(
             KC + b * kc_st[0] + kv_head * kc_st[1], kc_st[2], KS + b * ks_st[0] + kv_head * ks_st[1], ks_st[2],
             KZ + b * kz_st[0] + kv_head * kz_st[1], kz_st[2], VC + b * vc_st[0] + kv_head * vc_st[1], vc_st[2],
             VS + b * vs_st[0] + kv_head * vs_st[1], vs_st[2], VZ + b * vz_st[0] + kv_head * vz_st[1], vz_st[2],
-            start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, sm_scale,
+            start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, score_scale,
             D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_FREE, V_FREE, K_UNPACK, V_UNPACK, TIER_MASK,
             INTERPRETED,
         )  # fmt: skip
@@ -422,14 +427,14 @@ def _decode_stage1_kernel(
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
                 SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, tl.minimum(start + chunk_sink, n_sink),
-                MASK, 0, sm_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
+                MASK, 0, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
             )  # fmt: skip
         elif tier == 1:
             start = split * chunk_recent
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
                 RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, tl.minimum(start + chunk_recent, n_recent),
-                MASK, n_sink + n_hist, sm_scale, ring_start, ring_rows, n_recent, D, DENSE_BLOCK_N, K_PARTS, V_PARTS,
+                MASK, n_sink + n_hist, score_scale, ring_start, ring_rows, n_recent, D, DENSE_BLOCK_N, K_PARTS, V_PARTS,
                 TIER_MASK, RING, INTERPRETED,
             )  # fmt: skip
         else:
@@ -437,7 +442,7 @@ def _decode_stage1_kernel(
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
                 NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, tl.minimum(start + chunk_new, n_new),
-                MASK, n_sink + n_hist + n_recent, sm_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, TIER_MASK, False,
+                MASK, n_sink + n_hist + n_recent, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, TIER_MASK, False,
                 INTERPRETED,
             )  # fmt: skip
 
@@ -469,7 +474,7 @@ def _decode_stage2_kernel(
     l = tl.load(PL + base + slots, mask=used, other=0.0)
     acc = tl.load(PACC + (base + slots)[:, None] * D + dims[None, :], mask=used[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
-    weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty slots (m = -inf) weigh 0
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty slots (m = -inf) weigh 0
     total = tl.sum(weight * l, axis=0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)  # all masked -> 0
     tl.store(O + b * o_st[0] + head * o_st[1] + dims, to_dtype(out, O.dtype.element_ty, INTERPRETED))
@@ -582,7 +587,7 @@ def decode_attention_triton(
         *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
         *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
         *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
-        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale, hist_splits, dense_splits, n_slots,
+        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
         q if lengths is None else lengths,  # unread without RING
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
