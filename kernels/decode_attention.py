@@ -200,22 +200,18 @@ def _affine(dots, q_sum, bias, score_scale, SCALE, scale_stride_n, ZERO, zero_st
 
 @triton.jit
 def _packed_scores(
-    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n,
-    rows, valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, OFFSET: tl.constexpr, FREE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, SCALE, scale_stride_n, ZERO,
+    zero_stride_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
 
     Per-row metadata makes dequantization affine, so it moves from the ``N x D`` key tile to the
     ``H x N`` scores. ``q_j`` are q's column blocks divided by their codes' factors, ``q_sum`` is the
-    float32 sum of q, ``s_j`` that of its column block ``j``; each column block lies within one group
-    (the dispatcher checks that groups are that wide).
+    float32 sum of q, ``s_j`` that of its column block ``j`` and ``b_j`` what the codes' offset adds to
+    that block's dot; each column block lies within one group (the dispatcher checks that groups are
+    that wide).
     """
     PARTS: tl.constexpr = 8 // BITS
-    b0 = s0 * (OFFSET / _part_factor(0, BITS, FREE))
-    b1 = s1 * (OFFSET / _part_factor(1, BITS, FREE))
-    b2 = s2 * (OFFSET / _part_factor(2, BITS, FREE))
-    b3 = s3 * (OFFSET / _part_factor(3, BITS, FREE))
     d0 = _dot(q0, tl.trans(k0), INTERPRETED)
     d1 = _dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
@@ -274,6 +270,8 @@ def _packed_span(
     dtype = q0.dtype
     q0, q1 = _divided(q0, 0, K_BITS, K_FREE), _divided(q1, 1, K_BITS, K_FREE)
     q2, q3 = _divided(q2, 2, K_BITS, K_FREE), _divided(q3, 3, K_BITS, K_FREE)
+    b0, b1 = s0 * (OFFSET / _part_factor(0, K_BITS, K_FREE)), s1 * (OFFSET / _part_factor(1, K_BITS, K_FREE))
+    b2, b3 = s2 * (OFFSET / _part_factor(2, K_BITS, K_FREE)), s3 * (OFFSET / _part_factor(3, K_BITS, K_FREE))
     # Value corrections per column block (see _value_weights), rescaled like the accumulators.
     c0 = tl.zeros(l_i.shape, tl.float32)
     c1, c2, c3 = c0, c0, c0
@@ -283,8 +281,8 @@ def _packed_span(
         raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
         k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
-            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, k0, k1, k2, k3, score_scale, KS, ks_n, KZ, kz_n, rows, valid,
-            D, K_BITS, K_GROUPS, OFFSET, K_FREE, INTERPRETED,
+            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, KS, ks_n, KZ, kz_n,
+            rows, valid, D, K_BITS, K_GROUPS, INTERPRETED,
         )  # fmt: skip
         m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i)
         raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
