@@ -1,6 +1,6 @@
 """Instructions per history tile of the decode kernel, compiled for an H100/H200 (sm_90) on any machine.
 
-    python eval/sass_count.py [--warps 4] [--block-n 64] [--ring] [--sass out.sass]
+    python eval/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
 
 No GPU is needed: Triton compiles the stage-1 kernel for ``GPUTarget("cuda", 90, 32)`` with the
 argument types and specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128,
@@ -54,7 +54,7 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
     codes, meta = (kv_heads * history * 32, history * 32, 32), (kv_heads * history, history, 1)
     magic, offset = kernel._CODE_MAGIC[bf16][:2]
     unpack, free = kernel._unpack_asm(2, bf16), kernel._shift_free_blocks(2, bf16)
-    block_h, head_blocks, block_n = kernel._block_sizes(4, block_n)
+    block_h, head_blocks, _ = kernel._block_sizes(4, dims, block_n)
     args = (
         bf16, (32 * dims, dims),
         bf16, dense, bf16, dense, 64, 64,
@@ -67,7 +67,7 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
         D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
         K_UNPACK=unpack, V_UNPACK=unpack,
-        HAS_MASK=False, RING=ring, INTERPRETED=False, num_warps=num_warps, num_stages=3,
+        HAS_MASK=False, RING=ring, INTERPRETED=False, num_warps=num_warps, num_stages=kernel._STAGES,
     )  # fmt: skip
 
 
@@ -97,12 +97,16 @@ def history_loop(sass: str) -> collections.Counter:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--warps", type=int, default=4)
-    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--warps", type=int, default=0, help="default: the launcher's")
+    parser.add_argument("--block-n", type=int, default=0, help="default: the launcher's (at head_dim 128)")
     parser.add_argument("--ring", action="store_true", help="the static-decoding (device lengths) variant")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    from oscar_hf.kernels import decode_attention as kernel
+
+    args.warps = args.warps or kernel._WARPS
+    args.block_n = kernel._block_sizes(4, 128, args.block_n)[2]
     sass = sass_of(compile_stage1(args.warps, args.block_n, args.ring))
     if args.sass:
         args.sass.write_text(sass)

@@ -176,11 +176,20 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 
 
 @triton.jit
-def _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr):
-    """Per row of a tile, ``scale`` and ``zero`` of one group, float32 (0 for invalid rows)."""
-    scale = tl.load(SCALE + rows * scale_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
-    zero = tl.load(ZERO + rows * zero_stride_n + GROUP, mask=valid, other=0.0).to(tl.float32)
+def _metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, in_range, GROUPS: tl.constexpr):
+    """``scale`` and ``zero`` tiles ``[rows, GROUPS]`` of a span's rows (0 past its end)."""
+    groups = tl.arange(0, GROUPS)[None, :]
+    scale = tl.load(SCALE + rows[:, None] * scale_stride_n + groups, mask=in_range[:, None], other=0.0)
+    zero = tl.load(ZERO + rows[:, None] * zero_stride_n + groups, mask=in_range[:, None], other=0.0)
     return scale, zero
+
+
+@triton.jit
+def _group_column(tile, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """Column ``GROUP`` of a metadata tile, float32."""
+    if GROUPS == 1:
+        return tl.reshape(tile, (tile.shape[0],)).to(tl.float32)
+    return tl.sum(tl.where(tl.arange(0, GROUPS)[None, :] == GROUP, tile.to(tl.float32), 0.0), axis=1)
 
 
 @triton.jit
@@ -189,27 +198,26 @@ def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.c
 
 
 @triton.jit
-def _affine(dots, q_sum, bias, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-            GROUP: tl.constexpr):  # fmt: skip
+def _affine(dots, q_sum, bias, score_scale, scales, zeros, GROUP: tl.constexpr, GROUPS: tl.constexpr):
     """Scores from code dots: ``q·k = scale * (dots - bias - zero * sum(q))`` per key row, where
     ``bias`` is what the codes' offset adds to ``dots`` (``OFFSET * sum(q_j / factor_j)``), times
     ``score_scale`` (folded into the per-row scale, not applied per score)."""
-    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP)
+    scale, zero = _group_column(scales, GROUP, GROUPS), _group_column(zeros, GROUP, GROUPS)
     return (scale * score_scale)[None, :] * (dots - bias[:, None] - zero[None, :] * q_sum[:, None])
 
 
 @triton.jit
 def _packed_scores(
-    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, SCALE, scale_stride_n, ZERO,
-    zero_stride_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, INTERPRETED: tl.constexpr,
+    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, scales, zeros,
+    D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
 
     Per-row metadata makes dequantization affine, so it moves from the ``N x D`` key tile to the
     ``H x N`` scores. ``q_j`` are q's column blocks divided by their codes' factors, ``q_sum`` is the
     float32 sum of q, ``s_j`` that of its column block ``j`` and ``b_j`` what the codes' offset adds to
-    that block's dot; each column block lies within one group (the dispatcher checks that groups are
-    that wide).
+    that block's dot; ``scales`` and ``zeros`` are the keys' ``[rows, GROUPS]`` metadata. Each column
+    block lies within one group (the dispatcher checks that groups are that wide).
     """
     PARTS: tl.constexpr = 8 // BITS
     d0 = _dot(q0, tl.trans(k0), INTERPRETED)
@@ -221,30 +229,26 @@ def _packed_scores(
         if PARTS == 4:
             d0 += d2 + d3
             b0 += b2 + b3
-        scores = _affine(d0 + d1, q_sum, b0 + b1, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, 0)
+        scores = _affine(d0 + d1, q_sum, b0 + b1, score_scale, scales, zeros, 0, GROUPS)
     else:
-        scores = _affine(d0, s0, b0, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                         _group_of(0, D, BITS, GROUPS))  # fmt: skip
-        scores += _affine(d1, s1, b1, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                          _group_of(1, D, BITS, GROUPS))  # fmt: skip
+        scores = _affine(d0, s0, b0, score_scale, scales, zeros, _group_of(0, D, BITS, GROUPS), GROUPS)
+        scores += _affine(d1, s1, b1, score_scale, scales, zeros, _group_of(1, D, BITS, GROUPS), GROUPS)
         if PARTS == 4:
-            scores += _affine(d2, s2, b2, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                              _group_of(2, D, BITS, GROUPS))  # fmt: skip
-            scores += _affine(d3, s3, b3, score_scale, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid,
-                              _group_of(3, D, BITS, GROUPS))  # fmt: skip
+            scores += _affine(d2, s2, b2, score_scale, scales, zeros, _group_of(2, D, BITS, GROUPS), GROUPS)
+            scores += _affine(d3, s3, b3, score_scale, scales, zeros, _group_of(3, D, BITS, GROUPS), GROUPS)
     return scores
 
 
 @triton.jit
-def _value_weights(p, SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP: tl.constexpr,
-                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _value_weights(p, scales, zeros, GROUP: tl.constexpr, GROUPS: tl.constexpr, DTYPE: tl.constexpr,
+                   INTERPRETED: tl.constexpr):  # fmt: skip
     """``w = p * scale`` as the dot operand, and per head ``sum(w)`` and ``sum(w * zero)``.
 
     ``sum_n w_n (c_n - zero_n) = (w·(OFFSET + f c) - OFFSET sum(w)) / f - sum(w * zero)`` for a column
     block whose codes come with factor ``f``: the corrections, from the same rounded weights, are
     applied once at the end of the span.
     """
-    scale, zero = _row_metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, valid, GROUP)
+    scale, zero = _group_column(scales, GROUP, GROUPS), _group_column(zeros, GROUP, GROUPS)
     weights = to_dtype(p * scale[None, :], DTYPE, INTERPRETED)
     w = weights.to(tl.float32)
     return weights, tl.sum(w, axis=1), tl.sum(w * zero[None, :], axis=1)
@@ -275,29 +279,38 @@ def _packed_span(
     # Value corrections per column block (see _value_weights), rescaled like the accumulators.
     c0 = tl.zeros(l_i.shape, tl.float32)
     c1, c2, c3 = c0, c0, c0
+    # The metadata of tile i+1 is loaded while tile i computes: too narrow for the pipeliner's
+    # asynchronous copies (2 bytes a thread), it stalled every tile on a global load.
+    rows = start + tl.arange(0, BLOCK_N)
+    k_scales, k_zeros = _metadata(KS, ks_n, KZ, kz_n, rows, rows < end, K_GROUPS)
+    v_scales, v_zeros = _metadata(VS, vs_n, VZ, vz_n, rows, rows < end, V_GROUPS)
     for block in range(start, end, BLOCK_N):
         rows = block + tl.arange(0, BLOCK_N)
         valid = _key_valid(rows, end, MASK, position, HAS_MASK)
+        ahead = rows + BLOCK_N
+        next_k_scales, next_k_zeros = _metadata(KS, ks_n, KZ, kz_n, ahead, ahead < end, K_GROUPS)
+        next_v_scales, next_v_zeros = _metadata(VS, vs_n, VZ, vz_n, ahead, ahead < end, V_GROUPS)
         raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
         k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
-            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, KS, ks_n, KZ, kz_n,
-            rows, valid, D, K_BITS, K_GROUPS, INTERPRETED,
+            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, k_scales, k_zeros,
+            D, K_BITS, K_GROUPS, INTERPRETED,
         )  # fmt: skip
         m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i)
         raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
         v0, v1, v2, v3 = _code_blocks(raw_v, V_BITS, dtype, MAGIC, V_FREE, V_UNPACK)
-        w0, sw0, sz0 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(0, D, V_BITS, V_GROUPS), dtype,
+        w0, sw0, sz0 = _value_weights(p, v_scales, v_zeros, _group_of(0, D, V_BITS, V_GROUPS), V_GROUPS, dtype,
                                       INTERPRETED)  # fmt: skip
         w1, sw1, sz1, w2, sw2, sz2, w3, sw3, sz3 = w0, sw0, sz0, w0, sw0, sz0, w0, sw0, sz0
         if V_GROUPS > 1:
-            w1, sw1, sz1 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(1, D, V_BITS, V_GROUPS), dtype,
+            w1, sw1, sz1 = _value_weights(p, v_scales, v_zeros, _group_of(1, D, V_BITS, V_GROUPS), V_GROUPS, dtype,
                                           INTERPRETED)  # fmt: skip
             if V_PARTS == 4:
-                w2, sw2, sz2 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(2, D, V_BITS, V_GROUPS),
+                w2, sw2, sz2 = _value_weights(p, v_scales, v_zeros, _group_of(2, D, V_BITS, V_GROUPS), V_GROUPS,
                                               dtype, INTERPRETED)  # fmt: skip
-                w3, sw3, sz3 = _value_weights(p, VS, vs_n, VZ, vz_n, rows, valid, _group_of(3, D, V_BITS, V_GROUPS),
+                w3, sw3, sz3 = _value_weights(p, v_scales, v_zeros, _group_of(3, D, V_BITS, V_GROUPS), V_GROUPS,
                                               dtype, INTERPRETED)  # fmt: skip
+        k_scales, k_zeros, v_scales, v_zeros = next_k_scales, next_k_zeros, next_v_scales, next_v_zeros
         a0 = a0 * alpha[:, None] + _dot(w0, v0, INTERPRETED)
         a1 = a1 * alpha[:, None] + _dot(w1, v1, INTERPRETED)
         c0 = c0 * alpha + sz0 + sw0 * (OFFSET / _part_factor(0, V_BITS, V_FREE))
@@ -481,21 +494,26 @@ def _decode_stage2_kernel(
 # --------------------------------------------------------------------------------------- launcher
 
 
-# 4 warps a program with 128-key tiles: the fastest at batches 1, 8 and 32 on an H200 (51, 352 and
-# 1,374 us at 100K, against 69, 486 and ~1,850 us for 64-key tiles with 1 warp from batch 8 on;
-# decode_kernel_tuning.md).
-_WARPS = 4
-_RESIDENT_WARPS_PER_SM = 16  # ~128 registers a thread fill the register file at 16 warps
+# One warp a program, no stage-1 barrier: each warp keeps its own softmax state over its tiles, and
+# the metadata prefetch (see _packed_span) hides what latency is left. On an H200 at 100K, 64-key
+# tiles on 1 warp with 2 stages took 45, 302 and 1,168 us at batches 1, 8 and 32, against 58, 408
+# and 1,595 us for 128-key tiles on 4 warps (decode_kernel_tuning.md).
+_WARPS = 1
+_STAGES = 2
+_TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp, no spills up to head_dim 256
+# Programs of one SM at once: registers bound them (sm_90 compiles at head_dim 128: 1 warp 245
+# registers a thread, 2 warps 215, 4 warps 128, 8 warps 163; 64K registers an SM).
+_PROGRAMS_PER_SM = {1: 8, 2: 4, 4: 4, 8: 1}
 
 
-@functools.lru_cache(maxsize=None)
 def _device_programs(device: torch.device, num_warps: int) -> int:
-    """Stage-1 programs that run at once: 16 warps per SM on CUDA, else 4. History splits fill one
-    such wave: a partial second wave nearly doubled the time (batch 8 at 100K on an H200: 17 splits
-    704 us, 16 splits 526 us; decode_kernel_tuning_v3.md)."""
+    """Stage-1 programs that run at once on ``device`` (4 off CUDA). History splits fill one such
+    wave: a partial second wave nearly doubled the time (batch 8 at 100K on an H200: 17 splits 704
+    us, 16 splits 526 us; decode_kernel_tuning_v3.md), and 12 one-warp programs an SM instead of 8
+    took 62 us instead of 45 at batch 1."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return _RESIDENT_WARPS_PER_SM // num_warps * sms
+        return _PROGRAMS_PER_SM.get(num_warps, 1) * sms
     return 4
 
 
@@ -519,12 +537,12 @@ def _dense_chunk(length: int, splits: int, block_n: int) -> int:
     return max(1, cdiv(cdiv(length, splits), block_n)) * block_n
 
 
-def _block_sizes(group: int, block_n: int) -> tuple[int, int, int]:
-    # One row per query head of the group: Triton pads the MMA's 16 rows itself, and tiles of 4 real
-    # rows spend less on the elementwise softmax than 16 padded ones. 128 keys a tile was the fastest
-    # at batch 1 and 8 on an H200 (eval/tune_decode.py, decode_kernel_tuning.md).
+def _block_sizes(group: int, head_dim: int, block_n: int) -> tuple[int, int, int]:
+    """``(block_h, head_blocks, block_n)``: one row per query head of the group (Triton pads the
+    MMA's 16 rows itself, and 4 real rows spend less on the softmax than 16 padded ones), and
+    ``_TILE_CODES // head_dim`` keys a tile unless ``block_n`` is given."""
     block_h = min(64, next_power_of_two(group))
-    return block_h, cdiv(group, block_h), block_n or 128
+    return block_h, cdiv(group, block_h), block_n or min(128, _TILE_CODES // head_dim)
 
 
 def decode_attention_triton(
@@ -554,14 +572,13 @@ def decode_attention_triton(
     """Launch stage 1 and stage 2 (arguments as :func:`decode_attention`).
 
     ``num_splits``, ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` of stage 1 are tuning
-    knobs, 0 meaning automatic. Software pipelining uses 3 stages (1 in float32): 5-10% faster than 2
-    on an H200 (decode_kernel_tuning_v3.md); head_dim 256 with 4-bit K then takes 72 KiB of shared memory.
+    knobs, 0 meaning automatic (see :func:`_block_sizes`).
     """
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
     group = q_heads // kv_heads
-    block_h, head_blocks, block_n = _block_sizes(group, block_n)
-    num_stages = num_stages or (1 if q.dtype == torch.float32 else 3)
+    block_h, head_blocks, block_n = _block_sizes(group, head_dim, block_n)
+    num_stages = num_stages or (1 if q.dtype == torch.float32 else _STAGES)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
     programs_per_split = batch * kv_heads * head_blocks

@@ -1,0 +1,46 @@
+"""Launch the decode-attention kernel a few times for Nsight Compute: where its stage 1 stalls.
+
+    ncu --kernel-name regex:_decode_stage1 --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
+        --print-details all python eval/ncu_decode.py --batch 1 [--splits S --block-n N --warps W --stages T]
+
+The kernel benchmark's inputs (``eval/configs/bench_kernel.json``: Qwen3-8B attention, INT2 K and V)
+at ``--context`` rows, three launches with the given tuning knobs (0: the launcher's defaults). No
+timing here: timings come from ``eval/tune_decode.py`` and ``eval/bench_gpu.py``; Nsight Compute
+locks the clocks to base and reports cycles, occupancy and stall reasons
+(``eval/results/ncu_decode_*.txt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402
+
+CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "bench_kernel.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=100_000)
+    for knob in ("splits", "block-n", "warps", "stages"):
+        parser.add_argument(f"--{knob}", type=int, default=0)
+    options = parser.parse_args()
+    inputs = bench.tiered_inputs(CONFIG, options.context, options.batch, torch.device("cuda"), seed=0)
+    args = [inputs["q"], *(inputs[name] for name in bench.TIER_NAMES)]
+    kernels, scale = bench.decode_kernels(), CONFIG["shape"]["head_dim"] ** -0.5
+    knobs = (options.splits, options.block_n, options.warps, options.stages)
+    for _ in range(3):
+        kernels.decode_attention_triton(*args, None, 2, 2, scale, *knobs)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
