@@ -497,7 +497,7 @@ def _decode_stage2_kernel(
 # One warp a program, no stage-1 barrier: each warp keeps its own softmax state over its tiles, and
 # the metadata prefetch (see _packed_span) hides what latency is left. On an H200 at 100K, 64-key
 # tiles on 1 warp with 2 stages took 45, 302 and 1,168 us at batches 1, 8 and 32, against 58, 408
-# and 1,595 us for 128-key tiles on 4 warps (decode_kernel_tuning.md).
+# and 1,595 us for 128-key tiles on 4 warps (decode_kernel_tuning.md, decode_kernel_tuning_4warps.md).
 _WARPS = 1
 _STAGES = 2
 _TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp, no spills up to head_dim 256
