@@ -188,7 +188,8 @@ def test_beam_search_decodes_eagerly(tiny, static_steps):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps):
-    model = tiny_model("qwen3")
+    # More layers than Dynamo's recompile limit (8): a graph per layer would leave the last ones eager.
+    model = tiny_model("qwen3", num_hidden_layers=10)
     ids = prompts([30])[0][None]
     want = generate(model, ids, OscarCache(model, "quarot-int2", **SMALL), max_new_tokens=10)
     torch._dynamo.reset()
@@ -197,7 +198,7 @@ def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps):
     assert static_steps["steps"] == 9
     assert "forward" not in model.model.layers[0].__dict__  # the eager layers are back
     stats = torch._dynamo.utils.counters["stats"]
-    assert stats["unique_graphs"] <= 8  # one set of graphs for both layers and every step: no recompiles
+    assert stats["unique_graphs"] <= 6  # one set of graphs for every layer and step (a graph per layer: 11)
 
 
 def captured_and_eager(arch: str, dtype: torch.dtype, **options):
