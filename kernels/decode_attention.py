@@ -176,8 +176,15 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 
 
 @triton.jit
-def _metadata(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, in_range, GROUPS: tl.constexpr):
-    """``scale`` and ``zero`` tiles ``[rows, GROUPS]`` of a span's rows (0 past its end)."""
+def _metadata(KS, ks_n, KZ, kz_n, K_GROUPS: tl.constexpr, VS, vs_n, VZ, vz_n, V_GROUPS: tl.constexpr, rows, end):
+    """K's and V's ``scale`` and ``zero`` tiles ``[rows, groups]`` (0 from row ``end`` on)."""
+    k_scales, k_zeros = _scale_zero(KS, ks_n, KZ, kz_n, rows, rows < end, K_GROUPS)
+    v_scales, v_zeros = _scale_zero(VS, vs_n, VZ, vz_n, rows, rows < end, V_GROUPS)
+    return k_scales, k_zeros, v_scales, v_zeros
+
+
+@triton.jit
+def _scale_zero(SCALE, scale_stride_n, ZERO, zero_stride_n, rows, in_range, GROUPS: tl.constexpr):
     groups = tl.arange(0, GROUPS)[None, :]
     scale = tl.load(SCALE + rows[:, None] * scale_stride_n + groups, mask=in_range[:, None], other=0.0)
     zero = tl.load(ZERO + rows[:, None] * zero_stride_n + groups, mask=in_range[:, None], other=0.0)
@@ -281,15 +288,13 @@ def _packed_span(
     c1, c2, c3 = c0, c0, c0
     # The metadata of tile i+1 is loaded while tile i computes: too narrow for the pipeliner's
     # asynchronous copies (2 bytes a thread), it stalled every tile on a global load.
-    rows = start + tl.arange(0, BLOCK_N)
-    k_scales, k_zeros = _metadata(KS, ks_n, KZ, kz_n, rows, rows < end, K_GROUPS)
-    v_scales, v_zeros = _metadata(VS, vs_n, VZ, vz_n, rows, rows < end, V_GROUPS)
+    k_scales, k_zeros, v_scales, v_zeros = _metadata(
+        KS, ks_n, KZ, kz_n, K_GROUPS, VS, vs_n, VZ, vz_n, V_GROUPS, start + tl.arange(0, BLOCK_N), end
+    )
     for block in range(start, end, BLOCK_N):
         rows = block + tl.arange(0, BLOCK_N)
         valid = _key_valid(rows, end, MASK, position, HAS_MASK)
-        ahead = rows + BLOCK_N
-        next_k_scales, next_k_zeros = _metadata(KS, ks_n, KZ, kz_n, ahead, ahead < end, K_GROUPS)
-        next_v_scales, next_v_zeros = _metadata(VS, vs_n, VZ, vz_n, ahead, ahead < end, V_GROUPS)
+        ahead = _metadata(KS, ks_n, KZ, kz_n, K_GROUPS, VS, vs_n, VZ, vz_n, V_GROUPS, rows + BLOCK_N, end)
         raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
         k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
@@ -310,7 +315,7 @@ def _packed_span(
                                               dtype, INTERPRETED)  # fmt: skip
                 w3, sw3, sz3 = _value_weights(p, v_scales, v_zeros, _group_of(3, D, V_BITS, V_GROUPS), V_GROUPS,
                                               dtype, INTERPRETED)  # fmt: skip
-        k_scales, k_zeros, v_scales, v_zeros = next_k_scales, next_k_zeros, next_v_scales, next_v_zeros
+        k_scales, k_zeros, v_scales, v_zeros = ahead
         a0 = a0 * alpha[:, None] + _dot(w0, v0, INTERPRETED)
         a1 = a1 * alpha[:, None] + _dot(w1, v1, INTERPRETED)
         c0 = c0 * alpha + sz0 + sw0 * (OFFSET / _part_factor(0, V_BITS, V_FREE))
