@@ -506,9 +506,11 @@ def _decode_stage2_kernel(
 _WARPS = 1
 _STAGES = 2
 _TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp, no spills up to head_dim 256
-# Programs of one SM at once: registers bound them (sm_90 compiles at head_dim 128: 1 warp 245
-# registers a thread, 2 warps 215, 4 warps 128, 8 warps 163; 64K registers an SM).
-_PROGRAMS_PER_SM = {1: 8, 2: 4, 4: 4, 8: 1}
+# Programs of one SM at once: registers bound them, 64K an SM (sm_90 compiles at head_dim 128 and
+# each warp count's default tile: 1 warp 245 registers a thread, 255 on the H200's toolchain per
+# Nsight Compute; 2 warps 168, 4 warps 128, 8 warps 153). Two-warp programs: 6 an SM took 334 us
+# at batch 8 and 100K, 8 (two waves) 434.
+_PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 1}
 _MERGE_BLOCK_D = 32
 
 
@@ -618,8 +620,8 @@ def decode_attention_triton(
         HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
-    # Blocks of dims spread the merge over more programs: one per head (32) took 4.4 us a layer at
-    # batch 1 and 100K, merging 135 slots.
+    # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
+    # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us.
     block_d = min(head_dim, _MERGE_BLOCK_D)
     _decode_stage2_kernel[(batch, q_heads, head_dim // block_d)](
         partial_m, partial_l, partial_acc, *t(out), n_slots,
