@@ -8,7 +8,7 @@
 # static-tests 135 s, graph 250 s, graph-4b 120 s, graph-8b-64k 60 s (issue 7's CUDA-graph decode),
 # tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
 # 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
-# ncu ~90 s (Nsight Compute on the decode kernel; ncu must be on PATH, as in /usr/local/cuda/bin).
+# ncu ~50 s (Nsight Compute on the decode kernel; ncu must be on PATH, as in /usr/local/cuda/bin).
 # A device call may run 10 minutes.
 # Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
 # eval/results/ to commit.
