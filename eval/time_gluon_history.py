@@ -1,0 +1,80 @@
+"""Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
+
+    python eval/time_gluon_history.py [--out eval/results] [--batches 1,8]
+
+Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
+Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
+
+* ``triton``: ``decode_attention_triton`` over the packed history only (dense tiers empty), stage 1 and
+  the merge, at the launcher's defaults;
+* ``gluon``: ``history_partials`` (its stage 1 only; the merge is the same kernel) for each
+  ``prefetch`` and each number of splits (programs an SM x SMs / (batch x KV heads)).
+
+Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402
+import tune_decode as tune  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--programs-per-sm", default="8,10,12,13")
+    options = parser.parse_args()
+    from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
+
+    kernels = bench.decode_kernels()
+    info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    rows = []
+    for batch in (int(b) for b in options.batches.split(",")):
+        x = bench.tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)
+        q, packed = x["q"], [x[name] for name in bench.TIER_NAMES[2:8]]
+        empty = x["sink_k"][:, :, :0]
+        scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
+        want = kernels.decode_attention_reference(q, empty, empty, *packed, empty, empty, empty, empty, k_bits=2,
+                                                  v_bits=2, sm_scale=scale).float()  # fmt: skip
+
+        def triton_run():
+            return kernels.decode_attention_triton(q, empty, empty, *packed, empty, empty, empty, empty, None, 2, 2, scale)
+
+        rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
+                     "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
+        for prefetch in (False, True):
+            for per_sm in (int(p) for p in options.programs_per_sm.split(",")):
+                splits = tune.splits_for(per_sm, batch)
+
+                def gluon_run():
+                    return history_partials(q, *packed, sm_scale=scale, splits=splits, prefetch=prefetch)
+
+                error = (merge_partials(*gluon_run()) - want).abs().max().item()
+                rows.append({"batch": batch, "kernel": "gluon", "prefetch": prefetch, "programs_per_sm": per_sm,
+                             "splits": splits, "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
+                print(rows[-1], flush=True)
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
+    lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
+             f"`{info['command']}`", "", "| batch | kernel | prefetch | programs an SM | splits | us | max abs error |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('prefetch', '')} | {r.get('programs_per_sm', '')} | "
+                     f"{r.get('splits', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+    (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
