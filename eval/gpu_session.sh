@@ -9,7 +9,8 @@
 # tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
 # 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
 # ncu ~50 s (Nsight Compute on the decode kernel; ncu must be on PATH, as in /usr/local/cuda/bin),
-# gluon (branch gluon-tile: the explicit-layout history span's GPU tests and timing; not yet run).
+# gluon, gluon-kernel, gluon-graph (branch gluon-tile: the explicit-layout history span's GPU tests
+# and timing, then the kernel and graph benchmarks with OSCAR_DECODE_HISTORY=gluon; not yet run).
 # A device call may run 10 minutes.
 # Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
 # eval/results/ to commit.
@@ -61,6 +62,15 @@ for step in "$@"; do
         gluon)  # branch gluon-tile: the explicit-layout history span, tested and timed against the Triton stage 1
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
+        gluon-kernel | gluon-graph)  # the same benchmarks as kernel / graph (8B, 100K), history slots from the span
+            if [ "$step" = gluon-kernel ]; then
+                run gluon_kernel 120 env OSCAR_DECODE_HISTORY=gluon $bench --config eval/configs/bench_kernel.json \
+                    --name bench_kernel_gluon
+            else
+                run gluon_graph 300 env OSCAR_DECODE_HISTORY=gluon $bench --config eval/configs/bench_graph.json \
+                    --name bench_graph_gluon --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' \
+                    --set 'caches=["dynamic","oscar-int2+graph","oscar-int2+absorbed+graph+compile"]' --set 'compiled_static.models=[]'
+            fi ;;
         ncu)  # stage 1's occupancy and stall reasons at the launcher's defaults, batches 1 and 8
             for batch in 1 8; do
                 run "ncu_decode_b$batch" 150 ncu --kernel-name regex:_decode_stage1 --launch-skip 2 --launch-count 1 \

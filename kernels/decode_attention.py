@@ -382,7 +382,7 @@ def _decode_stage1_kernel(
     RK, rk_st, RV, rv_st, n_recent, chunk_recent,
     NK, nk_st, NV, nv_st, n_new, chunk_new,
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, LENGTHS,
+    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
@@ -398,7 +398,7 @@ def _decode_stage1_kernel(
     local = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = local < GROUP
     heads = kv_head * GROUP + local
-    slot = tl.program_id(2)
+    slot = tl.program_id(2) + first_slot  # slots below first_slot are another kernel's (branch gluon-tile)
     q0, q1, q2, q3 = _load_parts(Q + b * q_st[0], q_st[1], heads, head_ok, D, K_PARTS)
     MASK = MASK + b * mask_stride_b
 
@@ -582,6 +582,7 @@ def decode_attention_triton(
     ``num_splits``, ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` of stage 1 are tuning
     knobs, 0 meaning automatic (see :func:`_block_sizes`).
     """
+    gluon = _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned=bool(num_splits or block_n or num_warps))
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
     group = q_heads // kv_heads
@@ -591,7 +592,14 @@ def decode_attention_triton(
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
-    hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n, num_warps)
+    if gluon:  # the explicit-layout span fills the history slots (branch gluon-tile)
+        from .decode_history_gluon import PROGRAMS_PER_SM
+
+        wave = PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
+        requested = max(1, min(_MAX_SPLITS, cdiv(n_hist, _MIN_SPLIT_TOKENS), wave // (batch * kv_heads)))
+        hist_splits, chunk_hist = _splits(n_hist, requested, 1, q.device, 64, 1)
+    else:
+        hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n, num_warps)
     n_slots = hist_splits + 3 * dense_splits
 
     partial_m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=q.device)
@@ -604,14 +612,20 @@ def decode_attention_triton(
     t = _last_dim_contiguous
     magic, offset = _CODE_MAGIC[q.dtype][:2]
 
-    _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots)](
+    first_slot = hist_splits if gluon else 0
+    if gluon:
+        from .decode_history_gluon import history_into
+
+        history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
+                     partial_acc, hist_splits, chunk_hist, lengths)  # fmt: skip
+    _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots - first_slot)](
         *t(q),
         *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
         *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
         *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
         *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
         mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
-        q if lengths is None else lengths,  # unread without RING
+        first_slot, q if lengths is None else lengths,  # unread without RING
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
         MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
@@ -628,6 +642,20 @@ def decode_attention_triton(
         D=head_dim, BLOCK_D=block_d, SLOTS=next_power_of_two(n_slots), INTERPRETED=INTERPRET,
     )  # fmt: skip
     return out
+
+
+def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) -> bool:
+    """EXPERIMENT (branch gluon-tile): whether the history slots come from the explicit-layout span
+    (``kernels/decode_history_gluon.py``): opted in with ``OSCAR_DECODE_HISTORY=gluon``, on a GPU, for
+    the shapes it covers, at the launcher's default tiles."""
+    import os
+
+    return (
+        os.environ.get("OSCAR_DECODE_HISTORY") == "gluon" and q.is_cuda and not INTERPRET
+        and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and (k_bits, v_bits) == (2, 2)
+        and k_scale.shape[-1] == v_scale.shape[-1] == 1 and q.shape[1] // k_codes.shape[1] <= 8
+        and not tuned and k_codes.shape[2] > 0
+    )  # fmt: skip
 
 
 def _shift_free_blocks(bits: int, dtype: torch.dtype) -> int:

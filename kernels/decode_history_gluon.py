@@ -31,6 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 D = gl.constexpr(128)
+PREFETCH = False  # load tile i+1 during tile i: 253 registers (8 programs an SM) instead of 167 (12)
+PROGRAMS_PER_SM = 8 if PREFETCH else 12
 
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -192,18 +194,22 @@ def _head_vector(Q, GROUP: gl.constexpr):
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, chunk, PM, PL, PACC, n_slots, score_scale,
+    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    PREFETCH: gl.constexpr, RING: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
     ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``PREFETCH``: load tile i+1 while tile i
-    computes (more registers, fewer programs an SM)."""
+    computes (more registers, fewer programs an SM). ``RING`` (static decoding): the valid history rows
+    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does."""
     b = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
+    if RING:
+        n_hist = gl.load(LENGTHS).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
     start = split * chunk
     end = gl.minimum(start + chunk, n_hist)
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
@@ -304,35 +310,51 @@ def _head_columns(per_row):
     return gl.convert_layout(per_row, gl.SliceLayout(0, MMA))
 
 
-def history_partials(
+def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
-    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, prefetch: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the span over the packed history: ``(m, l, acc)`` per (batch, query head, split), the
-    partial results that the decode kernel's stage 2 merges (m and l in base-2 units)."""
+    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
+    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
+    prefetch: bool = PREFETCH,
+) -> None:
+    """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
+    buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
+    m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
+    ``lengths[0]`` rows split on the device."""
     from oscar_hf.kernels.decode_attention import _CODE_MAGIC, _LOG2E
 
     batch, q_heads, head_dim = q.shape
-    kv_heads, n_hist = k_codes.shape[1], k_codes.shape[2]
+    kv_heads = k_codes.shape[1]
     group = q_heads // kv_heads
     if (head_dim, k_codes.shape[-1], v_codes.shape[-1], k_scale.shape[-1], q.dtype) != (128, 32, 32, 1, torch.bfloat16):
         raise ValueError("the prototype covers INT2 K and V, head_dim 128, one group, bf16 only")
     if group > 8:
         raise ValueError(f"the prototype covers at most 8 query heads per KV head, got {group}")
-    chunk = -(-n_hist // splits)
-    chunk = -(-chunk // 64) * 64
-    splits = -(-n_hist // chunk)
     q = q.contiguous()
     words_k, words_v = (codes.contiguous().view(torch.int32) for codes in (k_codes, v_codes))
     meta = [t.contiguous() for t in (k_scale, k_zero, v_scale, v_zero)]
-    m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
-    l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     history_kernel[(batch, kv_heads, splits)](
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *meta[0].stride()[:2], n_hist, chunk, m, l, acc, splits, sm_scale * _LOG2E,
+        *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
+        sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[q.dtype][1],
-        PREFETCH=prefetch, num_warps=1,
+        PREFETCH=prefetch, RING=lengths is not None, num_warps=1,
     )  # fmt: skip
+
+
+def history_partials(
+    q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
+    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, prefetch: bool = PREFETCH,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
+    head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
+    batch, q_heads, head_dim = q.shape
+    n_hist = k_codes.shape[2]
+    chunk = -(-(-(-n_hist // splits)) // 64) * 64
+    splits = -(-n_hist // chunk)
+    m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
+    l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
+                 prefetch=prefetch)  # fmt: skip
     return m, l, acc
 
 
@@ -361,8 +383,8 @@ def compile_for_sm90() -> None:
     for prefetch in (False, True):
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-            f32, f32, f32, 137, 0.1275, GROUP=4, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
-            OFFSET=_CODE_MAGIC[bf16][1], PREFETCH=prefetch, grid=(1,), num_warps=1,
+            f32, f32, f32, 137, 0.1275, bf16, GROUP=4, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
+            OFFSET=_CODE_MAGIC[bf16][1], PREFETCH=prefetch, RING=False, grid=(1,), num_warps=1,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))
         print(f"prefetch={prefetch}: {_resource_usage(compiled)}; {sum(ops.values())} instructions per 64-key tile")

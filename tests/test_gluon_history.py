@@ -38,3 +38,37 @@ def test_history_span_refuses_what_it_does_not_cover():
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
     with pytest.raises(ValueError, match="INT2"):
         history_partials(q, *packed, sm_scale=0.088, splits=1)
+
+
+@pytest.mark.parametrize("pads", [None, [0, 3]], ids=["no-mask", "padded-sink"])
+def test_decode_attention_takes_its_history_slots_from_the_span(monkeypatch, pads):
+    """``OSCAR_DECODE_HISTORY=gluon``: all four tiers through ``decode_attention``, the history from
+    the Gluon span and the dense tiers from the Triton stage 1, merged by one stage 2."""
+    from oscar_hf.kernels.decode_attention import decode_attention
+
+    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
+    args, options = _decode_inputs(2, 32, 8, 128, 64, 3000, 260, 1, torch.bfloat16, 2, 2, pads=pads, seed=4)
+    args = [a.cuda() for a in args]
+    options["key_mask"] = None if pads is None else options["key_mask"].cuda()
+    want = decode_attention_reference(*args, sm_scale=0.088, **options)
+    got = decode_attention(*args, sm_scale=0.088, **options)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
+
+
+def test_static_lengths_reach_the_span(monkeypatch):
+    """Static decoding: the span reads the history length from the device tensor, as the Triton kernel does."""
+    from oscar_hf.kernels.decode_attention import decode_attention
+
+    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
+    history, capacity = 1000, 1600
+    args, options = _decode_inputs(1, 32, 8, 128, 64, history, 7, 1, torch.bfloat16, 2, 2, seed=6)
+    args = [a.cuda() for a in args]
+    want = decode_attention_reference(*args, sm_scale=0.088, **options)
+    q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
+    garbage = [torch.cat([t, torch.randint(0, 255, (*t.shape[:2], capacity - history, t.shape[-1]), device="cuda")
+                          .to(t.dtype)], dim=2) for t in packed]  # fmt: skip
+    ring = [torch.cat([rows, new], dim=2) for rows, new in ((recent_k, new_k), (recent_v, new_v))]
+    lengths = torch.tensor([history, 0, 8], device="cuda")
+    got = decode_attention(q, sink_k, sink_v, *garbage, *ring, new_k[:, :, :0], new_v[:, :, :0], k_bits=2, v_bits=2,
+                           sm_scale=0.088, lengths=lengths)  # fmt: skip
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
