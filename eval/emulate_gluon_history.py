@@ -3,93 +3,130 @@
     python eval/emulate_gluon_history.py
 
 Every layout conversion of ``kernels/decode_history_gluon.py`` is an identity and its reshape /
-permute / join / split are logical operations, so its program can be replayed with torch tensors:
-the same unpacked code values (``word_unpack_asm``'s elementwise meaning), relabellings, q gather,
-affine scores, online softmax, value corrections and output scatter, for one KV head and one split.
-It is compared with ``decode_attention_reference`` in float32. A GPU failure of
+permute / join are logical operations, so its program can be replayed with torch tensors: the same
+unpacked code values (``word_unpack_asm``'s elementwise meaning), relabellings, q gather, scores,
+online softmax with lane-partial sums, value corrections and output scatter, for one KV head and
+one split. The one non-elementwise step, ``movmatrix``, is replayed by where its values land: the
+register that held ``W[8i + g, 2t + e]`` of the scores' accumulator holds ``W[8i + 2t + e, g]``.
+The result is compared with ``decode_attention_reference`` in float32. A GPU failure of
 ``tests/test_gluon_history.py`` with this passing points at layouts or the asm, not the algebra.
-Measured 2026-12-01: max abs difference 1.1e-4 at outputs up to 2.9.
 """
+
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from oscar_hf.kernels.decode_attention import decode_attention_reference
-from tests.test_kernels import _decode_inputs
+from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
+from tests.test_kernels import _decode_inputs  # noqa: E402
 
-torch.manual_seed(0)
-GROUP, OFFSET = 4, 128.0
-args, options = _decode_inputs(1, GROUP, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
-q, _, _, kc, ks, kz, vc, vs, vz, *_ = args
-sm = 0.088
-want = decode_attention_reference(args[0].float(), *[a.float() if a.dtype == torch.bfloat16 and a.dim() == 4 and a.shape[-1] == 128 else a for a in args[1:]], sm_scale=sm, **options).float()[0]
-L = kc.shape[2]
-words_k = kc[0, 0].contiguous().view(torch.int32)  # [L, 8]
-words_v = vc[0, 0].contiguous().view(torch.int32)
-bf = lambda x: x
+GROUP, OFFSET, SM_SCALE = 4, 128.0, 0.088
+FACTORS = (1.0, 4.0, 16.0, 1.0)  # code factor f_j of column block j
 
-def unpack(words):  # o[4j+b][key, w] = 128 + f_j * code (block j of byte b of word w)
-    out = []
-    for j in range(4):
-        for b in range(4):
-            byte = (words >> (8 * b)) & 0xFF
-            code = (byte >> (2 * j)) & 3
-            f = 4 ** j if j < 3 else 1
-            out.append(OFFSET + f * code.float())
-    return out
 
-def bytes_of(b0, b1, b2, b3):
-    codes = torch.stack([torch.stack([b0, b1], -1), torch.stack([b2, b3], -1)], -1)  # join(join) -> [k, w, x, y]
-    return codes.permute(0, 1, 3, 2).reshape(codes.shape[0], 32)
+def code_values(words: torch.Tensor, byte: int, block: int) -> torch.Tensor:
+    """``OFFSET + f_j * code`` of one byte and column block of every word, as the asm makes them."""
+    return OFFSET + FACTORS[block] * ((words >> (8 * byte + 2 * block)) & 3).float()
 
-def k_operand(c):  # [64 keys, 32 bytes] -> [32 k, 64 N]
-    c = c.reshape(4, 8, 2, 4, 4, 2).permute(1, 0, 2, 4, 3, 5).reshape(64, 32)
-    return c.permute(1, 0)
 
-def v_operand(c):  # -> [32 m, 64 K]
-    return c.reshape(4, 8, 2, 8, 4).permute(4, 3, 1, 0, 2).reshape(32, 64)
+def k_codes(words: torch.Tensor, block: int) -> torch.Tensor:
+    """``_unpack_k`` then ``_k_operand``: the scores' A operand ``[64 rows m, 32 k]``."""
+    even = torch.stack([code_values(words, 2 * e, block) for e in (0, 1)], -1)  # output 2j: bytes 0, 2
+    odd = torch.stack([code_values(words, 2 * e + 1, block) for e in (0, 1)], -1)  # output 2j + 1: bytes 1, 3
+    codes = torch.stack([even, odd], -1).reshape(64, 32)  # _word_bytes
+    return codes.reshape(8, 8, 4, 2, 2, 2).permute(1, 0, 3, 5, 2, 4).reshape(64, 32)
 
-def key_vector(v):
-    return v.reshape(4, 8, 2).permute(1, 0, 2).reshape(64)
 
-k = torch.arange(32)
-byte = 8 * ((k // 2) % 4) + 2 * (k // 8) + k % 2
-qf = torch.zeros(16, 128); qf[:GROUP] = q[0].float()
-qb = [bf(qf[:, 32 * j + byte] / (4 ** j if j < 3 else 1)) for j in range(4)]  # [16, 32]
-s = [qf[:, 32 * j: 32 * j + 32].sum(1)[:8] for j in range(4)]
-q_sum = s[0] + s[1] + s[2] + s[3]
-bias = OFFSET * (s[0] + 0.25 * s[1] + 0.0625 * s[2] + s[3])
-m_i = torch.full((8,), float('-inf')); l_i = torch.zeros(8); w_sum = torch.zeros(8); wz_sum = torch.zeros(8)
-acc = [torch.zeros(32, 8) for _ in range(4)]
-score_scale = sm * 1.4426950408889634
-for block in range(0, L, 64):
-    rows = block + torch.arange(64); ok = rows < L
-    def tile(words):
-        w = torch.zeros(64, 8, dtype=torch.int32); w[ok] = words[rows[ok]]; return w
-    wk, wv = tile(words_k), tile(words_v)
-    meta = lambda t: torch.where(ok, torch.nn.functional.pad(t[0, 0, :, 0].float(), (0, 64))[rows], torch.zeros(64))
-    kscale, kzero, vscale, vzero = meta(ks), meta(kz), meta(vs), meta(vz)
-    o = unpack(wk)
-    cb = [bytes_of(*o[4 * j: 4 * j + 4]) for j in range(4)]
-    dots = sum(qb[j] @ k_operand(cb[j]) for j in range(4))[:8]  # [8, 64 N]
-    scale = key_vector(kscale) * score_scale; zero = key_vector(kzero)
-    scores = scale[None] * (dots - bias[:, None] - zero[None] * q_sum[:, None])
-    scores = torch.where(key_vector(ok)[None], scores, torch.tensor(float('-inf')))
-    m_new = torch.maximum(m_i, scores.max(1).values)
-    alpha = torch.exp2(m_i - m_new); p = torch.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + p.sum(1); m_i = m_new
-    w = bf(p * key_vector(vscale)[None])
-    w_sum = w_sum * alpha + w.sum(1); wz_sum = wz_sum * alpha + (w * key_vector(vzero)[None]).sum(1)
-    ov = unpack(wv)
-    vb = [bytes_of(*ov[4 * j: 4 * j + 4]) for j in range(4)]
-    for j in range(4):
-        acc[j] = acc[j] * alpha[None] + v_operand(vb[j]) @ w.permute(1, 0)
-out = torch.zeros(8, 128)
-rows = torch.arange(32); dims = 4 * (rows % 8) + rows // 8
-for j in range(4):
-    f = 4 ** j if j < 3 else 1
-    out[:, 32 * j + dims] = (acc[j] / f - wz_sum[None] - OFFSET / f * w_sum[None]).permute(1, 0)
-got = out[:GROUP] / l_i[:GROUP, None]
-print("max abs diff", (got - want).abs().max().item(), "scale", want.abs().max().item())
+def v_codes(words: torch.Tensor, block: int) -> torch.Tensor:
+    """``_unpack_v`` then ``_v_operand``: the value MMA's A operand ``[32 dims m, 64 K]``."""
+    b0, b1, b2, b3 = (code_values(words, b, block) for b in range(4))
+    codes = torch.stack([torch.stack([b0, b1], -1), torch.stack([b2, b3], -1)], -1)  # _bytes_of
+    codes = codes.permute(0, 1, 3, 2).reshape(64, 32)
+    return codes.reshape(4, 2, 8, 8, 4).permute(4, 3, 2, 0, 1).reshape(32, 64)
+
+
+def key_vector(values: torch.Tensor) -> torch.Tensor:
+    """Key ``8g + i`` -> score row ``8i + g``."""
+    return values.reshape(8, 8).permute(1, 0).reshape(64)
+
+
+def weights_operand(weights: torch.Tensor) -> torch.Tensor:
+    """movmatrix by where its values land, then ``_weights_operand``'s relabelling."""
+    moved = torch.empty_like(weights)
+    for i in range(8):
+        for g in range(8):
+            for t in range(4):
+                for e in range(2):
+                    moved[8 * i + g, 2 * t + e] = weights[8 * i + 2 * t + e, g]
+    return moved.reshape(8, 8, 4, 2).permute(0, 2, 3, 1).reshape(64, 8)
+
+
+def lane_sum(values: torch.Tensor) -> torch.Tensor:
+    return values.reshape(8, 8, 8).sum(0)
+
+
+def q_blocks(q: torch.Tensor) -> list[torch.Tensor]:
+    """``_q_block``: ``[32 k, 8 heads]`` per column block, unscaled."""
+    k = torch.arange(32)
+    byte = 8 * ((k // 2) % 4) + 4 * (k // 16) + 2 * (k % 2) + (k // 8) % 2
+    padded = torch.zeros(8, 128)
+    padded[:GROUP] = q
+    return [padded[:, 32 * j + byte].T for j in range(4)]
+
+
+def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) -> torch.Tensor:
+    """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``."""
+    rows_total = words_k.shape[0]
+    blocks = q_blocks(q)
+    sums = [b.sum(0) for b in blocks]
+    q_sum = sum(sums)
+    bias = OFFSET * (sums[0] + 0.25 * sums[1] + 0.0625 * sums[2] + sums[3])
+    scaled = [b / f for b, f in zip(blocks, FACTORS)]
+    m_i = torch.full((8,), float("-inf"))
+    l_part, w_part, wz_part = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
+    acc = [torch.zeros(32, 8) for _ in range(4)]
+    for block in range(0, rows_total, 64):
+        rows = block + torch.arange(64)
+        ok = rows < rows_total
+        safe = rows.clamp(max=rows_total - 1)
+        wk = torch.where(ok[:, None], words_k[safe], 0)
+        wv = torch.where(ok[:, None], words_v[safe], 0)
+        meta = [torch.where(ok, t[safe], 0.0) for t in (k_scale, k_zero, v_scale, v_zero)]
+        dots = -(key_vector(meta[1])[:, None] * q_sum[None, :] + bias[None, :])
+        dots = dots + sum(k_codes(wk, j) @ scaled[j] for j in range(4))
+        scores = dots * (key_vector(meta[0]) * SM_SCALE * 1.4426950408889634)[:, None]
+        scores = torch.where(key_vector(ok)[:, None], scores, float("-inf"))
+        m_new = torch.maximum(m_i, scores.amax(0))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = torch.exp2(m_i - m_safe)
+        p = torch.exp2(scores - m_safe[None, :])
+        m_i = m_new
+        w = (p * key_vector(meta[2])[:, None]).bfloat16().float()
+        l_part = l_part * alpha + lane_sum(p)
+        w_part = w_part * alpha + lane_sum(w)
+        wz_part = wz_part * alpha + lane_sum(w * key_vector(meta[3])[:, None])
+        w_op = weights_operand(w)
+        acc = [a * alpha[None, :] + v_codes(wv, j) @ w_op for j, a in enumerate(acc)]
+    l_i, w_sum, wz_sum = l_part.sum(0), w_part.sum(0), wz_part.sum(0)
+    out = torch.zeros(8, 128)
+    m = torch.arange(32)
+    for j, f in enumerate(FACTORS):
+        out[:, 32 * j + 4 * (m % 8) + m // 8] = (acc[j] / f - wz_sum[None, :] - OFFSET / f * w_sum[None, :]).T
+    return out[:GROUP] / l_i[:GROUP, None]
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    args, options = _decode_inputs(1, GROUP, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
+    q, _, _, kc, ks, kz, vc, vs, vz, *_ = args
+    want = decode_attention_reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=SM_SCALE,
+                                      **options)[0].float()  # fmt: skip
+    words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
+    meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
+    got = span(q[0].float(), words[0], words[1], *meta)
+    print(f"max abs difference {(got - want).abs().max().item():.2e} at outputs up to {want.abs().max().item():.2f}")
+
+
+if __name__ == "__main__":
+    main()

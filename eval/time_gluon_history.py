@@ -32,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--programs-per-sm", default="8,10,12,13")
+    parser.add_argument("--programs-per-sm", default="10,12,14,16")
     options = parser.parse_args()
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 

@@ -1,23 +1,24 @@
-"""PROTOTYPE (branch ``gluon-tile``, not wired in, not yet run on a GPU): the packed-history span of
-decode attention with explicit layouts (Gluon), for INT2 K and V, one (scale, zero) per row, bf16,
-head_dim 128, 4 query heads per KV head, 64-key tiles on one warp.
+"""PROTOTYPE (branch ``gluon-tile``, not yet run on a GPU): the packed-history span of decode
+attention with explicit layouts (Gluon), for INT2 K and V, one (scale, zero) per row, bf16, head_dim
+128, up to 8 query heads per KV head, 64-key tiles on one warp.
 
 Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
-costs 4 heads padded to 16 MMA rows in the value accumulator, codes that reach the MMA one byte at a
-time through shared memory, and ``p`` converted through shared memory. Here every layout is stated:
+costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
+memory, and ``p`` converted through shared memory. Here every layout is stated, and keys are the
+MMA's rows, so heads pad nothing (they are the MMA's 8 columns):
 
-* scores ``S [16 heads (4 real), 64 keys] = q · K^T``: K's codes are the B operand, heads pad the A
-  side as before, but ``P`` then *is* the value MMA's B operand (the accumulator fragment of S holds
-  exactly the keys and the head a thread needs), so no conversion;
-* values ``out^T [128 dims, 8 heads] = V^T · P^T``: dims are the MMA's rows, heads pad 4 -> 8 only,
-  a 32-register accumulator (the Triton tile: 64);
+* scores ``S^T [64 keys, 8 heads] = K · q^T``: K's codes are the A operand, q the B operand
+  (32 tensor-core instructions a tile, not 64 with half of them on padding);
+* values ``out^T [128 dims, 8 heads] = V^T · P^T``: dims are the MMA's rows; ``P^T``, the scores'
+  accumulator in bf16, becomes the B operand through one ``movmatrix`` (an 8x8 transpose within the
+  warp's registers) per 8 keys, not shared memory;
 * codes are loaded straight into registers as whole words (8 bytes of a K row, 4 of a V row a
-  thread) and the MMA's K index is *relabelled* to match what each thread holds: a reshape/permute
-  of register dimensions that ``convert_layout(..., assert_trivial=True)`` proves free. q is gathered
-  once into the same order and the output is scattered back by pointer arithmetic; the cache's
-  byte layout does not change.
-* keys are relabelled too (``N = 8n + 2t + e`` for key ``16t + 2n + e``) so that the per-key scale
-  and zero a thread needs are 16 contiguous keys (two 16-byte loads a vector).
+  thread) and the MMAs' K index, the keys and the dims are *relabelled* to match what each thread
+  holds: reshapes/permutes of register dimensions that ``convert_layout(..., assert_trivial=True)``
+  proves free. q is gathered once into the same order and the output is scattered back by pointer
+  arithmetic; the cache's byte layout does not change;
+* per-head sums over keys (l, and the two value corrections) stay per lane inside the loop and are
+  reduced across lanes once at the end; only the running max crosses lanes each tile.
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers and the instructions of its loop (``eval/sass_count.py``'s compile without a GPU).
@@ -31,35 +32,34 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 D = gl.constexpr(128)
-PREFETCH = False  # load tile i+1 during tile i: 253 registers (8 programs an SM) instead of 167 (12)
-PROGRAMS_PER_SM = 8 if PREFETCH else 12
+PREFETCH = False  # load tile i+1 during tile i (more registers, fewer programs an SM)
+PROGRAMS_PER_SM = 10 if PREFETCH else 16  # 204 and 128 registers a thread (sm_90 compile on the CPU)
 
+# m16n8k16: lane 4g+t holds accumulator rows g (+8, +16, ...) and columns 2t, 2t+1.
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-# The scores' first 8 rows (heads 0-7; the MMA's rows 8-15 are dropped after it): lane 4g+t holds
-# row g and columns 2t + 8n + e.
-SCORES: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[], block_bases=[], shape=[8, 64],
-)  # fmt: skip
-HEAD_ROWS: gl.constexpr = gl.SliceLayout(1, SCORES)  # a [8] vector per score row (query head)
-KEY_COLS: gl.constexpr = gl.SliceLayout(0, SCORES)  # a [64] vector per score column (key, relabelled)
+KEY_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)  # a per-key vector of the scores (score row m = g + 8i)
+HEAD_COLS: gl.constexpr = gl.SliceLayout(0, MMA)  # a per-head vector (scores' and outputs' columns)
 # Codes travel as 32-bit words (4 bytes of a row; bytes would be carried one register each).
-# K words [64 keys, 8 words]: lane 4g+t holds keys 16(g>>1) + 2n + (g&1) (n = 0..7), words 2t, 2t+1.
+# K words [64 keys, 8 words]: lane 4g+t holds keys 8g..8g+7 (score rows g + 8i), words 2t, 2t+1.
 WORDS_K: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [2, 0], [4, 0], [8, 0]],
-    lane_bases=[[0, 2], [0, 4], [1, 0], [16, 0], [32, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
+    reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0]],
+    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
 )  # fmt: skip
-# V words [64 keys, 8 words]: lane 4g+t holds keys 16t..16t+15 and word g.
+# V words [64 keys, 8 words]: lane 4g+t holds keys 16t..16t+15 and word g; consecutive registers
+# hold keys c and c + 8, the two keys a register of the value MMA's A operand pairs.
 WORDS_V: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]],
+    reg_bases=[[8, 0], [1, 0], [2, 0], [4, 0]],
     lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[], shape=[64, 8],
 )  # fmt: skip
-# Per-key metadata [64]: lane 4g+t holds keys 16t..16t+15 (all g alike).
+# Per-key metadata [64]: lane 4g+t holds keys 8g..8g+7 (all t alike): one 16-byte load a vector.
 META: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[1], [2], [4], [8]], lane_bases=[[16], [32], [0], [0], [0]], warp_bases=[], block_bases=[], shape=[64],
+    reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
 )  # fmt: skip
+# movmatrix.trans on each 8x8 bf16 block of a [64, 8] accumulator-shaped tensor (pack=2: a register
+# holds row g, columns 2t, 2t+1 of a block; afterwards, of the block's transpose).
+TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
 
 @gluon.jit
@@ -70,85 +70,110 @@ def _bytes_of(b0, b1, b2, b3):
 
 
 @gluon.jit
-def _k_operand(codes):
-    """K codes ``[keys, bytes]`` as the scores' B operand ``[dims k, keys N]``, for free.
+def _word_bytes(even, odd):
+    """Codes ``[keys, words, e]`` of bytes ``2e`` (``even``) and ``2e + 1`` (``odd``) as ``[keys, bytes]``."""
+    return gl.reshape(gl.join(even, odd), [64, 32])
 
-    Byte ``8t + 2*i2 + i0`` becomes dim ``k = 8*i2 + 2t + i0``; key ``16t' + 2n + e`` becomes ``N = 8n + 2t' + e``.
+
+@gluon.jit
+def _k_operand(codes):
+    """K codes ``[keys, bytes]`` as the scores' A operand ``[rows m, dims k]``, for free.
+
+    Key ``8g + i`` becomes row ``m = 8i + g``; byte ``8t + 4w + 2e + h`` (thread t's word w; a
+    register holds e = 0, 1) becomes dim ``k = 16w + 8h + 2t + e`` (see :func:`_q_block`).
     """
-    codes = gl.reshape(codes, [4, 8, 2, 4, 4, 2])
-    codes = gl.permute(codes, (1, 0, 2, 4, 3, 5))
-    codes = gl.reshape(codes, [64, 32])
-    return gl.convert_layout(gl.permute(codes, (1, 0)), B_OP, assert_trivial=True)
+    codes = gl.reshape(codes, [8, 8, 4, 2, 2, 2])
+    codes = gl.permute(codes, (1, 0, 3, 5, 2, 4))
+    return gl.convert_layout(gl.reshape(codes, [64, 32]), A_OP, assert_trivial=True)
 
 
 @gluon.jit
 def _v_operand(codes):
     """V codes ``[keys, bytes]`` as the value MMA's A operand ``[dims m, keys K]``, for free.
 
-    Byte ``4g + i`` becomes row ``m = 8i + g``; key ``16t + 2s + e`` becomes ``K = 8s + 2t + e``.
+    Byte ``4g + b`` becomes row ``m = 8b + g``; key ``16t + 8e + c`` becomes ``K = 8c + 2t + e``, which is
+    score row ``m = 8i + g`` of key ``8g + i`` (see :func:`_weights_operand`).
     """
-    codes = gl.reshape(codes, [4, 8, 2, 8, 4])
-    codes = gl.permute(codes, (4, 3, 1, 0, 2))
-    codes = gl.reshape(codes, [32, 64])
-    return gl.convert_layout(codes, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _first_rows(dots):
-    """Rows 0-7 of the scores' MMA accumulator ``[16, 64]`` (SCORES), for free."""
-    first_eight, _ = gl.split(gl.permute(gl.reshape(dots, [2, 8, 64]), (1, 2, 0)))
-    return gl.convert_layout(first_eight, SCORES, assert_trivial=True)
+    codes = gl.reshape(codes, [4, 2, 8, 8, 4])
+    codes = gl.permute(codes, (4, 3, 2, 0, 1))
+    return gl.convert_layout(gl.reshape(codes, [32, 64]), A_OP, assert_trivial=True)
 
 
 @gluon.jit
 def _weights_operand(weights):
-    """Score-shaped weights ``[8 heads, 64 N]`` (SCORES) as the value MMA's B operand ``[64 K, 8 heads]``."""
-    return gl.convert_layout(gl.permute(weights, (1, 0)), B_OP, assert_trivial=True)
+    """Scores-shaped bf16 weights ``[64 rows m, 8 heads]`` as the value MMA's B operand ``[64 K = m, 8 heads]``.
+
+    After the transposes, the register that held ``W[8i + g, 2t + e]`` holds ``W[8i + 2t + e, g]``: the
+    tensor read with its logical indices is ``W^T`` blockwise, and a relabelling makes it ``W``."""
+    moved = gl.inline_asm_elementwise(TRANSPOSE_8X8, "=r,r", [weights], dtype=gl.bfloat16, is_pure=True, pack=2)
+    moved = gl.permute(gl.reshape(moved, [8, 8, 4, 2]), (0, 2, 3, 1))  # [i, g, t, e] -> [i, t, e, g]
+    return gl.convert_layout(gl.reshape(moved, [64, 8]), B_OP, assert_trivial=True)
 
 
 @gluon.jit
 def _key_vector(values):
-    """A per-key vector (META, natural key order) in the scores' column order N."""
-    values = gl.permute(gl.reshape(values, [4, 8, 2]), (1, 0, 2))
-    return gl.convert_layout(gl.reshape(values, [64]), KEY_COLS, assert_trivial=True)
+    """A per-key vector (META, key ``8g + i``) in score-row order (KEY_ROWS, row ``8i + g``), for free."""
+    values = gl.reshape(gl.permute(gl.reshape(values, [8, 8]), (1, 0)), [64])
+    return gl.convert_layout(values, KEY_ROWS, assert_trivial=True)
+
+
+@gluon.jit
+def _lane_sum(values):
+    """``[64 rows, 8 heads]`` summed over the rows a lane holds (no shuffles): ``[8 lanes g, 8 heads]``."""
+    return gl.sum(gl.reshape(values, [8, 8, 8]), axis=0)
+
+
+@gluon.jit
+def _head_total(partial):
+    """A lane-partial ``[8 g, 8 heads]`` summed over lanes, as a HEAD_COLS vector."""
+    return gl.convert_layout(gl.sum(partial, axis=0), HEAD_COLS, assert_trivial=True)
+
+
+@gluon.jit
+def _per_lane(per_head, like):
+    """A HEAD_COLS vector broadcast to ``like``'s ``[8 g, 8 heads]`` layout, for free."""
+    return gl.convert_layout(per_head, gl.SliceLayout(0, like.type.layout), assert_trivial=True)[None, :]
 
 
 def word_unpack_asm(pair: bool) -> str:
     """PTX: 2-bit codes of 32-bit words as bf16 ``128 + f_j * code`` (``f_j = 4**j`` for blocks j < 3,
-    1 for j = 3: the factors of ``decode_attention._unpack_asm``), output ``4j + b`` holding block j
-    of byte b.
+    1 for j = 3: the factors of ``decode_attention._unpack_asm``), two codes a 32-bit output.
 
-    One word (K, ``pair=False``): each output is one 16-bit value. Two words of two keys (V,
-    ``pair=True``): each output is a 32-bit register with the two keys' codes of that byte, the pair
-    the value MMA's A operand wants.
+    One word (K, ``pair=False``; its two inputs are the same word): output ``2j + h`` holds block j
+    of bytes ``h`` (low half) and ``h + 2`` (high half). The masks read the low byte of each 16-bit
+    half, so bytes 0 and 2 need no shift and bytes 1 and 3 one (no byte permutes).
+    Two words of two keys (V, ``pair=True``): output ``4j + b`` holds block j of byte b of both keys,
+    the pair the value MMA's A operand wants.
     """
-    lines = [".reg .b32 t, u, x;"]
-    # t: per 16-bit half, the byte(s) whose codes this step unpacks in its low byte
-    steps = [(b, f"prmt.b32 t, $16, $17, {b | b << 4 | (4 + b) << 8 | (4 + b) << 12:#x};") for b in range(4)] if pair else [
-        (b, f"prmt.b32 t, $16, 0, {b | b << 4 | (b + 1) << 8 | (b + 1) << 12:#x};") for b in (0, 2)]  # fmt: skip
-    for b, gather in steps:
+    lines = [".reg .b32 t, u;"]
+    if pair:  # t: per 16-bit half, byte b of one key in its low byte
+        steps = [(4, b, f"prmt.b32 t, $16, $17, {b | b << 4 | (4 + b) << 8 | (4 + b) << 12:#x};") for b in range(4)]
+    else:
+        steps = [(2, 0, "mov.b32 t, $8;"), (2, 1, "shr.b32 t, $8, 8;")]
+    for per_block, b, gather in steps:
         lines.append(gather)
         for j in range(4):
             source, mask = ("t", 0x00030003 << (2 * j)) if j < 3 else ("u", 0x00030003)
             if j == 3:
                 lines.append("shr.b32 u, t, 6;")
-            if pair:  # key a's code in the low half, key b's in the high half
-                lines.append(f"lop3.b32 ${4 * j + b}, {source}, {mask:#x}, 0x43004300, 0xEA;")
-            else:  # bytes b and b+1, one 16-bit output each
-                lines.append(f"lop3.b32 x, {source}, {mask:#x}, 0x43004300, 0xEA;")
-                lines.append(f"mov.b32 {{${4 * j + b}, ${4 * j + b + 1}}}, x;")
+            lines.append(f"lop3.b32 ${per_block * j + b}, {source}, {mask:#x}, 0x43004300, 0xEA;")
     return "{ " + " ".join(lines) + " }"
 
 
 @gluon.jit
-def _unpack_words(words, UNPACK: gl.constexpr, PAIR: gl.constexpr):
-    """Per column block j the ``[keys, bytes]`` codes of ``[keys, words]`` (see :func:`word_unpack_asm`)."""
-    if PAIR:
-        o = gl.inline_asm_elementwise(UNPACK, "=r," * 16 + "r,r", [words], dtype=(gl.bfloat16,) * 16,
-                                      is_pure=True, pack=2)  # fmt: skip
-    else:
-        o = gl.inline_asm_elementwise(UNPACK, "=h," * 16 + "r", [words], dtype=(gl.bfloat16,) * 16,
-                                      is_pure=True, pack=1)  # fmt: skip
+def _unpack_k(words, UNPACK: gl.constexpr):
+    """Per column block j the ``[keys, bytes]`` codes of K's ``[keys, words]`` (``word_unpack_asm(False)``)."""
+    # the word twice along a new last dim: each 32-bit output then holds that dim's two elements
+    o = gl.inline_asm_elementwise(UNPACK, "=r," * 8 + "r,r", [gl.join(words, words)], dtype=(gl.bfloat16,) * 8,
+                                  is_pure=True, pack=2)  # fmt: skip
+    return (_word_bytes(o[0], o[1]), _word_bytes(o[2], o[3]), _word_bytes(o[4], o[5]), _word_bytes(o[6], o[7]))
+
+
+@gluon.jit
+def _unpack_v(words, UNPACK: gl.constexpr):
+    """Per column block j the ``[keys, bytes]`` codes of V's ``[keys, words]`` (``word_unpack_asm(True)``)."""
+    o = gl.inline_asm_elementwise(UNPACK, "=r," * 16 + "r,r", [words], dtype=(gl.bfloat16,) * 16, is_pure=True,
+                                  pack=2)  # fmt: skip
     return (_bytes_of(o[0], o[1], o[2], o[3]), _bytes_of(o[4], o[5], o[6], o[7]),
             _bytes_of(o[8], o[9], o[10], o[11]), _bytes_of(o[12], o[13], o[14], o[15]))  # fmt: skip
 
@@ -156,39 +181,38 @@ def _unpack_words(words, UNPACK: gl.constexpr, PAIR: gl.constexpr):
 @gluon.jit
 def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end):
     """One tile's K and V code words and its four metadata vectors (rows from ``end`` on read as 0).
-    Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and 16 bytes wide."""
-    k_rows = block + gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
+    Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and 16 bytes wide.
+    Offsets are taken from the tile's first row, so that each load's address is a base plus a constant."""
+    n = end - block
+    k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
     k_words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))
-    raw_k = gl.load(KC + k_rows[:, None] * 8 + k_words[None, :], mask=(k_rows < end)[:, None], other=0)
-    v_rows = block + gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
+    raw_k = gl.load(KC + block * 8 + (k_rows[:, None] * 8 + k_words[None, :]), mask=(k_rows < n)[:, None], other=0)
+    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
     v_words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))
-    raw_v = gl.load(VC + v_rows[:, None] * 8 + v_words[None, :], mask=(v_rows < end)[:, None], other=0)
-    rows = block + gl.arange(0, 64, layout=META)
-    ok = rows < end
-    k_scale = gl.load(KS + rows, mask=ok, other=0.0)
-    k_zero = gl.load(KZ + rows, mask=ok, other=0.0)
-    v_scale = gl.load(VS + rows, mask=ok, other=0.0)
-    v_zero = gl.load(VZ + rows, mask=ok, other=0.0)
+    raw_v = gl.load(VC + block * 8 + (v_rows[:, None] * 8 + v_words[None, :]), mask=(v_rows < n)[:, None], other=0)
+    rows = gl.arange(0, 64, layout=META)
+    ok = rows < n
+    k_scale = gl.load(KS + block + rows, mask=ok, other=0.0)
+    k_zero = gl.load(KZ + block + rows, mask=ok, other=0.0)
+    v_scale = gl.load(VS + block + rows, mask=ok, other=0.0)
+    v_zero = gl.load(VZ + block + rows, mask=ok, other=0.0)
     return raw_k, raw_v, k_scale, k_zero, v_scale, v_zero
 
 
 @gluon.jit
 def _q_block(Q, J: gl.constexpr, GROUP: gl.constexpr):
-    """q's dims ``32J + byte(k)`` as the scores' A operand ``[16 heads, 32 k]`` (heads >= GROUP are 0)."""
-    heads = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
-    k = gl.arange(0, 32, layout=gl.SliceLayout(0, A_OP))
-    byte = 8 * ((k // 2) % 4) + 2 * (k // 8) + k % 2
-    return gl.load(Q + heads[:, None] * D + (32 * J + byte)[None, :], mask=(heads < GROUP)[:, None], other=0.0)
+    """q's dims ``32J + byte(k)`` as the scores' B operand ``[32 k, 8 heads]`` (heads >= GROUP are 0);
+    ``byte(k)`` inverts :func:`_k_operand`'s relabelling."""
+    k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP))
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+    byte = 8 * ((k // 2) % 4) + 4 * (k // 16) + 2 * (k % 2) + (k // 8) % 2
+    return gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0)
 
 
 @gluon.jit
-def _head_vector(Q, GROUP: gl.constexpr):
-    """Per head (HEAD_ROWS, 0 from ``GROUP`` on): the float32 sum of q's 32 dims from ``Q`` on."""
-    heads = gl.arange(0, 8, layout=HEAD_ROWS)
-    total = gl.full([8], 0.0, gl.float32, HEAD_ROWS)
-    for d in range(32):
-        total += gl.load(Q + heads * D + d, mask=heads < GROUP, other=0.0).to(gl.float32)
-    return total
+def _head_sum(q_block):
+    """Per head, the float32 sum of a q block's 32 dims (HEAD_COLS)."""
+    return gl.convert_layout(gl.sum(q_block.to(gl.float32), axis=0), HEAD_COLS)
 
 
 @gluon.jit
@@ -231,19 +255,17 @@ def _history_span(
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). Codes enter the MMAs as ``OFFSET + 4**j * c`` for
     blocks j = 0..2 and ``OFFSET + c`` for j = 3; q is divided by the same factors."""
-    q0 = (_q_block(Q, 0, GROUP).to(gl.float32)).to(gl.bfloat16)
-    q1 = (_q_block(Q, 1, GROUP).to(gl.float32) * 0.25).to(gl.bfloat16)
-    q2 = (_q_block(Q, 2, GROUP).to(gl.float32) * 0.0625).to(gl.bfloat16)
-    q3 = _q_block(Q, 3, GROUP)
-    # Per head: sum(q) and what the codes' offset adds to the dots (rows of the scores).
-    s0, s1 = _head_vector(Q, GROUP), _head_vector(Q + 32, GROUP)
-    s2, s3 = _head_vector(Q + 64, GROUP), _head_vector(Q + 96, GROUP)
+    q0, q1, q2, q3 = _q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP)
+    # Per head: sum(q) and what the codes' offset adds to the dots.
+    s0, s1, s2, s3 = _head_sum(q0), _head_sum(q1), _head_sum(q2), _head_sum(q3)
     q_sum = s0 + s1 + s2 + s3
     bias = OFFSET * (s0 + 0.25 * s1 + 0.0625 * s2 + s3)
-    m_i = gl.full([8], float("-inf"), gl.float32, HEAD_ROWS)
-    l_i = gl.full([8], 0.0, gl.float32, HEAD_ROWS)
-    w_sum = gl.full([8], 0.0, gl.float32, HEAD_ROWS)  # per head: sum(w), sum(w * zero)
-    wz_sum = w_sum
+    q1 = (q1.to(gl.float32) * 0.25).to(gl.bfloat16)  # powers of two: exact
+    q2 = (q2.to(gl.float32) * 0.0625).to(gl.bfloat16)
+    m_i = gl.full([8], float("-inf"), gl.float32, HEAD_COLS)
+    # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
+    l_part = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
+    w_part, wz_part = l_part, l_part
     acc0 = gl.full([32, 8], 0.0, gl.float32, MMA)
     acc1, acc2, acc3 = acc0, acc0, acc0
     tile = _load_tile(KC, VC, KS, KZ, VS, VZ, start, end)
@@ -253,36 +275,35 @@ def _history_span(
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block + 64, end)
         else:
             raw_k, raw_v, k_scale, k_zero, v_scale, v_zero = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end)
-        c0, c1, c2, c3 = _unpack_words(raw_k, UNPACK, False)
-        dots = gl.full([16, 64], 0.0, gl.float32, MMA)
-        dots = mma_v2(q0, _k_operand(c0), dots)
-        dots = mma_v2(q1, _k_operand(c1), dots)
-        dots = mma_v2(q2, _k_operand(c2), dots)
-        dots = mma_v2(q3, _k_operand(c3), dots)
-        scale = _key_vector(k_scale.to(gl.float32)) * score_scale
-        zero = _key_vector(k_zero.to(gl.float32))
-        scores = scale[None, :] * (_first_rows(dots) - bias[:, None] - zero[None, :] * q_sum[:, None])
+        # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
+        dots = -(_key_vector(k_zero.to(gl.float32))[:, None] * q_sum[None, :] + bias[None, :])
+        c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
+        dots = mma_v2(_k_operand(c0), q0, dots)
+        dots = mma_v2(_k_operand(c1), q1, dots)
+        dots = mma_v2(_k_operand(c2), q2, dots)
+        dots = mma_v2(_k_operand(c3), q3, dots)
+        scores = dots * (_key_vector(k_scale.to(gl.float32)) * score_scale)[:, None]
         keys = block + gl.arange(0, 64, layout=META)
-        scores = gl.where(_key_vector(keys < end)[None, :], scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p = gl.exp2(scores - m_safe[None, :])
         m_i = m_new
-        weights = (p * _key_vector(v_scale.to(gl.float32))[None, :]).to(gl.bfloat16)
+        weights = (p * _key_vector(v_scale.to(gl.float32))[:, None]).to(gl.bfloat16)
         w = weights.to(gl.float32)
-        w_sum = w_sum * alpha + gl.sum(w, axis=1)
-        wz_sum = wz_sum * alpha + gl.sum(w * _key_vector(v_zero.to(gl.float32))[None, :], axis=1)
+        alpha_lanes = _per_lane(alpha, l_part)
+        l_part = l_part * alpha_lanes + _lane_sum(p)
+        w_part = w_part * alpha_lanes + _lane_sum(w)
+        wz_part = wz_part * alpha_lanes + _lane_sum(w * _key_vector(v_zero.to(gl.float32))[:, None])
         w_op = _weights_operand(weights)
-        # The accumulators' columns are heads: alpha moves from the score rows to them (8 values).
-        alpha_cols = _head_columns(alpha)
-        v0, v1, v2, v3 = _unpack_words(raw_v, V_UNPACK, True)
-        acc0 = mma_v2(_v_operand(v0), w_op, acc0 * alpha_cols[None, :])
-        acc1 = mma_v2(_v_operand(v1), w_op, acc1 * alpha_cols[None, :])
-        acc2 = mma_v2(_v_operand(v2), w_op, acc2 * alpha_cols[None, :])
-        acc3 = mma_v2(_v_operand(v3), w_op, acc3 * alpha_cols[None, :])
-    _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, acc1, acc2, acc3, GROUP, OFFSET)
+        v0, v1, v2, v3 = _unpack_v(raw_v, V_UNPACK)
+        acc0 = mma_v2(_v_operand(v0), w_op, acc0 * alpha[None, :])
+        acc1 = mma_v2(_v_operand(v1), w_op, acc1 * alpha[None, :])
+        acc2 = mma_v2(_v_operand(v2), w_op, acc2 * alpha[None, :])
+        acc3 = mma_v2(_v_operand(v3), w_op, acc3 * alpha[None, :])
+    _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
+                    acc0, acc1, acc2, acc3, GROUP, OFFSET)  # fmt: skip
 
 
 @gluon.jit
@@ -290,24 +311,17 @@ def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, ac
                     GROUP: gl.constexpr, OFFSET: gl.constexpr):  # fmt: skip
     """m, l and ``acc[h, dim] = acc_j[m, h] / f_j - sum(w * zero) - OFFSET / f_j * sum(w)`` (``f_j`` the
     block's code factor; dim ``32j + 4*(m % 8) + m // 8``)."""
-    heads = gl.arange(0, 8, layout=HEAD_ROWS)
+    heads = gl.arange(0, 8, layout=HEAD_COLS)
     gl.store(PM + heads * head_stride, m_i, mask=heads < GROUP)
     gl.store(PL + heads * head_stride, l_i, mask=heads < GROUP)
-    w_sum, wz_sum = _head_columns(w_sum)[None, :], _head_columns(wz_sum)[None, :]
+    w_sum, wz_sum = w_sum[None, :], wz_sum[None, :]
     rows = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    out = PACC + cols[None, :] * (head_stride * D) + (4 * (rows % 8) + rows // 8)[:, None]
-    ok = (cols < GROUP)[None, :]
+    out = PACC + heads[None, :] * (head_stride * D) + (4 * (rows % 8) + rows // 8)[:, None]
+    ok = (heads < GROUP)[None, :]
     gl.store(out, acc0 - wz_sum - OFFSET * w_sum, mask=ok)
     gl.store(out + 32, acc1 * 0.25 - wz_sum - (OFFSET * 0.25) * w_sum, mask=ok)
     gl.store(out + 64, acc2 * 0.0625 - wz_sum - (OFFSET * 0.0625) * w_sum, mask=ok)
     gl.store(out + 96, acc3 - wz_sum - OFFSET * w_sum, mask=ok)
-
-
-@gluon.jit
-def _head_columns(per_row):
-    """A per-head vector of the score rows (HEAD_ROWS) as the value accumulators' columns."""
-    return gl.convert_layout(per_row, gl.SliceLayout(0, MMA))
 
 
 def history_into(
