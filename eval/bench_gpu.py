@@ -70,9 +70,10 @@ BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name 
 # "<method>+absorbed": that OscarCache method on the model with R_V folded into v_proj/o_proj.
 ABSORBED_SUFFIX = "+absorbed"
 # "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder);
-# "<cache>+graph+compile": with the decoder layers compiled inside the captured step.
+# "<cache>+graph+compile": with the decoder layers compiled inside the captured step;
+# "<cache>+graph+autotune": compiled with mode "max-autotune-no-cudagraphs" (Inductor times its GEMMs).
 GRAPH_SUFFIX = "+graph"
-COMPILE_SUFFIX = "+compile"
+COMPILE_SUFFIXES = {"+compile": True, "+autotune": "max-autotune-no-cudagraphs"}
 
 # Qwen3 shapes from the models' config.json, with room for 128K positions (weights are random).
 MODEL_PRESETS: dict[str, dict] = {
@@ -772,13 +773,17 @@ def bench_e2e(config: dict) -> list[dict]:
 # ------------------------------------------------------------------------------ (d) CUDA graphs
 
 
-def graph_variant(cache_name: str) -> tuple[str, bool, bool]:
-    """``"<cache>[+graph[+compile]]"`` -> (cache name for :func:`model_for`, captured, compiled)."""
+def graph_variant(cache_name: str) -> tuple[str, bool, bool | str]:
+    """``"<cache>[+graph[+compile|+autotune]]"`` -> (cache name for :func:`model_for`, captured, the
+    ``compile`` argument of :class:`oscar_hf.StaticDecoder`)."""
     base, graph, rest = cache_name.partition(GRAPH_SUFFIX)
-    return base, bool(graph), rest == COMPILE_SUFFIX
+    if rest and rest not in COMPILE_SUFFIXES:
+        raise ValueError(f"cache {cache_name!r}: after {GRAPH_SUFFIX!r} comes nothing or one of "
+                         f"{list(COMPILE_SUFFIXES)}")
+    return base, bool(graph), COMPILE_SUFFIXES.get(rest, False)
 
 
-def static_decoder(model: PreTrainedModel, cache, capacity: int, compiled: bool) -> StaticDecoder:
+def static_decoder(model: PreTrainedModel, cache, capacity: int, compiled: bool | str) -> StaticDecoder:
     """Captured on CUDA; elsewhere (the CPU smoke test) the same static steps run eagerly."""
     return StaticDecoder(model, cache, capacity, capture=input_device(model).type == "cuda", compile=compiled)
 
@@ -808,7 +813,7 @@ def graph_decode_steps(model: PreTrainedModel, decoder: StaticDecoder, batch: in
     return {"step_ms_all": times, "captured": captured}
 
 
-def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bool, context: int, batch: int,
+def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bool | str, context: int, batch: int,
                run: dict, rotations: RotationSet | None) -> dict:  # fmt: skip
     """One cache's median decode step over a synthetic ``context`` (and generate tokens/s where cheap)."""
     capacity = context + run["warmup_steps"] + run["steps"] + run["new_tokens"] + 16
@@ -871,7 +876,7 @@ def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: 
             **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s"))}  # fmt: skip
 
 
-def profile_graph_step(model: PreTrainedModel, method: str, compiled: bool, context: int, batch: int, run: dict,
+def profile_graph_step(model: PreTrainedModel, method: str, compiled: bool | str, context: int, batch: int, run: dict,
                        rotations) -> list[dict]:  # fmt: skip
     """Where a captured OscarCache step spends its GPU time: kernels by total time over replays."""
     from torch.profiler import ProfilerActivity, profile

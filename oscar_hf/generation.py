@@ -50,6 +50,11 @@ class StaticDecoder:
             compiled graph serves every layer; the cache update and attention stay eager). It fuses
             the many small kernels of norms, RoPE and activations that a replay still runs one by
             one; compiling takes about a minute for an 8B model, once per process and batch size.
+            True uses ``torch.compile``'s default mode; a string picks one of :data:`COMPILE_MODES`
+            (``"max-autotune-no-cudagraphs"`` also lets Inductor time Triton GEMMs against cuBLAS's).
+
+    Raises:
+        ValueError: ``capture`` without CUDA, or a compile mode that is not one of :data:`COMPILE_MODES`.
     """
 
     def __init__(
@@ -58,13 +63,14 @@ class StaticDecoder:
         cache: OscarCache,
         capacity: int | None = None,
         capture: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA-graph capture needs a CUDA model, this one is on {model.device}")
+        mode = _compile_mode(compile)
         self.model, self.cache, self.capacity, self.capture = model, cache, capacity, capture
         self.layers = list(model.get_decoder().layers)
-        self.compiled_layers = [torch.compile(layer.forward) for layer in self.layers] if compile else []
+        self.compiled_layers = [torch.compile(layer.forward, mode=mode) for layer in self.layers] if compile else []
         self.eager_forward = model.forward
         self.keyword = cache_keyword(model)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -182,6 +188,21 @@ class StaticDecoder:
                 del layer.forward
 
 
+# torch.compile modes for the layers inside the captured step: the others capture CUDA graphs of
+# their own (cudagraph trees), which cannot nest in the step's capture.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def _compile_mode(compile: bool | str) -> str | None:
+    """``torch.compile``'s mode for ``StaticDecoder(compile=...)`` (None: its default)."""
+    if isinstance(compile, bool):
+        return None
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile={compile!r}: use True, False or one of {COMPILE_MODES} (modes that capture "
+                         "CUDA graphs themselves cannot run inside the step's graph)")  # fmt: skip
+    return compile
+
+
 def _restore_forward(module: torch.nn.Module, own_forward) -> None:
     """Undo an instance-level ``forward`` override: back to the module's own one, or to its class's."""
     if own_forward is None:
@@ -195,7 +216,7 @@ def generate(
     inputs: torch.Tensor | None = None,
     *,
     capture: bool | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     **kwargs,
 ):
     """``model.generate`` with its decode steps replayed from a CUDA graph: same arguments, same outputs.
@@ -209,7 +230,8 @@ def generate(
         inputs, **kwargs: as ``model.generate``.
         capture: None (default) captures on CUDA and falls back to plain ``model.generate`` elsewhere
             (CPU has no CUDA graphs); False runs the static steps without a graph (for tests).
-        compile: also compile the decoder layers inside the captured step (see :class:`StaticDecoder`).
+        compile: also compile the decoder layers inside the captured step: True, or a mode of
+            :data:`COMPILE_MODES` (see :class:`StaticDecoder`).
 
     Beam search, assisted decoding and caches that cannot be frozen run eagerly (logged).
 

@@ -214,6 +214,11 @@ def test_helpers():
     assert command[5].endswith("eval/tp_decode.py") and Path(command[5]).exists()
     _, spec = bench.model_spec({"preset": "qwen3-8b", "num_hidden_layers": 2})
     assert spec["hidden_size"] == 4096 and spec["num_hidden_layers"] == 2
+    assert bench.graph_variant("oscar-int2") == ("oscar-int2", False, False)
+    assert bench.graph_variant("oscar-int2+absorbed+graph+compile") == ("oscar-int2+absorbed", True, True)
+    assert bench.graph_variant("oscar-int2+graph+autotune") == ("oscar-int2", True, "max-autotune-no-cudagraphs")
+    with pytest.raises(ValueError, match="after '\\+graph'"):
+        bench.graph_variant("oscar-int2+graph+compiled")
 
 
 def test_guarded_records_errors_and_out_of_memory():

@@ -178,6 +178,14 @@ def test_generate_is_plain_generate_on_cpu_and_validates(tiny, static_steps):
             fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), capture=True, max_new_tokens=8)
 
 
+def test_compile_modes_that_capture_graphs_of_their_own_are_refused(tiny):
+    cache = OscarCache(tiny, "quarot-int2", **SMALL)
+    with pytest.raises(ValueError, match="cannot run inside the step's graph"):
+        oscar_hf.StaticDecoder(tiny, cache, capture=False, compile="reduce-overhead")
+    decoder = oscar_hf.StaticDecoder(tiny, cache, capture=False, compile="max-autotune-no-cudagraphs")
+    assert len(decoder.compiled_layers) == len(tiny.model.layers)
+
+
 def test_beam_search_decodes_eagerly(tiny, static_steps):
     ids = prompts([30])[0][None]
     options = dict(num_beams=2, max_new_tokens=6)
