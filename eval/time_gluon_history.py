@@ -7,8 +7,8 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
 
 * ``triton``: ``decode_attention_triton`` over the packed history only (dense tiers empty), stage 1 and
   the merge, at the launcher's defaults;
-* ``gluon``: ``history_partials`` (its stage 1 only; the merge is the same kernel) for each
-  ``prefetch`` and each number of splits (programs an SM x SMs / (batch x KV heads)).
+* ``gluon``: ``history_partials`` (its stage 1 only; the merge is the same kernel) for each number
+  of splits (programs an SM x SMs / (batch x KV heads)).
 
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
@@ -53,24 +53,23 @@ def main() -> None:
 
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
-        for prefetch in (False, True):
-            for per_sm in (int(p) for p in options.programs_per_sm.split(",")):
-                splits = tune.splits_for(per_sm, batch)
+        for per_sm in (int(p) for p in options.programs_per_sm.split(",")):
+            splits = tune.splits_for(per_sm, batch)
 
-                def gluon_run():
-                    return history_partials(q, *packed, sm_scale=scale, splits=splits, prefetch=prefetch)
+            def gluon_run():
+                return history_partials(q, *packed, sm_scale=scale, splits=splits)
 
-                error = (merge_partials(*gluon_run()) - want).abs().max().item()
-                rows.append({"batch": batch, "kernel": "gluon", "prefetch": prefetch, "programs_per_sm": per_sm,
-                             "splits": splits, "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
-                print(rows[-1], flush=True)
+            error = (merge_partials(*gluon_run()) - want).abs().max().item()
+            rows.append({"batch": batch, "kernel": "gluon", "programs_per_sm": per_sm, "splits": splits,
+                         "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
+            print(rows[-1], flush=True)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
-             f"`{info['command']}`", "", "| batch | kernel | prefetch | programs an SM | splits | us | max abs error |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"`{info['command']}`", "", "| batch | kernel | programs an SM | splits | us | max abs error |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('prefetch', '')} | {r.get('programs_per_sm', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | "
                      f"{r.get('splits', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -32,8 +32,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 D = gl.constexpr(128)
-PREFETCH = False  # load tile i+1 during tile i (more registers, fewer programs an SM)
-PROGRAMS_PER_SM = 10 if PREFETCH else 16  # 204 and 128 registers a thread (sm_90 compile on the CPU)
+# Registers a thread, capped: uncapped, ptxas takes 138 (158 reading the length on the device), which
+# fits 14 (12) one-warp programs an SM, not 16; capped, the loop gains 6-14 instructions and no spills.
+REGISTERS = 128
+PROGRAMS_PER_SM = 65536 // (32 * REGISTERS)
 
 # m16n8k16: lane 4g+t holds accumulator rows g (+8, +16, ...) and columns 2t, 2t+1.
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -179,24 +181,29 @@ def _unpack_v(words, UNPACK: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end):
-    """One tile's K and V code words and its four metadata vectors (rows from ``end`` on read as 0).
-    Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and 16 bytes wide.
-    Offsets are taken from the tile's first row, so that each load's address is a base plus a constant."""
-    n = end - block
+def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, MASKED: gl.constexpr):
+    """One tile's K and V code words and its four metadata vectors; ``MASKED``: rows from ``end`` on
+    read as 0. Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and
+    16 bytes wide, which a mask allows only where it is known constant over 8 rows (not for a length
+    read on the device). Offsets are taken from the tile's first row, so each address is a base plus
+    a constant."""
     k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
-    k_words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))
-    raw_k = gl.load(KC + block * 8 + (k_rows[:, None] * 8 + k_words[None, :]), mask=(k_rows < n)[:, None], other=0)
+    k_offsets = k_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
     v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
-    v_words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))
-    raw_v = gl.load(VC + block * 8 + (v_rows[:, None] * 8 + v_words[None, :]), mask=(v_rows < n)[:, None], other=0)
+    v_offsets = v_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
     rows = gl.arange(0, 64, layout=META)
-    ok = rows < n
-    k_scale = gl.load(KS + block + rows, mask=ok, other=0.0)
-    k_zero = gl.load(KZ + block + rows, mask=ok, other=0.0)
-    v_scale = gl.load(VS + block + rows, mask=ok, other=0.0)
-    v_zero = gl.load(VZ + block + rows, mask=ok, other=0.0)
-    return raw_k, raw_v, k_scale, k_zero, v_scale, v_zero
+    KC, VC, KS, KZ, VS, VZ = KC + block * 8, VC + block * 8, KS + block, KZ + block, VS + block, VZ + block
+    if MASKED:
+        n = end - block
+        raw_k = gl.load(KC + k_offsets, mask=(k_rows < n)[:, None], other=0)
+        raw_v = gl.load(VC + v_offsets, mask=(v_rows < n)[:, None], other=0)
+        ok = rows < n
+        meta = (gl.load(KS + rows, mask=ok, other=0.0), gl.load(KZ + rows, mask=ok, other=0.0),
+                gl.load(VS + rows, mask=ok, other=0.0), gl.load(VZ + rows, mask=ok, other=0.0))  # fmt: skip
+    else:
+        raw_k, raw_v = gl.load(KC + k_offsets), gl.load(VC + v_offsets)
+        meta = (gl.load(KS + rows), gl.load(KZ + rows), gl.load(VS + rows), gl.load(VZ + rows))
+    return raw_k, raw_v, meta
 
 
 @gluon.jit
@@ -220,13 +227,12 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr,
-    PREFETCH: gl.constexpr, RING: gl.constexpr,
+    RING: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
-    ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``PREFETCH``: load tile i+1 while tile i
-    computes (more registers, fewer programs an SM). ``RING`` (static decoding): the valid history rows
+    ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
     are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does."""
     b = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
@@ -242,7 +248,7 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, UNPACK, V_UNPACK, OFFSET, PREFETCH,
+        score_scale, GROUP, UNPACK, V_UNPACK, OFFSET,
     )  # fmt: skip
 
 
@@ -250,60 +256,69 @@ def history_kernel(
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr,
-    PREFETCH: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). Codes enter the MMAs as ``OFFSET + 4**j * c`` for
-    blocks j = 0..2 and ``OFFSET + c`` for j = 3; q is divided by the same factors."""
+    blocks j = 0..2 and ``OFFSET + c`` for j = 3; q is divided by the same factors. Whole tiles run
+    without masks; a last partial tile runs masked."""
     q0, q1, q2, q3 = _q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP)
     # Per head: sum(q) and what the codes' offset adds to the dots.
     s0, s1, s2, s3 = _head_sum(q0), _head_sum(q1), _head_sum(q2), _head_sum(q3)
     q_sum = s0 + s1 + s2 + s3
     bias = OFFSET * (s0 + 0.25 * s1 + 0.0625 * s2 + s3)
-    q1 = (q1.to(gl.float32) * 0.25).to(gl.bfloat16)  # powers of two: exact
-    q2 = (q2.to(gl.float32) * 0.0625).to(gl.bfloat16)
-    m_i = gl.full([8], float("-inf"), gl.float32, HEAD_COLS)
+    q = (q0, (q1.to(gl.float32) * 0.25).to(gl.bfloat16), (q2.to(gl.float32) * 0.0625).to(gl.bfloat16), q3)
     # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
-    l_part = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
-    w_part, wz_part = l_part, l_part
-    acc0 = gl.full([32, 8], 0.0, gl.float32, MMA)
-    acc1, acc2, acc3 = acc0, acc0, acc0
-    tile = _load_tile(KC, VC, KS, KZ, VS, VZ, start, end)
-    for block in range(start, end, 64):
-        if PREFETCH:
-            raw_k, raw_v, k_scale, k_zero, v_scale, v_zero = tile
-            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block + 64, end)
-        else:
-            raw_k, raw_v, k_scale, k_zero, v_scale, v_zero = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end)
-        # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
-        dots = -(_key_vector(k_zero.to(gl.float32))[:, None] * q_sum[None, :] + bias[None, :])
-        c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
-        dots = mma_v2(_k_operand(c0), q0, dots)
-        dots = mma_v2(_k_operand(c1), q1, dots)
-        dots = mma_v2(_k_operand(c2), q2, dots)
-        dots = mma_v2(_k_operand(c3), q3, dots)
-        scores = dots * (_key_vector(k_scale.to(gl.float32)) * score_scale)[:, None]
-        keys = block + gl.arange(0, 64, layout=META)
-        scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(scores - m_safe[None, :])
-        m_i = m_new
-        weights = (p * _key_vector(v_scale.to(gl.float32))[:, None]).to(gl.bfloat16)
-        w = weights.to(gl.float32)
-        alpha_lanes = _per_lane(alpha, l_part)
-        l_part = l_part * alpha_lanes + _lane_sum(p)
-        w_part = w_part * alpha_lanes + _lane_sum(w)
-        wz_part = wz_part * alpha_lanes + _lane_sum(w * _key_vector(v_zero.to(gl.float32))[:, None])
-        w_op = _weights_operand(weights)
-        v0, v1, v2, v3 = _unpack_v(raw_v, V_UNPACK)
-        acc0 = mma_v2(_v_operand(v0), w_op, acc0 * alpha[None, :])
-        acc1 = mma_v2(_v_operand(v1), w_op, acc1 * alpha[None, :])
-        acc2 = mma_v2(_v_operand(v2), w_op, acc2 * alpha[None, :])
-        acc3 = mma_v2(_v_operand(v3), w_op, acc3 * alpha[None, :])
+    lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
+    acc = gl.full([32, 8], 0.0, gl.float32, MMA)
+    state = (gl.full([8], float("-inf"), gl.float32, HEAD_COLS), lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
+    whole_end = start + (end - start) // 64 * 64
+    for block in range(start, whole_end, 64):
+        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
+        state = _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+    if whole_end < end:
+        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
+        state = _tile_step(state, tile, q, q_sum, bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True)
+    m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP, OFFSET)  # fmt: skip
+
+
+@gluon.jit
+def _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK: gl.constexpr,
+               V_UNPACK: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+    """The online softmax over one 64-key tile: ``state`` (m, three lane-partial sums, four
+    accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
+    m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
+    raw_k, raw_v, meta = tile
+    k_scale, k_zero, v_scale, v_zero = meta
+    # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
+    dots = -(_key_vector(k_zero.to(gl.float32))[:, None] * q_sum[None, :] + bias[None, :])
+    c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
+    dots = mma_v2(_k_operand(c0), q[0], dots)
+    dots = mma_v2(_k_operand(c1), q[1], dots)
+    dots = mma_v2(_k_operand(c2), q[2], dots)
+    dots = mma_v2(_k_operand(c3), q[3], dots)
+    scores = dots * (_key_vector(k_scale.to(gl.float32)) * score_scale)[:, None]
+    if MASKED:
+        keys = block + gl.arange(0, 64, layout=META)
+        scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores - m_safe[None, :])
+    weights = (p * _key_vector(v_scale.to(gl.float32))[:, None]).to(gl.bfloat16)
+    w = weights.to(gl.float32)
+    alpha_lanes = _per_lane(alpha, l_part)
+    l_part = l_part * alpha_lanes + _lane_sum(p)
+    w_part = w_part * alpha_lanes + _lane_sum(w)
+    wz_part = wz_part * alpha_lanes + _lane_sum(w * _key_vector(v_zero.to(gl.float32))[:, None])
+    w_op = _weights_operand(weights)
+    v0, v1, v2, v3 = _unpack_v(raw_v, V_UNPACK)
+    acc0 = mma_v2(_v_operand(v0), w_op, acc0 * alpha[None, :])
+    acc1 = mma_v2(_v_operand(v1), w_op, acc1 * alpha[None, :])
+    acc2 = mma_v2(_v_operand(v2), w_op, acc2 * alpha[None, :])
+    acc3 = mma_v2(_v_operand(v3), w_op, acc3 * alpha[None, :])
+    return m_new, l_part, w_part, wz_part, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -328,7 +343,6 @@ def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
     partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
-    prefetch: bool = PREFETCH,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
@@ -351,13 +365,13 @@ def history_into(
         *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[q.dtype][1],
-        PREFETCH=prefetch, RING=lengths is not None, num_warps=1,
+        RING=lengths is not None, num_warps=1, maxnreg=REGISTERS,
     )  # fmt: skip
 
 
 def history_partials(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
-    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, prefetch: bool = PREFETCH,
+    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
     head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
@@ -367,8 +381,7 @@ def history_partials(
     splits = -(-n_hist // chunk)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
-                 prefetch=prefetch)  # fmt: skip
+    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk)
     return m, l, acc
 
 
@@ -394,14 +407,15 @@ def compile_for_sm90() -> None:
     driver.set_active(sass_count._Sm90Driver())
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     history, words, meta = 100_000, (8 * 100_000 * 8, 100_000 * 8), (8 * 100_000, 100_000)
-    for prefetch in (False, True):
+    for ring in (False, True):  # the history length as an argument, or read on the device (static decoding)
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-            f32, f32, f32, 137, 0.1275, bf16, GROUP=4, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
-            OFFSET=_CODE_MAGIC[bf16][1], PREFETCH=prefetch, RING=False, grid=(1,), num_warps=1,
+            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
+            V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[bf16][1], RING=ring, grid=(1,), num_warps=1,
+            maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))
-        print(f"prefetch={prefetch}: {_resource_usage(compiled)}; {sum(ops.values())} instructions per 64-key tile")
+        print(f"ring={ring}: {_resource_usage(compiled)}; {sum(ops.values())} instructions per 64-key tile")
         print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
 
 
