@@ -85,8 +85,9 @@ def runs_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or (INTERPRET and tensor.device.type == "cpu")
 
 
-def define_op(qualname: str, implementation, fake) -> None:
-    """Register ``implementation`` as the custom op ``qualname`` (schema from its type hints), once.
+def define_op(qualname: str, implementation, fake, mutates: tuple[str, ...] = ()) -> None:
+    """Register ``implementation`` as the custom op ``qualname`` (schema from its type hints), once;
+    ``mutates`` names the arguments it may write in place.
 
     Ops are global to the process, so a re-imported kernel module must not define them again; the
     implementations look their launcher up at call time instead (see ``quantize._quantize_pack_op``).
@@ -94,7 +95,7 @@ def define_op(qualname: str, implementation, fake) -> None:
     namespace, name = qualname.split("::")
     if hasattr(getattr(torch.ops, namespace), name):
         return
-    op = torch.library.custom_op(qualname, mutates_args=())(implementation)
+    op = torch.library.custom_op(qualname, mutates_args=mutates)(implementation)
     op.register_fake(fake)
 
 

@@ -372,6 +372,18 @@ def _dense_span(
     return m_i, l_i, a0, a1, a2, a3
 
 
+@triton.jit
+def _store_new_rows(NK, nk_stride_n, NV, nv_stride_n, RK, rk_stride_n, RV, rv_stride_n, start, end, first_slot,
+                    ring_size, D: tl.constexpr):  # fmt: skip
+    """Static decoding: new rows ``[start, end)`` of one KV head into its ring, row r at slot
+    ``(first_slot + r) % ring_size`` (the launch that attends them also stores them)."""
+    dims = tl.arange(0, D)
+    for row in range(start, end):
+        slot = (first_slot + row) % ring_size
+        tl.store(RK + slot * rk_stride_n + dims, tl.load(NK + row * nk_stride_n + dims))
+        tl.store(RV + slot * rv_stride_n + dims, tl.load(NV + row * nv_stride_n + dims))
+
+
 # ---------------------------------------------------------------------------------------- kernels
 
 
@@ -415,6 +427,7 @@ def _decode_stage1_kernel(
         n_hist = tl.load(LENGTHS).to(tl.int32)
         chunk_hist = tl.cdiv(tl.cdiv(n_hist, hist_splits), BLOCK_N) * BLOCK_N
         ring_start, ring_rows = tl.load(LENGTHS + 1).to(tl.int32), tl.load(LENGTHS + 2).to(tl.int32)
+        ring_rows -= n_new  # the ring's newest rows are the new rows' slots: attended as new rows, stored here
     TIER_MASK: tl.constexpr = HAS_MASK and not RING
     if slot < hist_splits:
         start = slot * chunk_hist
@@ -455,6 +468,12 @@ def _decode_stage1_kernel(
             )  # fmt: skip
         else:
             start = split * chunk_new
+            if RING and tl.program_id(1) % HEAD_BLOCKS == 0:
+                _store_new_rows(
+                    NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2], NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2],
+                    RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2], RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2],
+                    start, tl.minimum(start + chunk_new, n_new), ring_start + ring_rows, n_recent, D,
+                )  # fmt: skip
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
                 NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, tl.minimum(start + chunk_new, n_new),
@@ -731,11 +750,12 @@ def decode_attention_reference(
 
     Dequantizes the history with :func:`oscar_hf.quant.dequantize` into the query dtype, concatenates
     the tiers and runs one float32 softmax, with the query heads of each KV head grouped (GQA).
-    With ``lengths`` it first takes the valid history rows and unrolls the ring (a host sync).
+    With ``lengths`` it first stores the new rows in the ring, as the kernel does, then takes the
+    valid history rows and unrolls the ring (a host sync).
     """
     if lengths is not None:
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask = _unroll_static(
-            lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask, new_k.shape[2]
+            lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v, key_mask
         )
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
@@ -753,11 +773,18 @@ def decode_attention_reference(
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
-def _unroll_static(lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask, n_new):
-    """Static-decoding tiers as plain ones: the first ``lengths[0]`` history rows, the ring's valid
-    rows in order from its start, and the sink mask extended with True for every other key."""
+def _unroll_static(lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
+                   key_mask):  # fmt: skip
+    """Static-decoding tiers as plain ones: the new rows stored in the ring's newest slots, then the first
+    ``lengths[0]`` history rows, the ring's other valid rows in order from its start, and the sink mask
+    extended with True for every other key."""
     history, start, rows = (int(v) for v in lengths.tolist())
-    ring = (start + torch.arange(rows, device=recent_k.device)) % recent_k.shape[2]
+    n_new, ring_size = new_k.shape[2], recent_k.shape[2]
+    rows -= n_new
+    new_slots = (start + rows + torch.arange(n_new, device=recent_k.device)) % ring_size
+    recent_k.index_copy_(2, new_slots, new_k)
+    recent_v.index_copy_(2, new_slots, new_v)
+    ring = (start + torch.arange(rows, device=recent_k.device)) % ring_size
     packed = [t[:, :, :history] for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
     recent = [t.index_select(2, ring) for t in (recent_k, recent_v)]
     if key_mask is not None:
@@ -804,7 +831,7 @@ def _decode_attention_fake(q, *args):
     return torch.empty_like(q)
 
 
-define_op("oscar::decode_attention", _decode_attention_op, _decode_attention_fake)
+define_op("oscar::decode_attention", _decode_attention_op, _decode_attention_fake, mutates=("recent_k", "recent_v"))
 
 
 # ----------------------------------------------------------------------------------- dispatcher
@@ -883,8 +910,10 @@ def decode_attention(
         lengths: static decoding (CUDA graphs): integers ``[history rows, ring start, ring rows]`` on the
             device. The history tensors are then allocated at capacity with their first ``lengths[0]``
             rows valid, ``recent_k``/``recent_v`` are a ring whose ``lengths[2]`` rows from
-            ``lengths[1]`` on are valid, and ``key_mask`` covers the sink only. Nothing is read on the
-            host, so one launch can be captured and replayed as the lengths change.
+            ``lengths[1]`` on are valid, and ``key_mask`` covers the sink only. The newest
+            ``new_k.shape[2]`` of those ring rows are the new rows' slots: the call stores ``new_k`` and
+            ``new_v`` there (a decode step's one write) and attends them as new rows. Nothing is read
+            on the host, so one launch can be captured and replayed as the lengths change.
 
     Returns:
         ``[B, Hq, D]`` in the dtype of ``q`` and in the rotated V basis (the caller applies ``·R_V^T``).

@@ -96,7 +96,6 @@ class StaticDecoding:
         self.device = device
         self.lengths = torch.tensor([self.history_rows, 0, self.ring_rows], device=device)
         self.window = torch.zeros(3, dtype=torch.long, device=device)  # WindowQuantizer: active, ring row, history row
-        self.write_slot = torch.zeros(1, dtype=torch.long, device=device)
         self._shift = torch.tensor([1, 1, -1], device=device) * self.block  # a demotion moves one block
         self._new_token = torch.tensor([0, 0, 1], device=device)
         self.sink_mask = None if sink_mask is None else sink_mask.to(device=device, dtype=torch.uint8).contiguous()
@@ -140,7 +139,6 @@ class StaticDecoding:
             demote()
         self.lengths.add_(due * self._shift + self._new_token)
         self.lengths[1:2].remainder_(self.ring_size)
-        torch.remainder(self.lengths[1:2] + self.lengths[2:] - 1, self.ring_size, out=self.write_slot)
 
     def advance_host(self) -> None:
         """Advance the host mirror of the lengths by one step; raises before the history would overflow."""
@@ -157,16 +155,15 @@ class StaticDecoding:
         self.ring_rows = rows
 
     def attend(self, layer: "OscarLayer", query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """Store the layer's new token in its ring and attend over all its tiers: ``[B, 1, Hq, D]``."""
+        """Attend over all the layer's tiers and its new token, which the same launch stores in the ring's
+        newest slot (reserved by :meth:`advance`): ``[B, 1, Hq, D]``."""
         keys, values = layer.take_pending()
         ring_k, ring_v = layer.recent_keys.data, layer.recent_values.data
-        ring_k.index_copy_(2, self.write_slot, keys)
-        ring_v.index_copy_(2, self.write_slot, values)
         history_k, history_v = layer.history_keys.whole(), layer.history_values.whole()
         output = decode_attention(
             layer.rotate_keys(query)[:, :, 0], layer.sink_keys.view(), layer.sink_values.view(),
             history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
-            ring_k, ring_v, keys[:, :, :0], values[:, :, :0], k_bits=layer.config.key.bits,
+            ring_k, ring_v, keys, values, k_bits=layer.config.key.bits,
             v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=self.sink_mask, lengths=self.lengths,
         )  # fmt: skip
         return layer.unrotate_values(output.unsqueeze(1))

@@ -357,7 +357,8 @@ def test_decode_attention_dispatcher_and_masked_rows():
 def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads, dtype):
     """Static decoding: history allocated at capacity, recent rows in a ring, lengths in a device tensor.
 
-    The same keys laid out plainly give the reference; garbage fills every slot past the lengths.
+    The same keys laid out plainly give the reference; garbage fills every slot past the lengths and
+    the new row's slot, which the call fills (the ring's lengths count the new row).
     """
     batch, sink, ring_size = 2, 4, 12
     args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, 2, 2, pads=pads, seed=5)
@@ -369,20 +370,32 @@ def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, 
     for tensor in packed:  # codes, scale, zero of K then V, padded with random rows up to the capacity
         filler = torch.randint(0, 255, (batch, 2, capacity - history, tensor.shape[-1]), generator=garbage)
         static_packed.append(torch.cat([tensor, filler.to(tensor.dtype).to(DEVICE)], dim=2))
-    slots = (ring_start + torch.arange(ring_rows + 1)) % ring_size  # the new token is the ring's newest row
+    slots = ((ring_start + torch.arange(ring_rows)) % ring_size).to(DEVICE)
+    new_slot = (ring_start + ring_rows) % ring_size  # the new token goes to the ring's newest row
     rings = []
-    for rows, new in ((recent_k, new_k), (recent_v, new_v)):
+    for rows in (recent_k, recent_v):
         ring = (torch.randn(batch, 2, ring_size, 64, generator=garbage) * 50).to(dtype).to(DEVICE)
-        ring[:, :, slots.to(DEVICE)] = torch.cat([rows, new], dim=2)
+        ring[:, :, slots] = rows
         rings.append(ring)
     lengths = torch.tensor([history, ring_start, ring_rows + 1], device=DEVICE)
     sink_mask = None if options["key_mask"] is None else options["key_mask"][:, :sink].contiguous()
-    static_args = (q, sink_k, sink_v, *static_packed, *rings, new_k[:, :, :0], new_v[:, :, :0])
-    got = torch.ops.oscar.decode_attention(*static_args, sink_mask, 2, 2, 0.125, splits, 16, 0, 0, lengths)
-    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
-    reference = decode_attention_reference(*static_args, k_bits=2, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
-                                           lengths=lengths)  # fmt: skip
-    torch.testing.assert_close(reference.float(), want.float(), **TOLERANCE[dtype])
+    for attend in (_static_kernel, _static_reference):
+        static_rings = [ring.clone() for ring in rings]
+        got = attend(q, sink_k, sink_v, *static_packed, *static_rings, new_k, new_v, sink_mask, splits, lengths)
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+        for ring, new in zip(static_rings, (new_k, new_v)):
+            assert torch.equal(ring[:, :, new_slot], new[:, :, 0])  # stored by the call
+
+
+def _static_kernel(*args):
+    *tensors, sink_mask, splits, lengths = args
+    return torch.ops.oscar.decode_attention(*tensors, sink_mask, 2, 2, 0.125, splits, 16, 0, 0, lengths)
+
+
+def _static_reference(*args):
+    *tensors, sink_mask, _, lengths = args
+    return decode_attention_reference(*tensors, k_bits=2, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
+                                      lengths=lengths)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ custom ops
