@@ -71,9 +71,11 @@ BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name 
 ABSORBED_SUFFIX = "+absorbed"
 # "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder);
 # "<cache>+graph+compile": with the decoder layers compiled inside the captured step;
-# "<cache>+graph+autotune": compiled with mode "max-autotune-no-cudagraphs" (Inductor times its GEMMs).
+# "<cache>+graph+autotune": compiled with mode "max-autotune-no-cudagraphs" (Inductor times its GEMMs);
+# a last "+fused": with StaticDecoder(fuse_projections=True) (stacked q/k/v and gate/up GEMMs).
 GRAPH_SUFFIX = "+graph"
 COMPILE_SUFFIXES = {"+compile": True, "+autotune": "max-autotune-no-cudagraphs"}
+FUSED_SUFFIX = "+fused"
 
 # Qwen3 shapes from the models' config.json, with room for 128K positions (weights are random).
 MODEL_PRESETS: dict[str, dict] = {
@@ -773,19 +775,21 @@ def bench_e2e(config: dict) -> list[dict]:
 # ------------------------------------------------------------------------------ (d) CUDA graphs
 
 
-def graph_variant(cache_name: str) -> tuple[str, bool, bool | str]:
-    """``"<cache>[+graph[+compile|+autotune]]"`` -> (cache name for :func:`model_for`, captured, the
-    ``compile`` argument of :class:`oscar_hf.StaticDecoder`)."""
+def graph_variant(cache_name: str) -> tuple[str, bool, dict]:
+    """``"<cache>[+graph[+compile|+autotune][+fused]]"`` -> (cache name for :func:`model_for`, captured,
+    the ``compile`` and ``fuse_projections`` arguments of :class:`oscar_hf.StaticDecoder`)."""
     base, graph, rest = cache_name.partition(GRAPH_SUFFIX)
-    if rest and rest not in COMPILE_SUFFIXES:
+    compiled, fused = rest.removesuffix(FUSED_SUFFIX), rest.endswith(FUSED_SUFFIX)
+    if compiled and compiled not in COMPILE_SUFFIXES:
         raise ValueError(f"cache {cache_name!r}: after {GRAPH_SUFFIX!r} comes nothing or one of "
-                         f"{list(COMPILE_SUFFIXES)}")
-    return base, bool(graph), COMPILE_SUFFIXES.get(rest, False)
+                         f"{list(COMPILE_SUFFIXES)}, then optionally {FUSED_SUFFIX!r}")
+    return base, bool(graph), {"compile": COMPILE_SUFFIXES.get(compiled, False), "fuse_projections": fused}
 
 
-def static_decoder(model: PreTrainedModel, cache, capacity: int, compiled: bool | str) -> StaticDecoder:
-    """Captured on CUDA; elsewhere (the CPU smoke test) the same static steps run eagerly."""
-    return StaticDecoder(model, cache, capacity, capture=input_device(model).type == "cuda", compile=compiled)
+def static_decoder(model: PreTrainedModel, cache, capacity: int, options: dict) -> StaticDecoder:
+    """Captured on CUDA; elsewhere (the CPU smoke test) the same static steps run eagerly. ``options``:
+    :func:`graph_variant`'s keyword arguments."""
+    return StaticDecoder(model, cache, capacity, capture=input_device(model).type == "cuda", **options)
 
 
 def graph_decode_steps(model: PreTrainedModel, decoder: StaticDecoder, batch: int, warmup: int, steps: int) -> dict:
@@ -809,11 +813,11 @@ def graph_decode_steps(model: PreTrainedModel, decoder: StaticDecoder, batch: in
         if index >= max(warmup, 2):
             times.append(ms)
     captured = decoder.graph is not None
-    cache.stop_static()
+    decoder.stop()
     return {"step_ms_all": times, "captured": captured}
 
 
-def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bool | str, context: int, batch: int,
+def graph_case(model: PreTrainedModel, method: str, captured: bool, options: dict, context: int, batch: int,
                run: dict, rotations: RotationSet | None) -> dict:  # fmt: skip
     """One cache's median decode step over a synthetic ``context`` (and generate tokens/s where cheap)."""
     capacity = context + run["warmup_steps"] + run["steps"] + run["new_tokens"] + 16
@@ -830,7 +834,7 @@ def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bo
     cache = filled()
     row = {"kv_bytes": kv_bytes(cache)}
     if captured:
-        decoder = static_decoder(model, cache, capacity, compiled)
+        decoder = static_decoder(model, cache, capacity, options)
         row.update(graph_decode_steps(model, decoder, batch, run["warmup_steps"], run["steps"]))
         del decoder
     else:
@@ -841,7 +845,7 @@ def graph_case(model: PreTrainedModel, method: str, captured: bool, compiled: bo
         times = []
         for _ in range(run["repeats"] + 1):  # the first call warms up (compiles and captures)
             cache = filled()
-            fast = dict(runner=functools.partial(oscar_hf.generate, model), compile=compiled) if captured else {}
+            fast = dict(runner=functools.partial(oscar_hf.generate, model), **options) if captured else {}
             times.append(generate_ms(model, cache, ids, run["new_tokens"], **fast))
             del cache
             free_memory()
@@ -876,7 +880,7 @@ def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: 
             **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s"))}  # fmt: skip
 
 
-def profile_graph_step(model: PreTrainedModel, method: str, compiled: bool | str, context: int, batch: int, run: dict,
+def profile_graph_step(model: PreTrainedModel, method: str, options: dict, context: int, batch: int, run: dict,
                        rotations) -> list[dict]:  # fmt: skip
     """Where a captured OscarCache step spends its GPU time: kernels by total time over replays."""
     from torch.profiler import ProfilerActivity, profile
@@ -886,7 +890,7 @@ def profile_graph_step(model: PreTrainedModel, method: str, compiled: bool | str
     cache = make_cache(method, model, capacity, rotations, preallocate=True)
     fill_cache(cache, model, batch, context, run["fill_chunk_rows"])
     device = input_device(model)
-    decoder = static_decoder(model, cache, capacity, compiled)
+    decoder = static_decoder(model, cache, capacity, options)
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     for _ in range(3):  # freeze, capture, replay once
         decoder.step({"input_ids": token, cache_keyword(model): cache})
@@ -897,7 +901,7 @@ def profile_graph_step(model: PreTrainedModel, method: str, compiled: bool | str
         for _ in range(steps):
             decoder.step({"input_ids": token, cache_keyword(model): cache})
         synchronize([device])
-    cache.stop_static()
+    decoder.stop()
     events = [e for e in trace.key_averages() if e.device_time_total > 0] if device.type == "cuda" else []
     gpu_us = sum(e.device_time_total for e in events) / steps  # kernels only (self times), no overlap
     rows = [{"part": "profile", "kernel": e.key[:90], "calls_per_step": e.count / steps,
@@ -912,9 +916,9 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
     for context, batch, cache_name in tqdm(grid, desc=f"graph {name}"):
         def measure() -> dict:
-            base, captured, compiled = graph_variant(cache_name)
+            base, captured, options = graph_variant(cache_name)
             with model_for(model, base, rotations) as method:
-                return graph_case(model, method, captured, compiled, context, batch, run, rotations)
+                return graph_case(model, method, captured, options, context, batch, run, rotations)
 
         rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
                              "cache": cache_name}, measure))  # fmt: skip
@@ -927,11 +931,11 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     profiled = config["profile"]
     if name == profiled["model"]:
         holder: list = []
-        base, _, compiled = graph_variant(profiled["cache"])
+        base, _, options = graph_variant(profiled["cache"])
 
         def trace() -> dict:
             with model_for(model, base, rotations) as method:
-                holder.extend(profile_graph_step(model, method, compiled, profiled["context"], profiled["batch"],
+                holder.extend(profile_graph_step(model, method, options, profiled["context"], profiled["batch"],
                                                  {**run, **profiled}, rotations))  # fmt: skip
             return {}
 

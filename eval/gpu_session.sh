@@ -6,7 +6,8 @@
 #
 # Steps and their wall time on one H200 (2026-11-30): tests ~210 s (compiled kernel and static tests, 8 workers),
 # static-tests 135 s, graph 250 s, graph-4b 120 s, graph-8b-64k 60 s (issue 7's CUDA-graph decode),
-# graph-autotune (8B at 100K, compile=True against max-autotune-no-cudagraphs; not yet run),
+# graph-gemms (8B at 100K: compile=True with and without fuse_projections, and max-autotune-no-cudagraphs
+# with it; not yet run),
 # tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
 # 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
 # ncu ~50 s (Nsight Compute on the decode kernel; ncu must be on PATH, as in /usr/local/cuda/bin),
@@ -56,11 +57,12 @@ for step in "$@"; do
                     --set 'models=["qwen3-8b"]' --set 'contexts=[65536]' --set "$caches" \
                     --set 'compiled_static.models=[]' --set 'profile.model="none"'
             fi ;;
-        graph-autotune)  # the best captured 8B step at 100K, its layers compiled with and without GEMM autotuning
-            run graph_autotune 420 $bench --config eval/configs/bench_graph.json --name bench_graph_autotune \
+        graph-gemms)  # the best captured 8B step at 100K: GEMMs stacked (q/k/v, gate/up) and autotuned or not
+            run graph_gemms 540 $bench --config eval/configs/bench_graph.json --name bench_graph_gemms \
                 --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \
-                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile","oscar-int2+absorbed+graph+autotune"]' \
-                --set 'profile.cache="oscar-int2+absorbed+graph+autotune"' ;;
+                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile","oscar-int2+absorbed+graph+compile+fused",
+                               "oscar-int2+absorbed+graph+autotune+fused"]' \
+                --set 'profile.cache="oscar-int2+absorbed+graph+compile+fused"' ;;
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;

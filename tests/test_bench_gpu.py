@@ -113,7 +113,7 @@ def test_graph_benchmark(tmp_path):
     """The CUDA-graph benchmark's path on CPU: static steps run uncaptured, the profile has no kernels."""
     config = {
         "benchmark": "graph", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
-        "caches": ["dynamic", "oscar-int2", "oscar-int2+graph", "oscar-int2+absorbed+graph"],
+        "caches": ["dynamic", "oscar-int2", "oscar-int2+graph", "oscar-int2+absorbed+graph+fused"],
         "decode": {**TINY_DECODE, "compiled_new_tokens": [1, 2], "bandwidth_bytes_per_s": 1e11},
         "profile": {"model": "tiny-qwen3", "context": 400, "batch": 1, "profile_steps": 2, "profile_top": 3},
     }  # fmt: skip
@@ -122,7 +122,7 @@ def test_graph_benchmark(tmp_path):
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in config["caches"]}
     for row in decode:
         assert row["step_ms"] > 0 and row["roofline_ms"] > 0 and row["speedup_step_ms"] > 0
-    graph = [r for r in decode if r["cache"].endswith("+graph")]
+    graph = [r for r in decode if "+graph" in r["cache"]]
     assert all(r["generate_tokens_per_s"] > 0 and r["captured"] is False for r in graph)  # no CUDA here
     assert [r["kernel"] for r in rows if r["part"] == "profile"] == ["(all kernels)"]
 
@@ -214,9 +214,13 @@ def test_helpers():
     assert command[5].endswith("eval/tp_decode.py") and Path(command[5]).exists()
     _, spec = bench.model_spec({"preset": "qwen3-8b", "num_hidden_layers": 2})
     assert spec["hidden_size"] == 4096 and spec["num_hidden_layers"] == 2
-    assert bench.graph_variant("oscar-int2") == ("oscar-int2", False, False)
-    assert bench.graph_variant("oscar-int2+absorbed+graph+compile") == ("oscar-int2+absorbed", True, True)
-    assert bench.graph_variant("oscar-int2+graph+autotune") == ("oscar-int2", True, "max-autotune-no-cudagraphs")
+    plain = {"compile": False, "fuse_projections": False}
+    assert bench.graph_variant("oscar-int2") == ("oscar-int2", False, plain)
+    assert bench.graph_variant("oscar-int2+absorbed+graph+compile") == ("oscar-int2+absorbed", True,
+                                                                         {**plain, "compile": True})  # fmt: skip
+    assert bench.graph_variant("oscar-int2+graph+autotune+fused") == (
+        "oscar-int2", True, {"compile": "max-autotune-no-cudagraphs", "fuse_projections": True})
+    assert bench.graph_variant("oscar-int2+graph+fused") == ("oscar-int2", True, {**plain, "fuse_projections": True})
     with pytest.raises(ValueError, match="after '\\+graph'"):
         bench.graph_variant("oscar-int2+graph+compiled")
 

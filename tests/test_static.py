@@ -195,18 +195,33 @@ def test_beam_search_decodes_eagerly(tiny, static_steps):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
-def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps):
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate-projections", "fused-projections"])
+def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps, fuse):
     # More layers than Dynamo's recompile limit (8): a graph per layer would leave the last ones eager.
     model = tiny_model("qwen3", num_hidden_layers=10)
     ids = prompts([30])[0][None]
     want = generate(model, ids, OscarCache(model, "quarot-int2", **SMALL), max_new_tokens=10)
     torch._dynamo.reset()
-    got = fast(model, ids, OscarCache(model, "quarot-int2", **SMALL), compile=True, max_new_tokens=10)
+    torch._dynamo.utils.counters.clear()
+    got = fast(model, ids, OscarCache(model, "quarot-int2", **SMALL), compile=True, fuse_projections=fuse,
+               max_new_tokens=10)
     assert torch.equal(got, want)
     assert static_steps["steps"] == 9
     assert "forward" not in model.model.layers[0].__dict__  # the eager layers are back
+    assert "forward" not in model.model.layers[0].mlp.up_proj.__dict__  # and the unfused projections
     stats = torch._dynamo.utils.counters["stats"]
     assert stats["unique_graphs"] <= 6  # one set of graphs for every layer and step (a graph per layer: 11)
+
+
+def test_fused_projections_in_the_static_step_keep_the_tokens(tiny, static_steps):
+    ids = prompts([30])[0][None]
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=12)
+    before = {name: p.clone() for name, p in tiny.named_parameters()}
+    got = fast(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), fuse_projections=True, max_new_tokens=12)
+    assert torch.equal(got, want)
+    assert static_steps["steps"] == 11
+    assert all(torch.equal(p, before[name]) for name, p in tiny.named_parameters())  # unfused on leaving
+    assert "forward" not in tiny.model.layers[0].self_attn.q_proj.__dict__
 
 
 def captured_and_eager(arch: str, dtype: torch.dtype, **options):
@@ -230,8 +245,8 @@ def test_captured_float32_decoding_is_token_identical_to_the_eager_cache_on_gpu(
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_captured_bf16_decoding_leaves_the_eager_tokens_only_at_ties_on_gpu(arch):
-    """The captured step attends over a ring that holds the new token, the eager one over the window
-    and a separate new-token tier: the same sums in another order, so bf16 logits may differ in their
+    """The captured step attends over a ring (its rows in storage order, wrapping), the eager one over
+    the window in token order: the same sums in another order, so bf16 logits may differ in their
     last bits, and a greedy token may flip where two logits tie (measured: llama, step 38, a gap of 0)."""
     want, got = captured_and_eager(arch, torch.bfloat16, output_logits=True, return_dict_in_generate=True)
     eager, captured = torch.stack(want.logits).float(), torch.stack(got.logits).float()  # [step, batch, vocab]
