@@ -69,7 +69,7 @@ def test_static_lengths_reach_the_span(monkeypatch):
     garbage = [torch.cat([t, torch.randint(0, 255, (*t.shape[:2], capacity - history, t.shape[-1]), device="cuda")
                           .to(t.dtype)], dim=2) for t in packed]  # fmt: skip
     # the ring as static decoding leaves it: 7 rows, and a slot for the new row that the call fills
-    ring = [torch.cat([rows, torch.full_like(new, 50.0)], dim=2) for rows, new in ((recent_k, new_k), (recent_v, new_v))]
+    ring = [torch.cat([rows, torch.full_like(new_k, 50.0)], dim=2) for rows in (recent_k, recent_v)]
     lengths = torch.tensor([history, 0, 8], device="cuda")
     got = decode_attention(q, sink_k, sink_v, *garbage, *ring, new_k, new_v, k_bits=2, v_bits=2, sm_scale=0.088,
                            lengths=lengths)  # fmt: skip
