@@ -241,7 +241,9 @@ def history_kernel(
         n_hist = gl.load(LENGTHS).to(gl.int32)
         chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
     start = split * chunk
-    end = gl.minimum(start + chunk, n_hist)
+    # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
+    # length would floor to a stray masked tile over another split's rows).
+    end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
     _history_span(
         Q + b * q_b + kv_head * GROUP * D, KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,

@@ -56,12 +56,14 @@ def test_decode_attention_takes_its_history_slots_from_the_span(monkeypatch, pad
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
 
 
-def test_static_lengths_reach_the_span(monkeypatch):
-    """Static decoding: the span reads the history length from the device tensor, as the Triton kernel does."""
+@pytest.mark.parametrize("history", [1000, 100], ids=["long", "short-history-many-empty-splits"])
+def test_static_lengths_reach_the_span(monkeypatch, history):
+    """Static decoding: the span reads the history length from the device tensor, as the Triton kernel
+    does; splits are sized for the capacity, so with a short history most of them are empty."""
     from oscar_hf.kernels.decode_attention import decode_attention
 
     monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
-    history, capacity = 1000, 1600
+    capacity = 1600
     args, options = _decode_inputs(1, 32, 8, 128, 64, history, 7, 1, torch.bfloat16, 2, 2, seed=6)
     args = [a.cuda() for a in args]
     want = decode_attention_reference(*args, sm_scale=0.088, **options)
