@@ -57,7 +57,9 @@ class StackedProjection(torch.nn.Module):
 
 def sibling_groups(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[torch.nn.Linear]]]:
     """Each module's sibling linears of :data:`SIBLING_NAMES` that can share one GEMM: same input
-    size, dtype and device, no quantized or hooked layers."""
+    size, dtype and device, all with or all without bias, plain weights (not a tensor subclass such as
+    a tensor-parallel shard or a quantized weight, which stacking would gather or dequantize), and
+    no hooks or replaced forwards."""
     for module in model.modules():
         for names in SIBLING_NAMES:
             linears = [getattr(module, name, None) for name in names]
@@ -70,6 +72,7 @@ def _stackable(linears: list[torch.nn.Linear]) -> bool:
     return all(
         linear.in_features == linears[0].in_features
         and (linear.bias is None) == (linears[0].bias is None)
+        and type(linear.weight.data) is torch.Tensor
         and linear.weight.dtype == first.dtype
         and linear.weight.device == first.device
         and "forward" not in linear.__dict__
