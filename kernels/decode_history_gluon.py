@@ -33,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 D = gl.constexpr(128)
 # Registers a thread, capped: uncapped, ptxas takes 138 (158 reading the length on the device), which
-# fits 14 (12) one-warp programs an SM, not 16; capped, the loop gains 6-14 instructions and no spills.
+# fits 14 (12) one-warp programs an SM, not 16. Capped (Triton 3.6), the loop gains 6-14 instructions,
+# and only the device-length variant spills: one local load and store a tile.
 REGISTERS = 128
 PROGRAMS_PER_SM = 65536 // (32 * REGISTERS)
 
