@@ -1,4 +1,4 @@
-"""The Gluon history span's index algebra, emulated in torch on the CPU (branch gluon-tile's debugging aid).
+"""The Gluon history span's index algebra, emulated in torch on the CPU (a debugging aid).
 
     python eval/emulate_gluon_history.py
 

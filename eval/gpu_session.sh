@@ -11,7 +11,7 @@
 # tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
 # 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
 # ncu ~50 s (Nsight Compute on the decode kernel; ncu must be on PATH, as in /usr/local/cuda/bin),
-# gluon, gluon-kernel, gluon-graph (branch gluon-tile: the explicit-layout history span's GPU tests
+# gluon, gluon-kernel, gluon-graph (the explicit-layout history span's GPU tests
 # and timing, then the kernel and graph benchmarks with OSCAR_DECODE_HISTORY=gluon; not yet run).
 # A device call may run 10 minutes.
 # Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
@@ -67,7 +67,7 @@ for step in "$@"; do
                     --set max_batch.probe_up=false ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;
         profile) run profile 120 python3 eval/profile_decode.py --out "$work" ;;
-        gluon)  # branch gluon-tile: the explicit-layout history span, tested and timed against the Triton stage 1
+        gluon)  # the explicit-layout history span, tested and timed against the Triton stage 1
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
         gluon-kernel | gluon-graph)  # the same benchmarks as kernel / graph (8B, 100K), history slots from the span

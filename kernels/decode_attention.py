@@ -410,7 +410,7 @@ def _decode_stage1_kernel(
     local = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = local < GROUP
     heads = kv_head * GROUP + local
-    slot = tl.program_id(2) + first_slot  # slots below first_slot are another kernel's (branch gluon-tile)
+    slot = tl.program_id(2) + first_slot  # slots below first_slot are another kernel's (the Gluon span)
     q0, q1, q2, q3 = _load_parts(Q + b * q_st[0], q_st[1], heads, head_ok, D, K_PARTS)
     MASK = MASK + b * mask_stride_b
 
@@ -611,7 +611,7 @@ def decode_attention_triton(
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
-    if gluon:  # the explicit-layout span fills the history slots (branch gluon-tile)
+    if gluon:  # the explicit-layout span fills the history slots
         from .decode_history_gluon import PROGRAMS_PER_SM
 
         wave = PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -664,9 +664,9 @@ def decode_attention_triton(
 
 
 def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) -> bool:
-    """EXPERIMENT (branch gluon-tile): whether the history slots come from the explicit-layout span
-    (``kernels/decode_history_gluon.py``): opted in with ``OSCAR_DECODE_HISTORY=gluon``, on a GPU, for
-    the shapes it covers, at the launcher's default tiles."""
+    """Whether the history slots come from the explicit-layout span (``kernels/decode_history_gluon.py``,
+    not yet run on a GPU, so opt-in): with ``OSCAR_DECODE_HISTORY=gluon``, on a GPU, for the shapes
+    it covers, at the launcher's default tiles."""
     import os
 
     return (

@@ -1,6 +1,6 @@
-"""PROTOTYPE (branch ``gluon-tile``, not yet run on a GPU): the packed-history span of decode
-attention with explicit layouts (Gluon), for INT2 K and V, one (scale, zero) per row, bf16, head_dim
-128, up to 8 query heads per KV head, 64-key tiles on one warp.
+"""PROTOTYPE (opt-in with ``OSCAR_DECODE_HISTORY=gluon``; not yet run on a GPU): the packed-history
+span of decode attention with explicit layouts (Gluon), for INT2 K and V, one (scale, zero) per row,
+bf16, head_dim 128, up to 8 query heads per KV head, 64-key tiles on one warp.
 
 Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
 costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
