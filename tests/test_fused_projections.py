@@ -72,7 +72,7 @@ def test_hooked_or_mismatched_siblings_are_left_alone():
     layers = model.model.layers
     layers[0].self_attn.k_proj.register_forward_hook(lambda *args: None)
     layers[1].mlp.up_proj = torch.nn.Linear(64, 128, bias=True)  # gate has no bias: not stackable
-    groups = {(id(module), len(linears)) for module, linears in sibling_groups(model)}
+    groups = {(id(module), len(linears)) for module, _, linears in sibling_groups(model)}
     assert (id(layers[0].self_attn), 3) not in groups and (id(layers[1].mlp), 2) not in groups
     assert (id(layers[1].self_attn), 3) in groups and (id(layers[0].mlp), 2) in groups
 
@@ -85,4 +85,4 @@ def test_tensor_subclass_weights_are_not_stacked():
     model = tiny_model("llama", num_hidden_layers=1)
     v_proj = model.model.layers[0].self_attn.v_proj
     v_proj.weight = torch.nn.Parameter(v_proj.weight.detach().as_subclass(_Shard), requires_grad=False)
-    assert [len(linears) for _, linears in sibling_groups(model)] == [2]  # the MLP's gate/up only
+    assert [len(linears) for _, _, linears in sibling_groups(model)] == [2]  # the MLP's gate/up only
