@@ -69,6 +69,7 @@ for step in "$@"; do
         profile) run profile 120 python3 eval/profile_decode.py --out "$work" ;;
         gluon)  # the explicit-layout history span, tested and timed against the Triton stage 1
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
+            run gluon_diagnosis 120 python3 eval/diagnose_gluon_history.py --out "$work"
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
         gluon-kernel | gluon-graph)  # the same benchmarks as kernel / graph (8B, 100K), history slots from the span
             if [ "$step" = gluon-kernel ]; then
