@@ -533,19 +533,19 @@ _PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 1}
 _MERGE_BLOCK_D = 32
 
 
-def _device_programs(device: torch.device, num_warps: int) -> int:
-    """Stage-1 programs that run at once on ``device`` (4 off CUDA). History splits fill one such
+def _device_programs(device: torch.device, programs_per_sm: int) -> int:
+    """History programs that run at once on ``device`` (4 off CUDA). History splits fill one such
     wave: a partial second wave nearly doubled the time (batch 8 at 100K on an H200: 17 splits 704
     us, 16 splits 526 us; decode_kernel_tuning_v3.md), and 12 one-warp programs an SM instead of 8
     took 62 us instead of 45 at batch 1."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return _PROGRAMS_PER_SM.get(num_warps, 1) * sms
+        return programs_per_sm * sms
     return 4
 
 
 def _splits(
-    length: int, requested: int, programs_per_split: int, device: torch.device, block_n: int, num_warps: int
+    length: int, requested: int, programs_per_split: int, device: torch.device, block_n: int, programs_per_sm: int
 ) -> tuple[int, int]:
     """``(splits, chunk)`` for a history of ``length`` rows; ``chunk`` is a multiple of ``block_n``.
 
@@ -554,7 +554,7 @@ def _splits(
     """
     if length == 0:
         return 0, block_n
-    wave = max(1, _device_programs(device, num_warps) // programs_per_split)
+    wave = max(1, _device_programs(device, programs_per_sm) // programs_per_split)
     splits = requested or min(_MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), wave)
     chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
     return cdiv(length, chunk), chunk
@@ -611,14 +611,13 @@ def decode_attention_triton(
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
-    if gluon:  # the explicit-layout span fills the history slots
-        from .decode_history_gluon import PROGRAMS_PER_SM
+    if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
+        from .decode_history_gluon import PROGRAMS_PER_SM, history_into
 
-        wave = PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
-        requested = max(1, min(_MAX_SPLITS, cdiv(n_hist, _MIN_SPLIT_TOKENS), wave // (batch * kv_heads)))
-        hist_splits, chunk_hist = _splits(n_hist, requested, 1, q.device, 64, 1)
+        hist_splits, chunk_hist = _splits(n_hist, 0, batch * kv_heads, q.device, 64, PROGRAMS_PER_SM)
     else:
-        hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n, num_warps)
+        hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
+                                          _PROGRAMS_PER_SM.get(num_warps, 1))  # fmt: skip
     n_slots = hist_splits + 3 * dense_splits
 
     partial_m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=q.device)
@@ -633,8 +632,6 @@ def decode_attention_triton(
 
     first_slot = hist_splits if gluon else 0
     if gluon:
-        from .decode_history_gluon import history_into
-
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
                      partial_acc, hist_splits, chunk_hist, lengths)  # fmt: skip
     _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots - first_slot)](
