@@ -4,15 +4,13 @@
 #
 #   bash eval/gpu_session.sh OUT_DIR STEP...      e.g.  bash eval/gpu_session.sh $OUT tests kernel e2e
 #
-# Steps and their wall time on one H200 (2026-11-30): tests ~210 s (compiled kernel and static tests, 8 workers),
-# static-tests 135 s, graph 250 s, graph-4b 120 s, graph-8b-64k 60 s (issue 7's CUDA-graph decode),
-# graph-gemms (8B at 100K: compile=True with and without fuse_projections, and max-autotune-no-cudagraphs
-# with it; not yet run),
-# tune 4 min (batches 1, 8, 32), kernel 50 s, e2e 140 s per model for 2 contexts and 3 caches (here
-# 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
-# ncu ~50 s (Nsight Compute on the decode kernel; ncu must be on PATH, as in /usr/local/cuda/bin),
-# gluon, gluon-kernel, gluon-graph (the explicit-layout history span's GPU tests
-# and timing, then the kernel and graph benchmarks with OSCAR_DECODE_HISTORY=gluon; not yet run).
+# Steps and their wall time on one H200 (2026-11-30, 2026-12-01): tests ~210 s (compiled kernel and static tests,
+# 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s (issue 7's CUDA-graph decode),
+# graph-gemms (8B at 100K, the best step compiled with and without GEMM autotuning), tune 4 min (batches 1, 8,
+# 32), kernel 60 s, e2e 140 s per model for 2 contexts and 3 caches (here 3 and 4: expect ~280 s), memory 100 s
+# (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, ncu ~50 s (Nsight Compute on the decode kernel;
+# ncu must be on PATH, as in /usr/local/cuda/bin), gluon ~150 s (the explicit-layout history span's GPU tests,
+# its diagnosis against torch, and its timing against the Triton stage 1).
 # A device call may run 10 minutes.
 # Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
 # eval/results/ to commit.
@@ -48,7 +46,7 @@ for step in "$@"; do
         graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \
                    --set 'models=["qwen3-8b"]' --set 'contexts=[32768,100000]' ;;
         graph-4b | graph-8b-64k)  # fewer variants: eager, captured, and the best captured one
-            caches='caches=["dynamic","oscar-int2","oscar-int2+graph","oscar-int2+absorbed+graph+compile"]'
+            caches='caches=["dynamic","oscar-int2","oscar-int2+graph","oscar-int2+absorbed+graph+compile+fused"]'
             if [ "$step" = graph-4b ]; then
                 run "$step" 290 $bench --config eval/configs/bench_graph.json --name bench_graph_4b \
                     --set 'models=["qwen3-4b"]' --set "$caches"
@@ -57,12 +55,11 @@ for step in "$@"; do
                     --set 'models=["qwen3-8b"]' --set 'contexts=[65536]' --set "$caches" \
                     --set 'compiled_static.models=[]' --set 'profile.model="none"'
             fi ;;
-        graph-gemms)  # the best captured 8B step at 100K: GEMMs stacked (q/k/v, gate/up) and autotuned or not
-            run graph_gemms 540 $bench --config eval/configs/bench_graph.json --name bench_graph_gemms \
+        graph-gemms)  # the best captured 8B step at 100K, its GEMMs autotuned by Inductor or not
+            run graph_gemms 420 $bench --config eval/configs/bench_graph.json --name bench_graph_gemms \
                 --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \
-                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile","oscar-int2+absorbed+graph+compile+fused",
-                               "oscar-int2+absorbed+graph+autotune+fused"]' \
-                --set 'profile.cache="oscar-int2+absorbed+graph+compile+fused"' ;;
+                --set 'caches=["oscar-int2+absorbed+graph+compile+fused","oscar-int2+absorbed+graph+autotune+fused"]' \
+                --set 'profile.model="none"' ;;
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;
@@ -71,15 +68,6 @@ for step in "$@"; do
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
             run gluon_diagnosis 120 python3 eval/diagnose_gluon_history.py --out "$work"
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
-        gluon-kernel | gluon-graph)  # the same benchmarks as kernel / graph (8B, 100K), history slots from the span
-            if [ "$step" = gluon-kernel ]; then
-                run gluon_kernel 120 env OSCAR_DECODE_HISTORY=gluon $bench --config eval/configs/bench_kernel.json \
-                    --name bench_kernel_gluon
-            else
-                run gluon_graph 300 env OSCAR_DECODE_HISTORY=gluon $bench --config eval/configs/bench_graph.json \
-                    --name bench_graph_gluon --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' \
-                    --set 'caches=["dynamic","oscar-int2+graph","oscar-int2+absorbed+graph+compile"]' --set 'compiled_static.models=[]'
-            fi ;;
         ncu)  # stage 1's occupancy and stall reasons at the launcher's defaults, batches 1 and 8
             for batch in 1 8; do
                 run "ncu_decode_b$batch" 150 ncu --kernel-name regex:_decode_stage1 --launch-skip 2 --launch-count 1 \

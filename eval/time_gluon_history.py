@@ -6,9 +6,11 @@ Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
 
 * ``triton``: ``decode_attention_triton`` over the packed history only (dense tiers empty), stage 1 and
-  the merge, at the launcher's defaults;
+  the merge, at the launcher's defaults, with ``OSCAR_DECODE_HISTORY=triton``;
 * ``gluon``: ``history_partials`` (its stage 1 only; the merge is the same kernel) for each number
-  of splits (programs an SM x SMs / (batch x KV heads)).
+  of splits (programs an SM x SMs / (batch x KV heads));
+* ``triton, all tiers`` and ``gluon, all tiers``: the whole call as the kernel benchmark times it
+  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits.
 
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
@@ -16,6 +18,7 @@ Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and d
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -28,13 +31,42 @@ import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
 
+def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str) -> list[dict]:
+    """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
+    stage 1 throughout, then the span with the dense tiers in splits of each size."""
+    tiers = [x[name] for name in bench.TIER_NAMES]
+    want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
+
+    def run():
+        return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale)
+
+    def row(kernel: str, **extra) -> dict:
+        return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
+                "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
+
+    rows = [row("triton, all tiers")]
+    default = kernels._SPAN_DENSE_SPLIT_TOKENS
+    os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
+    for tokens in (int(t) for t in dense_split_tokens.split(",")):
+        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constant, swept here
+        rows.append(row("gluon, all tiers", dense_split_tokens=tokens))
+        print(rows[-1], flush=True)
+    kernels._SPAN_DENSE_SPLIT_TOKENS = default
+    os.environ["OSCAR_DECODE_HISTORY"] = "triton"
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--programs-per-sm", default="10,12,14,16")
+    parser.add_argument("--dense-split-tokens", default="16,32,64,256",
+                        help="sizes of the dense tiers' splits beside the span, for the whole call")
     options = parser.parse_args()
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
+
+    os.environ["OSCAR_DECODE_HISTORY"] = "triton"  # the baselines; full_call_rows switches to the span and back
 
     kernels = bench.decode_kernels()
     info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
@@ -63,14 +95,15 @@ def main() -> None:
             rows.append({"batch": batch, "kernel": "gluon", "programs_per_sm": per_sm, "splits": splits,
                          "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
             print(rows[-1], flush=True)
+        rows += full_call_rows(kernels, x, scale, options.dense_split_tokens)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
-             f"`{info['command']}`", "", "| batch | kernel | programs an SM | splits | us | max abs error |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             f"`{info['command']}`", "", "| batch | kernel | programs an SM | splits | dense split tokens | us | max abs error |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | "
-                     f"{r.get('splits', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+                     f"{r.get('splits', '')} | {r.get('dense_split_tokens', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

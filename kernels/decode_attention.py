@@ -45,6 +45,10 @@ from ._triton import (
 
 _LOG2E = 1.4426950408889634  # scores go to the kernels in base-2 units (see _online_softmax)
 _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a couple of splits each
+# Beside the Gluon span the dense tiers are a launch of their own, after it, so its time adds up:
+# short splits keep it near one tile's latency (one split of the recent window, 16 tiles in a row,
+# took 11 us a layer on an H200).
+_SPAN_DENSE_SPLIT_TOKENS = 32
 # Dense tiles stay small: the kernel's shared memory is sized by its largest branch, and wide dense
 # tiles (pipelined) would cap how many history programs fit on a multiprocessor.
 _DENSE_BLOCK_N = 16
@@ -608,7 +612,8 @@ def decode_attention_triton(
     block_h, head_blocks, block_n = _block_sizes(group, head_dim, block_n)
     num_stages = num_stages or (1 if q.dtype == torch.float32 else _STAGES)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
-    dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), _DENSE_SPLIT_TOKENS))
+    dense_tokens = _SPAN_DENSE_SPLIT_TOKENS if gluon else _DENSE_SPLIT_TOKENS
+    dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), dense_tokens))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
@@ -660,14 +665,20 @@ def decode_attention_triton(
     return out
 
 
+HISTORY_KERNELS = ("gluon", "triton")
+
+
 def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) -> bool:
-    """Whether the history slots come from the explicit-layout span (``kernels/decode_history_gluon.py``,
-    not yet run on a GPU, so opt-in): with ``OSCAR_DECODE_HISTORY=gluon``, on a GPU, for the shapes
-    it covers, at the launcher's default tiles."""
+    """Whether the history slots come from the explicit-layout span (``kernels/decode_history_gluon.py``):
+    on a GPU, for the shapes it covers, at the launcher's default tiles, unless
+    ``OSCAR_DECODE_HISTORY=triton`` asks for the Triton stage 1 throughout."""
     import os
 
+    choice = os.environ.get("OSCAR_DECODE_HISTORY", "gluon")
+    if choice not in HISTORY_KERNELS:
+        raise ValueError(f"OSCAR_DECODE_HISTORY={choice!r}: expected one of {HISTORY_KERNELS}")
     return (
-        os.environ.get("OSCAR_DECODE_HISTORY") == "gluon" and q.is_cuda and not INTERPRET
+        choice == "gluon" and q.is_cuda and not INTERPRET
         and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and (k_bits, v_bits) == (2, 2)
         and k_scale.shape[-1] == v_scale.shape[-1] == 1 and q.shape[1] // k_codes.shape[1] <= 8
         and not tuned and k_codes.shape[2] > 0

@@ -119,3 +119,13 @@ def test_static_lengths_reach_the_span(monkeypatch, history):
                            lengths=lengths)  # fmt: skip
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
     assert torch.equal(ring[0][:, :, 7:], new_k) and torch.equal(ring[1][:, :, 7:], new_v)
+
+
+def test_an_unknown_history_kernel_is_refused(monkeypatch):
+    """``OSCAR_DECODE_HISTORY`` picks ``gluon`` (the default) or ``triton``; anything else is a typo, not a silent fallback."""
+    from oscar_hf.kernels.decode_attention import decode_attention_triton
+
+    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "glunon")
+    args, options = _decode_inputs(1, 4, 1, 128, 4, 64, 4, 1, torch.bfloat16, 2, 2, seed=0)
+    with pytest.raises(ValueError, match="OSCAR_DECODE_HISTORY='glunon'"):
+        decode_attention_triton(*args, options["key_mask"], 2, 2, 0.088)
