@@ -3,7 +3,9 @@
 A batch-1 decode step is a chain of matrix-vector products bound by reading weights. On an H200,
 cuBLAS reads Qwen3-8B's 8 MB k and v projections at about half the bandwidth of its 32 MB q
 projection, and each of the three gets its own split-K reduction. One GEMM over ``[W_q; W_k; W_v]``
-reads the same bytes in one launch.
+reads the same bytes in one launch. The products are the same up to rounding: on a GPU a stacked
+GEMM may run another kernel (another split of the reduction) than the sibling's own, so a value can
+differ in its last bit.
 
 The model's own forwards stay in charge (no per-architecture code): while :func:`fused_projections`
 is active, the first sibling called on an input runs the stacked GEMM and each sibling returns its

@@ -85,13 +85,15 @@ def test_a_thawed_cache_continues_a_conversation_like_the_eager_one(tiny):
     turn1 = prompts([20])[0][None]
     eager, frozen = OscarCache(tiny, "quarot-int2", **SMALL), OscarCache(tiny, "quarot-int2", **SMALL)
     out1 = generate(tiny, turn1, eager, max_new_tokens=13)
-    assert torch.equal(fast(tiny, turn1, frozen, max_new_tokens=13), out1)
+    # bit for bit: unfused, as a stacked GEMM may round k and v differently on a GPU
+    assert torch.equal(fast(tiny, turn1, frozen, max_new_tokens=13, fuse_projections=False), out1)
     for left, right in zip(eager.layers, frozen.layers):  # the ring unrolled back into the eager layout
         assert left.history_length == right.history_length
         assert torch.equal(left.recent_keys.view(), right.recent_keys.view())
         assert torch.equal(left.history_keys.packed().codes, right.history_keys.packed().codes)
     turn2 = torch.cat([out1, prompts([7], seed=3)[0][None]], dim=1)
-    assert torch.equal(fast(tiny, turn2, frozen, max_new_tokens=9), generate(tiny, turn2, eager, max_new_tokens=9))
+    want = generate(tiny, turn2, eager, max_new_tokens=9)
+    assert torch.equal(fast(tiny, turn2, frozen, max_new_tokens=9, fuse_projections=False), want)
 
 
 def test_max_cache_len_preallocates_the_history_once(tiny):
