@@ -1,4 +1,4 @@
-"""The explicit-layout (Gluon) prototype of the history span against the torch reference.
+"""The explicit-layout (Gluon) history span, the GPU default, against the torch reference.
 
 Gluon has no interpreter mode, so the tests that run it skip without CUDA; CI keeps testing the
 Triton kernel. Without a GPU, CI still compiles the span for sm_90: its layouts must be proven
