@@ -18,8 +18,8 @@ Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and d
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -99,11 +99,12 @@ def main() -> None:
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
-             f"`{info['command']}`", "", "| batch | kernel | programs an SM | splits | dense split tokens | us | max abs error |",
+             f"`{info['command']}`", "",
+             "| batch | kernel | programs an SM | splits | dense split tokens | us | max abs error |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | "
-                     f"{r.get('splits', '')} | {r.get('dense_split_tokens', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
+                     f"{r.get('dense_split_tokens', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

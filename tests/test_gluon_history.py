@@ -122,7 +122,8 @@ def test_static_lengths_reach_the_span(monkeypatch, history):
 
 
 def test_an_unknown_history_kernel_is_refused(monkeypatch):
-    """``OSCAR_DECODE_HISTORY`` picks ``gluon`` (the default) or ``triton``; anything else is a typo, not a silent fallback."""
+    """``OSCAR_DECODE_HISTORY`` picks ``gluon`` (the default) or ``triton``; anything else is a typo,
+    not a silent fallback."""
     from oscar_hf.kernels.decode_attention import decode_attention_triton
 
     monkeypatch.setenv("OSCAR_DECODE_HISTORY", "glunon")
