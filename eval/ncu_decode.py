@@ -1,11 +1,13 @@
-"""Launch the decode-attention kernel a few times for Nsight Compute: where its stage 1 stalls.
+"""Launch the decode-attention kernel a few times for Nsight Compute: where its history kernel stalls.
 
-    ncu --kernel-name regex:_decode_stage1 --launch-skip 2 --launch-count 1 \\
+    ncu --kernel-name regex:history_kernel --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
         --print-details all python eval/ncu_decode.py --batch 1 [--splits S --block-n N --warps W --stages T]
 
 The kernel benchmark's inputs (``eval/configs/bench_kernel.json``: Qwen3-8B attention, INT2 K and V)
-at ``--context`` rows, three launches with the given tuning knobs (0: the launcher's defaults). No
+at ``--context`` rows, three launches with the given tuning knobs (0: the launcher's defaults). At the
+defaults on a GPU the history is the Gluon span's (``history_kernel``); ``--splits``, ``--block-n`` or ``--warps``, or
+``OSCAR_DECODE_HISTORY=triton``, gives the Triton stage 1 (``regex:_decode_stage1``). No
 timing here: timings come from ``eval/tune_decode.py`` and ``eval/bench_gpu.py``; Nsight Compute
 locks the clocks to base and reports cycles, occupancy and stall reasons
 (``eval/results/ncu_decode_*.txt``).
