@@ -8,7 +8,8 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
 * ``triton``: ``decode_attention_triton`` over the packed history only (dense tiers empty), stage 1 and
   the merge, at the launcher's defaults, with ``OSCAR_DECODE_HISTORY=triton``;
 * ``gluon``: ``history_partials`` (its stage 1 only; the merge is the same kernel) for each number
-  of splits (programs an SM x SMs / (batch x KV heads));
+  of splits (programs an SM x SMs / (batch x KV heads)); ``gluon, staged``: the same with the next
+  tile copied into shared memory while the current one computes (``pipeline=True``);
 * ``triton, all tiers`` and ``gluon, all tiers``: the whole call as the kernel benchmark times it
   (sink, history, recent window, new row), the latter for each size of the dense tiers' splits.
 
@@ -18,6 +19,7 @@ Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and d
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -85,15 +87,15 @@ def main() -> None:
 
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
-        for per_sm in (int(p) for p in options.programs_per_sm.split(",")):
+        for per_sm, pipeline in itertools.product(map(int, options.programs_per_sm.split(",")), (False, True)):
             splits = tune.splits_for(per_sm, batch)
 
             def gluon_run():
-                return history_partials(q, *packed, sm_scale=scale, splits=splits)
+                return history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
 
             error = (merge_partials(*gluon_run()) - want).abs().max().item()
-            rows.append({"batch": batch, "kernel": "gluon", "programs_per_sm": per_sm, "splits": splits,
-                         "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
+            rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "programs_per_sm": per_sm,
+                         "splits": splits, "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
             print(rows[-1], flush=True)
         rows += full_call_rows(kernels, x, scale, options.dense_split_tokens)
     options.out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 D = gl.constexpr(128)
 # Registers a thread, capped: uncapped, ptxas takes 138 (158 reading the length on the device), which
@@ -62,6 +62,19 @@ WORDS_V: gl.constexpr = gl.DistributedLinearLayout(
 META: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
 )  # fmt: skip
+# Shared-memory staging of the next tile (PIPELINE), per stage: each thread's 16 K or V words of a
+# tile in 16-byte vectors, the warp's vectors side by side (conflict-free reads).
+K_STAGES: gl.constexpr = gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [1, 0], [0, 2], [0, 4], [8, 0], [16, 0], [32, 0], [2, 0], [4, 0]],
+)  # fmt: skip
+V_STAGES: gl.constexpr = gl.SharedLinearLayout(
+    offset_bases=[[8, 0], [1, 0], [16, 0], [32, 0], [0, 1], [0, 2], [0, 4], [2, 0], [4, 0]],
+)  # fmt: skip
+META_STAGES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+META_COPY: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+# Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later versions async_load and barrier.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # movmatrix.trans on each 8x8 bf16 block of a [64, 8] accumulator-shaped tensor (pack=2: a register
 # holds row g, columns 2t, 2t+1 of a block; afterwards, of the block's transpose).
 TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
@@ -210,6 +223,43 @@ def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, MASKED: gl.constexpr):
 
 
 @gluon.jit
+def _stage_buffers(KS):
+    """Two stages of a tile's K and V words and of its four metadata vectors, in shared memory."""
+    meta = KS.dtype.element_ty
+    return (gl.allocate_shared_memory(gl.int32, [2, 64, 8], K_STAGES),
+            gl.allocate_shared_memory(gl.int32, [2, 64, 8], V_STAGES),
+            gl.allocate_shared_memory(meta, [2, 64], META_STAGES), gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+            gl.allocate_shared_memory(meta, [2, 64], META_STAGES), gl.allocate_shared_memory(meta, [2, 64], META_STAGES))  # fmt: skip
+
+
+@gluon.jit
+def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block):
+    """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile):
+    each thread copies the K and V words it will read back; the metadata go in the copy's own layout."""
+    k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
+    k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
+    k_offsets = k_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
+    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
+    v_offsets = v_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
+    rows = gl.arange(0, 64, layout=META_COPY)
+    _async_load(k_buf.index(stage), KC + block * 8 + k_offsets)
+    _async_load(v_buf.index(stage), VC + block * 8 + v_offsets)
+    _async_load(ks_buf.index(stage), KS + block + rows)
+    _async_load(kz_buf.index(stage), KZ + block + rows)
+    _async_load(vs_buf.index(stage), VS + block + rows)
+    _async_load(vz_buf.index(stage), VZ + block + rows)
+
+
+@gluon.jit
+def _staged_tile(buffers, stage):
+    """A copied tile read back from ``stage`` in the layouts :func:`_load_tile` gives."""
+    k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
+    meta = (ks_buf.index(stage).load(META), kz_buf.index(stage).load(META), vs_buf.index(stage).load(META),
+            vz_buf.index(stage).load(META))  # fmt: skip
+    return k_buf.index(stage).load(WORDS_K), v_buf.index(stage).load(WORDS_V), meta
+
+
+@gluon.jit
 def _q_block(Q, J: gl.constexpr, GROUP: gl.constexpr):
     """q's dims ``32J + byte(k)`` as the scores' B operand ``[32 k, 8 heads]`` (heads >= GROUP are 0);
     ``byte(k)`` inverts :func:`_k_operand`'s relabelling."""
@@ -230,7 +280,7 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr,
-    RING: gl.constexpr,
+    RING: gl.constexpr, PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -253,19 +303,21 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, UNPACK, V_UNPACK, OFFSET,
+        score_scale, GROUP, UNPACK, V_UNPACK, OFFSET, PIPELINE,
     )  # fmt: skip
 
 
 @gluon.jit
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
-    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr,
+    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr, PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). Codes enter the MMAs as ``OFFSET + 4**j * c`` for
     blocks j = 0..2 and ``OFFSET + c`` for j = 3; q is divided by the same factors. Whole tiles run
-    without masks; a last partial tile runs masked."""
+    without masks; a last partial tile runs masked. ``PIPELINE``: each whole tile is copied into
+    shared memory (``cp.async``) while the one before computes, so that its loads' latency is hidden
+    without registers to hold them (a register prefetch took 204 registers a thread)."""
     q0, q1, q2, q3 = _q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP)
     # Per head: sum(q) and what the codes' offset adds to the dots.
     s0, s1, s2, s3 = _head_sum(q0), _head_sum(q1), _head_sum(q2), _head_sum(q3)
@@ -277,9 +329,24 @@ def _history_span(
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
     state = (gl.full([8], float("-inf"), gl.float32, HEAD_COLS), lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
     whole_end = start + (end - start) // 64 * 64
-    for block in range(start, whole_end, 64):
-        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
-        state = _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+    if PIPELINE:  # tile i + 1 is copied into shared memory while tile i computes
+        buffers = _stage_buffers(KS)
+        if start < whole_end:
+            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
+        async_copy.commit_group()
+        for block in range(start, whole_end, 64):
+            stage = (block - start) // 64 % 2
+            if block + 64 < whole_end:
+                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64)
+            async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
+            async_copy.wait_group(1)
+            _barrier()  # the metadata were copied by other lanes than those that read them
+            tile = _staged_tile(buffers, stage)
+            state = _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+    else:
+        for block in range(start, whole_end, 64):
+            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
+            state = _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK, V_UNPACK, False)
     if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
         state = _tile_step(state, tile, q, q_sum, bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True)
@@ -347,12 +414,13 @@ def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, ac
 def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
-    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
+    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None, pipeline: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
     m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
-    ``lengths[0]`` rows split on the device."""
+    ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
+    :func:`_history_span`; not yet timed on a GPU, so off by default)."""
     from oscar_hf.kernels.decode_attention import _CODE_MAGIC, _LOG2E
 
     batch, q_heads, head_dim = q.shape
@@ -370,13 +438,13 @@ def history_into(
         *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[q.dtype][1],
-        RING=lengths is not None, num_warps=1, maxnreg=REGISTERS,
+        RING=lengths is not None, PIPELINE=pipeline, num_warps=1, maxnreg=REGISTERS,
     )  # fmt: skip
 
 
 def history_partials(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
-    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int,
+    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
     head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
@@ -386,7 +454,8 @@ def history_partials(
     splits = -(-n_hist // chunk)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk)
+    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
+                 pipeline=pipeline)  # fmt: skip
     return m, l, acc
 
 
@@ -412,16 +481,19 @@ def compile_for_sm90() -> None:
     driver.set_active(sass_count._Sm90Driver())
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     history, words, meta = 100_000, (8 * 100_000 * 8, 100_000 * 8), (8 * 100_000, 100_000)
-    for ring in (False, True):  # the history length as an argument, or read on the device (static decoding)
+    for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
+        # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
-            V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[bf16][1], RING=ring, grid=(1,), num_warps=1,
+            V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[bf16][1], RING=ring, PIPELINE=pipeline, grid=(1,),
+            num_warps=1,
             maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))
-        print(f"ring={ring}: {_resource_usage(compiled)}; {sum(ops.values())} instructions per 64-key tile")
-        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
+        print(f"ring={ring} pipeline={pipeline}: {_resource_usage(compiled)}; shared {compiled.metadata.shared} B; "
+              f"{sum(ops.values())} instructions per 64-key tile")  # fmt: skip
+        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
 
 
 def _resource_usage(compiled) -> str:
