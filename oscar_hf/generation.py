@@ -54,7 +54,7 @@ class StaticDecoder:
             True uses ``torch.compile``'s default mode; a string picks one of :data:`COMPILE_MODES`
             (``"max-autotune-no-cudagraphs"`` also lets Inductor time Triton GEMMs against cuBLAS's:
             6.43 instead of 6.52 ms for the Qwen3-8B step at 100K, batch 1, on an H200; but at batch 8,
-            after batch 1 in the same process, a recompile inside the capture made its capture fail).
+            after batch 1 in the same process, its kernel tuning ran inside the capture, which failed).
         fuse_projections: while decoding, run each layer's q/k/v and gate/up projections as one GEMM
             over their stacked weights (:mod:`oscar_hf.fused_projections`; the same outputs up to
             rounding, no extra memory; default). At batch 1 the small k and v projections read their weights at about

@@ -215,6 +215,30 @@ def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps, fuse):
     assert stats["unique_graphs"] <= 6  # one set of graphs for every layer and step (a graph per layer: 11)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_every_compiled_graph_is_built_in_the_first_static_step(monkeypatch):
+    """The second static step is the one a CUDA graph captures: nothing may compile there (a compile
+    can time kernels, which a capturing stream forbids), also for a new batch size in the same process."""
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    compiled_per_step = []
+    run = oscar_hf.StaticDecoder._run
+
+    def counting(self):
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        logits = run(self)
+        compiled_per_step.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+        return logits
+
+    monkeypatch.setattr(oscar_hf.StaticDecoder, "_run", counting)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for batch in (1, 2):
+        compiled_per_step.clear()
+        fast(model, prompts([30])[0][None].repeat(batch, 1), OscarCache(model, "quarot-int2", **SMALL), compile=True,
+             max_new_tokens=5)  # fmt: skip
+        assert compiled_per_step[0] > 0 and compiled_per_step[1:] == [0, 0, 0], (batch, compiled_per_step)
+
+
 def test_fused_projections_in_the_static_step_keep_the_tokens(tiny, static_steps):
     ids = prompts([30])[0][None]
     want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=12)
