@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--programs-per-sm", default="10,12,14,16")
+    parser.add_argument("--programs-per-sm", default="14,16")  # 10 and 12 were slower (gluon_history_timing.md)
     parser.add_argument("--dense-split-tokens", default="16,32,64,256",
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     options = parser.parse_args()
