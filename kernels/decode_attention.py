@@ -37,11 +37,14 @@ import sys
 
 import torch
 
+from oscar_hf.log import get_logger
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
 from ._triton import (
     INTERPRET, cdiv, define_op, is_power_of_two, next_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
 )  # fmt: skip
+
+logger = get_logger(__name__)
 
 _LOG2E = 1.4426950408889634  # scores go to the kernels in base-2 units (see _online_softmax)
 _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a couple of splits each
@@ -670,19 +673,43 @@ HISTORY_KERNELS = ("gluon", "triton")
 
 def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) -> bool:
     """Whether the history slots come from the explicit-layout span (``kernels/decode_history_gluon.py``):
-    on a GPU, for the shapes it covers, at the launcher's default tiles, unless
-    ``OSCAR_DECODE_HISTORY=triton`` asks for the Triton stage 1 throughout."""
+    on a GPU, for the shapes it covers, at the launcher's default tiles, where this Triton has Gluon,
+    unless ``OSCAR_DECODE_HISTORY=triton`` asks for the Triton stage 1 throughout.
+
+    Raises:
+        ValueError: ``OSCAR_DECODE_HISTORY`` is neither ``gluon`` nor ``triton``.
+        RuntimeError: ``OSCAR_DECODE_HISTORY=gluon`` asked for the span where it cannot load.
+    """
     import os
 
-    choice = os.environ.get("OSCAR_DECODE_HISTORY", "gluon")
-    if choice not in HISTORY_KERNELS:
+    choice = os.environ.get("OSCAR_DECODE_HISTORY")
+    if choice not in (None, *HISTORY_KERNELS):
         raise ValueError(f"OSCAR_DECODE_HISTORY={choice!r}: expected one of {HISTORY_KERNELS}")
-    return (
-        choice == "gluon" and q.is_cuda and not INTERPRET
+    covered = (
+        choice != "triton" and q.is_cuda and not INTERPRET
         and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and (k_bits, v_bits) == (2, 2)
         and k_scale.shape[-1] == v_scale.shape[-1] == 1 and q.shape[1] // k_codes.shape[1] <= 8
         and not tuned and k_codes.shape[2] > 0
     )  # fmt: skip
+    if not covered:
+        return False
+    reason = _gluon_unavailable()
+    if reason is not None and choice == "gluon":
+        raise RuntimeError(f"OSCAR_DECODE_HISTORY=gluon, but the Gluon span cannot load here ({reason})")
+    return reason is None
+
+
+@functools.cache
+def _gluon_unavailable() -> str | None:
+    """Why the Gluon span cannot load with this Triton (it was written for 3.6 and later), or None.
+    Logged once; the Triton stage 1 then reads the history."""
+    try:
+        from . import decode_history_gluon  # noqa: F401
+    except (ImportError, AttributeError) as error:
+        reason = f"triton {triton.__version__}: {type(error).__name__}: {error}"
+        logger.warning("the Gluon history span cannot load (%s): decoding uses the Triton kernel alone", reason)
+        return reason
+    return None
 
 
 def _shift_free_blocks(bits: int, dtype: torch.dtype) -> int:

@@ -5,6 +5,7 @@ Triton kernel. Without a GPU, CI still compiles the span for sm_90: its layouts 
 register-only (``assert_trivial``) and its register budget held.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -134,3 +135,31 @@ def test_an_unknown_history_kernel_is_refused(monkeypatch):
     args, options = _decode_inputs(1, 4, 1, 128, 4, 64, 4, 1, torch.bfloat16, 2, 2, seed=0)
     with pytest.raises(ValueError, match="OSCAR_DECODE_HISTORY='glunon'"):
         decode_attention_triton(*args, options["key_mask"], 2, 2, 0.088)
+
+
+@pytest.mark.parametrize("choice, available, want", [
+    (None, True, True),  # the default where Gluon loads
+    (None, False, False),  # an older Triton: the Triton stage 1, logged once
+    ("triton", True, False),
+    ("gluon", False, RuntimeError),  # asked for explicitly: a clear error, not a silent fallback
+])  # fmt: skip
+def test_the_history_kernel_choice(monkeypatch, choice, available, want):
+    """Which kernel reads the history for a covered shape (Qwen3-8B attention on a GPU; only shapes
+    and the device flag matter, so q stands in without a GPU)."""
+    import types
+
+    from oscar_hf.kernels import decode_attention as kernels
+
+    monkeypatch.delenv("OSCAR_DECODE_HISTORY", raising=False)
+    if choice is not None:
+        monkeypatch.setenv("OSCAR_DECODE_HISTORY", choice)
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    monkeypatch.setattr(kernels, "_gluon_unavailable", lambda: None if available else "triton 3.0: ImportError")
+    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 32, 128))
+    codes, scale = torch.empty(1, 8, 1000, 32, dtype=torch.uint8), torch.empty(1, 8, 1000, 1)
+    choose = functools.partial(kernels._gluon_history, q, codes, 2, 2, scale, scale, tuned=False)
+    if want is RuntimeError:
+        with pytest.raises(RuntimeError, match="cannot load here"):
+            choose()
+    else:
+        assert choose() is want
