@@ -1,8 +1,8 @@
-"""The packed-history span of decode attention with explicit layouts (Gluon), for INT2 K and V, one (scale, zero) per row,
-bf16, head_dim 128, up to 8 query heads per KV head, 64-key tiles on one warp. On a GPU the decode
-kernel takes its history slots from here for the shapes it covers (``OSCAR_DECODE_HISTORY=triton``
-opts out): 30.7 us instead of 43.1 at 100K, batch 1, on an H200, and 199.7 instead of 298.3 at
-batch 8 (``eval/results/gluon_history_timing.md``).
+"""The packed-history span of decode attention with explicit layouts (Gluon), for INT2 K and V, one
+(scale, zero) per row, bf16, head_dim 128, up to 8 query heads per KV head, 64-key tiles on one
+warp. On a GPU the decode kernel takes its history slots from here for the shapes it covers
+(``OSCAR_DECODE_HISTORY=triton`` opts out): 30.7 us instead of 43.1 at 100K, batch 1, on an H200,
+and 199.7 instead of 298.3 at batch 8 (``eval/results/gluon_history_timing.md``).
 
 Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
 costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
@@ -228,8 +228,10 @@ def _stage_buffers(KS):
     meta = KS.dtype.element_ty
     return (gl.allocate_shared_memory(gl.int32, [2, 64, 8], K_STAGES),
             gl.allocate_shared_memory(gl.int32, [2, 64, 8], V_STAGES),
-            gl.allocate_shared_memory(meta, [2, 64], META_STAGES), gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-            gl.allocate_shared_memory(meta, [2, 64], META_STAGES), gl.allocate_shared_memory(meta, [2, 64], META_STAGES))  # fmt: skip
+            gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+            gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+            gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+            gl.allocate_shared_memory(meta, [2, 64], META_STAGES))  # fmt: skip
 
 
 @gluon.jit
