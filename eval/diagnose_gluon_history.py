@@ -22,25 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
+from oscar_hf.kernels.decode_attention import decode_attention_reference, split_rows  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import merge_partials  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402
 
 SM_SCALE = 0.088
 LOG2E = 1.4426950408889634
-
-
-def split_chunk(rows: int, splits: int) -> int:
-    """Rows a split, as :func:`history_partials` cuts them (whole 64-key tiles)."""
-    return math.ceil(math.ceil(rows / splits) / 64) * 64
 
 
 def reference_partials(q: torch.Tensor, packed: list[torch.Tensor], splits: int) -> tuple[torch.Tensor, ...]:
@@ -51,7 +45,7 @@ def reference_partials(q: torch.Tensor, packed: list[torch.Tensor], splits: int)
     values = dequantize(QuantizedRows(v_codes, v_scale, v_zero), 2, head_dim, torch.float32)
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    chunk = split_chunk(keys.shape[2], splits)
+    chunk = split_rows(keys.shape[2], splits, 64)[1]  # as history_partials cuts them
     m, l, acc = [], [], []
     for start in range(0, keys.shape[2], chunk):
         scores = torch.einsum("bhd,bhtd->bht", q.float(), keys[:, :, start : start + chunk]) * SM_SCALE * LOG2E

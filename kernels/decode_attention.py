@@ -562,7 +562,12 @@ def _splits(
     if length == 0:
         return 0, block_n
     wave = max(1, _device_programs(device, programs_per_sm) // programs_per_split)
-    splits = requested or min(_MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), wave)
+    return split_rows(length, requested or min(_MAX_SPLITS, cdiv(length, _MIN_SPLIT_TOKENS), wave), block_n)
+
+
+def split_rows(length: int, splits: int, block_n: int) -> tuple[int, int]:
+    """``(splits, chunk)``: ``length`` rows cut into at most ``splits`` chunks of whole ``block_n``-row
+    tiles (the last chunk may end in a partial tile; fewer splits where the rounding leaves some empty)."""
     chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
     return cdiv(length, chunk), chunk
 

@@ -450,10 +450,10 @@ def history_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
     head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
+    from oscar_hf.kernels.decode_attention import split_rows
+
     batch, q_heads, head_dim = q.shape
-    n_hist = k_codes.shape[2]
-    chunk = -(-(-(-n_hist // splits)) // 64) * 64
-    splits = -(-n_hist // chunk)
+    splits, chunk = split_rows(k_codes.shape[2], splits, 64)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,

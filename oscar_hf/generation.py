@@ -57,8 +57,8 @@ class StaticDecoder:
             after batch 1 in the same process, its kernel tuning ran inside the capture, which failed).
         fuse_projections: while decoding, run each layer's q/k/v and gate/up projections as one GEMM
             over their stacked weights (:mod:`oscar_hf.fused_projections`; the same outputs up to
-            rounding, no extra memory; default). At batch 1 the small k and v projections read their weights at about
-            half the bandwidth of q's: on an H200 the captured, compiled Qwen3-8B step at 100K took
+            rounding, no extra memory; default). At batch 1 the small k and v projections read their
+            weights at about half the bandwidth of q's: on an H200 the captured, compiled Qwen3-8B step at 100K took
             6.85 ms fused and 7.55 ms not (``eval/results/bench_graph_gluon.md``). The weights are
             views into the stacked ones until :meth:`stop` (which ``generate`` calls) clones them back.
 
