@@ -63,6 +63,7 @@ from oscar_hf.absorption import absorb_value_rotations  # noqa: E402
 from oscar_hf.cache import ABSORBED_ATTRIBUTE  # noqa: E402
 from oscar_hf.compat import cache_keyword  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
+from oscar_hf.storage import aligned_rows  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -599,16 +600,22 @@ def tiered_inputs(config: dict, context: int, batch: int, device: torch.device, 
     def rows(count: int) -> torch.Tensor:
         return torch.randn(batch, kv_heads, count, dim, generator=generator, device=device, dtype=dtype)
 
+    def as_stored(tensor: torch.Tensor) -> torch.Tensor:
+        """The first ``history`` rows of a buffer of aligned capacity, as a cache's history holds them."""
+        stored = tensor.new_empty(batch, kv_heads, aligned_rows(history), tensor.shape[-1])
+        stored[:, :, :history] = tensor
+        return stored[:, :, :history]
+
     def packed(bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if config["codes"] == "quantize":
             quantized = quantize(rows(history), bits, dim)
-            return quantized.codes, quantized.scale, quantized.zero
+            return as_stored(quantized.codes), as_stored(quantized.scale), as_stored(quantized.zero)
         meta = (batch, kv_heads, history, 1)
         codes = torch.randint(0, 256, (batch, kv_heads, history, dim * bits // 8), generator=generator,
                               device=device, dtype=torch.uint8)  # fmt: skip
         scale = torch.rand(meta, generator=generator, device=device) * 0.5 + 0.05
         zero = torch.rand(meta, generator=generator, device=device) * (2**bits - 1)
-        return codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+        return as_stored(codes), as_stored(scale.to(torch.bfloat16)), as_stored(zero.to(torch.bfloat16))
 
     q = torch.randn(batch, shape["q_heads"], dim, generator=generator, device=device, dtype=dtype)
     k_codes, k_scale, k_zero = packed(config["k_bits"])

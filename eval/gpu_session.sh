@@ -68,11 +68,16 @@ for step in "$@"; do
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
             run gluon_diagnosis 120 python3 eval/diagnose_gluon_history.py --out "$work"
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
-        ncu)  # the history span's occupancy and stall reasons at the launcher's defaults, batches 1 and 8
+        ncu)  # the history span's occupancy and stall reasons, direct and staged, batches 1 and 8
             for batch in 1 8; do
-                run "ncu_span_b$batch" 150 ncu --kernel-name regex:history_kernel --launch-skip 2 --launch-count 1 \
-                    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
-                    --section WarpStateStats --print-details all python3 eval/ncu_decode.py --batch "$batch"
+                for variant in direct staged; do
+                    flag=""
+                    [ "$variant" = staged ] && flag=--staged
+                    run "ncu_span_b${batch}_$variant" 150 ncu --kernel-name regex:history_kernel --launch-skip 2 \
+                        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+                        --section SchedulerStats --section WarpStateStats --print-details all \
+                        python3 eval/ncu_decode.py --batch "$batch" $flag
+                done
             done ;;
         *) echo "unknown step $step" >&2 ;;
     esac

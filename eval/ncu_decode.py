@@ -3,11 +3,13 @@
     ncu --kernel-name regex:history_kernel --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
         --print-details all python eval/ncu_decode.py --batch 1 [--splits S --block-n N --warps W --stages T]
+        [--staged]
 
 The kernel benchmark's inputs (``eval/configs/bench_kernel.json``: Qwen3-8B attention, INT2 K and V)
 at ``--context`` rows, three launches with the given tuning knobs (0: the launcher's defaults). At the
 defaults on a GPU the history is the Gluon span's (``history_kernel``); ``--splits``, ``--block-n`` or ``--warps``, or
-``OSCAR_DECODE_HISTORY=triton``, gives the Triton stage 1 (``regex:_decode_stage1``). No
+``OSCAR_DECODE_HISTORY=triton``, gives the Triton stage 1 (``regex:_decode_stage1``); ``--staged``
+launches the span alone with its next tile staged in shared memory (``pipeline=True``). No
 timing here: timings come from ``eval/tune_decode.py`` and ``eval/bench_gpu.py``; Nsight Compute
 locks the clocks to base and reports cycles, occupancy and stall reasons
 (``eval/results/ncu_decode_*.txt``).
@@ -34,13 +36,21 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100_000)
     for knob in ("splits", "block-n", "warps", "stages"):
         parser.add_argument(f"--{knob}", type=int, default=0)
+    parser.add_argument("--staged", action="store_true", help="the span alone, next tile staged (pipeline=True)")
     options = parser.parse_args()
     inputs = bench.tiered_inputs(CONFIG, options.context, options.batch, torch.device("cuda"), seed=0)
     args = [inputs["q"], *(inputs[name] for name in bench.TIER_NAMES)]
     kernels, scale = bench.decode_kernels(), CONFIG["shape"]["head_dim"] ** -0.5
     knobs = (options.splits, options.block_n, options.warps, options.stages)
     for _ in range(3):
-        kernels.decode_attention_triton(*args, None, 2, 2, scale, *knobs)
+        if options.staged:
+            from oscar_hf.kernels.decode_history_gluon import PROGRAMS_PER_SM, history_partials
+
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            splits = PROGRAMS_PER_SM * sms // (options.batch * inputs["k_codes"].shape[1])
+            history_partials(inputs["q"], *(inputs[name] for name in bench.TIER_NAMES[2:8]), scale, splits, pipeline=True)
+        else:
+            kernels.decode_attention_triton(*args, None, 2, 2, scale, *knobs)
     torch.cuda.synchronize()
 
 

@@ -433,8 +433,14 @@ def history_into(
     if group > 8:
         raise ValueError(f"the span covers at most 8 query heads per KV head, got {group}")
     q = q.contiguous()
-    words_k, words_v = (codes.contiguous().view(torch.int32) for codes in (k_codes, v_codes))
-    meta = [t.contiguous() for t in (k_scale, k_zero, v_scale, v_zero)]
+    # Rows are read in place (a cache's buffers hold more rows than are valid): no copies per call.
+    words_k, words_v = (_rows_in_place(codes, 32).view(torch.int32) for codes in (k_codes, v_codes))
+    meta = [_rows_in_place(t, 1) for t in (k_scale, k_zero, v_scale, v_zero)]
+    if len({t.stride()[:2] for t in meta}) > 1:  # the kernel takes one pair of strides for all four
+        meta = [t.contiguous() for t in meta]
+    if pipeline and not staging_aligned(meta):
+        raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
+                         "16-row aligned (storage.ROW_ALIGNMENT)")
     history_kernel[(batch, kv_heads, splits)](
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
@@ -442,6 +448,20 @@ def history_into(
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[q.dtype][1],
         RING=lengths is not None, PIPELINE=pipeline, num_warps=1, maxnreg=REGISTERS,
     )  # fmt: skip
+
+
+def _rows_in_place(rows: torch.Tensor, row_elements: int) -> torch.Tensor:
+    """``rows`` ``[B, H, L, row_elements]`` as the kernel reads them (contiguous rows, any stride between
+    them); copied only where a row itself is not contiguous."""
+    if rows.stride(-1) != 1 or rows.stride(2) != row_elements:
+        return rows.contiguous()
+    return rows
+
+
+def staging_aligned(metadata: list[torch.Tensor]) -> bool:
+    """Whether each head's metadata rows start 16 bytes aligned and Triton can prove it (pointer and
+    strides divisible by 16), as ``pipeline=True`` needs."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 for t in metadata)
 
 
 def history_partials(

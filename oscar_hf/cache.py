@@ -125,8 +125,7 @@ class OscarLayer(CacheLayerMixin):
         group = spec.group_of(self.head_dim)
         history = PackedHistory(batch, heads, self.head_dim, spec.bits, group, self.config.metadata_dtype, self.device)
         if self.capacity is not None:  # allocated once, at the addresses static decoding will use
-            for buffer in history.buffers():
-                buffer.fix_capacity(max(0, self.capacity - self.config.sink))
+            history.fix_capacity(max(0, self.capacity - self.config.sink))
         return history
 
     def _buffers(self) -> list[RowBuffer]:

@@ -87,8 +87,8 @@ class StaticDecoding:
         for layer in self.layers:
             # A history preallocated by max_cache_len stays where it is if it is large enough (a left-
             # padded sink is longer than `sink`, so it needs fewer rows than were reserved for it).
-            for buffer in (*layer.history_keys.buffers(), *layer.history_values.buffers()):
-                buffer.fix_capacity(capacity - self.sink_rows, at_least=layer.capacity is not None)
+            for history in (layer.history_keys, layer.history_values):
+                history.fix_capacity(capacity - self.sink_rows, at_least=layer.capacity is not None)
             for buffer in (layer.recent_keys, layer.recent_values):
                 buffer.fix_capacity(self.ring_size)
         self.history_capacity = min(layer.history_keys.codes.data.shape[2] for layer in self.layers)

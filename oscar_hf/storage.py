@@ -6,6 +6,10 @@ history (plain 1.5x growth left ~48% of a 100K-token INT2 history allocated but 
 the number of sequences that fit on a GPU by a third). A regrowth copies the buffer once per
 ``MAX_SLACK_ROWS`` appended rows, a negligible cost per token. Static decoding (``oscar_hf.static``)
 fixes the capacity instead and writes by index on the device.
+
+Capacities are whole multiples of ``ROW_ALIGNMENT`` rows, so that each head's rows start 16-row
+aligned: the decode kernels then read a tile's per-row scales and zeros as 16-byte vectors, and the
+Gluon history span can stage them in shared memory (``cp.async`` needs 4-byte aligned copies).
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from .quant import QuantizedRows, dequantize
 _MIN_CAPACITY = 64
 _GROWTH = 1.5
 MAX_SLACK_ROWS = 4096
+ROW_ALIGNMENT = 16
+
+
+def aligned_rows(rows: int) -> int:
+    """``rows`` rounded up to a whole multiple of ``ROW_ALIGNMENT``."""
+    return -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
 
 
 class RowBuffer:
@@ -93,9 +103,8 @@ class RowBuffer:
             new_capacity = max(capacity, min(int(needed * _GROWTH), needed + MAX_SLACK_ROWS))
         else:  # a full buffer grows by half of itself, capped
             new_capacity = max(needed, min(int(capacity * _GROWTH), needed + MAX_SLACK_ROWS), _MIN_CAPACITY)
-        moved = torch.empty(
-            *self.data.shape[:2], new_capacity, *self.data.shape[3:], dtype=self.data.dtype, device=self.data.device
-        )
+        shape = (*self.data.shape[:2], aligned_rows(new_capacity), *self.data.shape[3:])
+        moved = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
         moved[:, :, : self.length] = self.view()
         self.data, self.start = moved, 0
 
@@ -140,6 +149,11 @@ class PackedHistory:
 
     def buffers(self) -> tuple[RowBuffer, RowBuffer, RowBuffer]:
         return self.codes, self.scale, self.zero
+
+    def fix_capacity(self, rows: int, at_least: bool = False) -> None:
+        """Room for ``rows`` rows (rounded up to whole ``ROW_ALIGNMENT`` rows) at fixed addresses."""
+        for buffer in self.buffers():
+            buffer.fix_capacity(aligned_rows(rows), at_least)
 
     def code_bytes(self) -> int:
         return self.codes.used_bytes()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from oscar_hf.kernels.decode_attention import decode_attention_reference
+from oscar_hf.storage import RowBuffer
 
 from tests.test_kernels import TOLERANCE, _decode_inputs
 
@@ -64,16 +65,40 @@ def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
     (1, 4, 4, 256, 2),  # GQA 1, whole tiles only
     (2, 16, 2, 300, 4),  # GQA 8: every column of the MMAs is a head
 ])  # fmt: skip
-@pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
-def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, splits, pipeline):
+@pytest.mark.parametrize("pipeline, stored", [(False, False), (False, True), (True, True)],
+                         ids=["direct", "direct-in-buffers", "staged-in-buffers"])  # fmt: skip
+def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, splits, pipeline, stored):
+    """``stored``: the history as a cache holds it, the first rows of buffers of aligned capacity (read
+    in place; staging needs that alignment); otherwise plain tensors of ``history`` rows."""
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
     args, options = _decode_inputs(batch, q_heads, kv_heads, 128, 0, history, 0, 0, torch.bfloat16, 2, 2, seed=3)
     args = [a.cuda() for a in args]
     want = decode_attention_reference(*args, sm_scale=0.088, **options)
     q, _, _, *packed, _, _, _, _ = args
+    if stored:
+        packed = [_in_buffer(t) for t in packed]
     got = merge_partials(*history_partials(q, *packed, sm_scale=0.088, splits=splits, pipeline=pipeline))
     torch.testing.assert_close(got, want.float(), **TOLERANCE[torch.bfloat16])
+
+
+def _in_buffer(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` copied into a RowBuffer, as a view of its first rows (capacity aligned, garbage after)."""
+    buffer = RowBuffer(rows.shape[0], rows.shape[1], tuple(rows.shape[3:]), rows.dtype, rows.device)
+    buffer.append(rows)
+    buffer.data[:, :, rows.shape[2] :] = 7  # unread rows past the history
+    return buffer.view()
+
+
+@GPU
+def test_staging_refuses_unaligned_metadata():
+    from oscar_hf.kernels.decode_history_gluon import history_partials
+
+    args, _ = _decode_inputs(1, 4, 1, 128, 0, 99, 0, 0, torch.bfloat16, 2, 2, seed=3)
+    q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
+    packed[1] = packed[1][:, :, 1:]  # every head's rows one element off
+    with pytest.raises(ValueError, match="16-row aligned"):
+        history_partials(q, *[t[:, :, :98] for t in packed], sm_scale=0.088, splits=1, pipeline=True)
 
 
 @GPU
