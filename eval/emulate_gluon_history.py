@@ -22,25 +22,29 @@ from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa
 from tests.test_kernels import _decode_inputs  # noqa: E402
 
 GROUP, OFFSET, SM_SCALE = 4, 128.0, 0.088
-FACTORS = (1.0, 4.0, 16.0, 1.0)  # code factor f_j of column block j
+# code factor f_j and offset of column block j: K's block 3 is fp16 (1024 + 64 c), V's a shifted bf16
+K_FACTORS, K_OFFSETS = (1.0, 4.0, 16.0, 64.0), (OFFSET, OFFSET, OFFSET, 1024.0)
+V_FACTORS = (1.0, 4.0, 16.0, 1.0)
+Q_DTYPES = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float16)  # q's blocks as the MMAs take them
 
 
-def code_values(words: torch.Tensor, byte: int, block: int) -> torch.Tensor:
-    """``OFFSET + f_j * code`` of one byte and column block of every word, as the asm makes them."""
-    return OFFSET + FACTORS[block] * ((words >> (8 * byte + 2 * block)) & 3).float()
+def code_values(words: torch.Tensor, byte: int, block: int, offset: float, factor: float) -> torch.Tensor:
+    """``offset + f_j * code`` of one byte and column block of every word, as the asm makes them."""
+    return offset + factor * ((words >> (8 * byte + 2 * block)) & 3).float()
 
 
 def k_codes(words: torch.Tensor, block: int) -> torch.Tensor:
     """``_unpack_k`` then ``_k_operand``: the scores' A operand ``[64 rows m, 32 k]``."""
-    even = torch.stack([code_values(words, 2 * e, block) for e in (0, 1)], -1)  # output 2j: bytes 0, 2
-    odd = torch.stack([code_values(words, 2 * e + 1, block) for e in (0, 1)], -1)  # output 2j + 1: bytes 1, 3
+    offset, factor = K_OFFSETS[block], K_FACTORS[block]
+    even = torch.stack([code_values(words, 2 * e, block, offset, factor) for e in (0, 1)], -1)  # output 2j: bytes 0, 2
+    odd = torch.stack([code_values(words, 2 * e + 1, block, offset, factor) for e in (0, 1)], -1)  # 2j + 1: 1, 3
     codes = torch.stack([even, odd], -1).reshape(64, 32)  # _word_bytes
     return codes.reshape(8, 8, 4, 2, 2, 2).permute(1, 0, 3, 5, 2, 4).reshape(64, 32)
 
 
 def v_codes(words: torch.Tensor, block: int) -> torch.Tensor:
     """``_unpack_v`` then ``_v_operand``: the value MMA's A operand ``[32 dims m, 64 K]``."""
-    b0, b1, b2, b3 = (code_values(words, b, block) for b in range(4))
+    b0, b1, b2, b3 = (code_values(words, b, block, OFFSET, V_FACTORS[block]) for b in range(4))
     codes = torch.stack([torch.stack([b0, b1], -1), torch.stack([b2, b3], -1)], -1)  # _bytes_of
     codes = codes.permute(0, 1, 3, 2).reshape(64, 32)
     return codes.reshape(4, 2, 8, 8, 4).permute(4, 3, 2, 0, 1).reshape(32, 64)
@@ -78,11 +82,10 @@ def q_blocks(q: torch.Tensor) -> list[torch.Tensor]:
 def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) -> torch.Tensor:
     """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``."""
     rows_total = words_k.shape[0]
-    blocks = q_blocks(q)
-    sums = [b.sum(0) for b in blocks]
-    q_sum = sum(sums)
-    bias = OFFSET * (sums[0] + 0.25 * sums[1] + 0.0625 * sums[2] + sums[3])
-    scaled = [b / f for b, f in zip(blocks, FACTORS)]
+    scaled = [(b / f).to(dtype).float() for b, f, dtype in zip(q_blocks(q), K_FACTORS, Q_DTYPES)]
+    sums = [b.sum(0) for b in scaled]
+    q_sum = sum(f * s for f, s in zip(K_FACTORS, sums))
+    bias = sum(o * s for o, s in zip(K_OFFSETS, sums))
     m_i = torch.full((8,), float("-inf"))
     l_part, w_part, wz_part = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
     acc = [torch.zeros(32, 8) for _ in range(4)]
@@ -111,7 +114,7 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) ->
     l_i, w_sum, wz_sum = l_part.sum(0), w_part.sum(0), wz_part.sum(0)
     out = torch.zeros(8, 128)
     m = torch.arange(32)
-    for j, f in enumerate(FACTORS):
+    for j, f in enumerate(V_FACTORS):
         out[:, 32 * j + 4 * (m % 8) + m // 8] = (acc[j] / f - wz_sum[None, :] - OFFSET / f * w_sum[None, :]).T
     return out[:GROUP] / l_i[:GROUP, None]
 

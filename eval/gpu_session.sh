@@ -5,7 +5,7 @@
 #   bash eval/gpu_session.sh OUT_DIR STEP...      e.g.  bash eval/gpu_session.sh $OUT tests kernel e2e
 #
 # Steps and their wall time on one H200 (2026-11-30, 2026-12-01): tests ~210 s (compiled kernel and static
-# tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s (issue 7's CUDA-graph
+# tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~150 s (issue 7's CUDA-graph
 # decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM autotuning), tune 4 min
 # (batches 1, 8, 32), kernel 60 s, e2e 140 s per model for 2 contexts and 3 caches (here 3 and 4: expect ~280 s),
 # memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, ncu ~50 s (Nsight Compute on the Gluon
@@ -55,6 +55,10 @@ for step in "$@"; do
                     --set 'models=["qwen3-8b"]' --set 'contexts=[65536]' --set "$caches" \
                     --set 'compiled_static.models=[]' --set 'profile.model="none"'
             fi ;;
+        graph-100k)  # the 8B at 100K: eager DynamicCache against the best captured step, profiled at batch 1
+            run graph_100k 300 $bench --config eval/configs/bench_graph.json --name bench_graph_100k \
+                --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \
+                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile+fused"]' ;;
         graph-gemms)  # the best captured 8B step at 100K, its GEMMs autotuned by Inductor or not
             run graph_gemms 420 $bench --config eval/configs/bench_graph.json --name bench_graph_gemms \
                 --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \

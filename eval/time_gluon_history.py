@@ -11,7 +11,9 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   of splits (programs an SM x SMs / (batch x KV heads)); ``gluon, staged``: the same with the next
   tile copied into shared memory while the current one computes (``pipeline=True``);
 * ``triton, all tiers`` and ``gluon, all tiers``: the whole call as the kernel benchmark times it
-  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits.
+  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits, with
+  the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
+  one after another.
 
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
@@ -47,13 +49,14 @@ def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str) -> l
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")]
-    default = kernels._SPAN_DENSE_SPLIT_TOKENS
+    default, overlap = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens in (int(t) for t in dense_split_tokens.split(",")):
+    for tokens, pdl in itertools.product((int(t) for t in dense_split_tokens.split(",")), (True, False)):
         kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constant, swept here
-        rows.append(row("gluon, all tiers", dense_split_tokens=tokens))
+        kernels.programmatic_launch = overlap if pdl else lambda device: False
+        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens))
         print(rows[-1], flush=True)
-    kernels._SPAN_DENSE_SPLIT_TOKENS = default
+    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch = default, overlap
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -62,8 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--programs-per-sm", default="14,16")  # 10 and 12 were slower (gluon_history_timing.md)
-    parser.add_argument("--dense-split-tokens", default="16,32,64,256",
+    parser.add_argument("--programs-per-sm", default="16")  # 10-14 were slower (session 10 and 11 runs)
+    parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     options = parser.parse_args()
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials

@@ -407,7 +407,7 @@ def _decode_stage1_kernel(
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
     V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_FREE: tl.constexpr, V_FREE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -498,14 +498,23 @@ def _decode_stage1_kernel(
     if V_PARTS == 4:
         tl.store(pointers + 2 * DPV, a2, mask=head_ok[:, None])
         tl.store(pointers + 3 * DPV, a3, mask=head_ok[:, None])
+    if AFTER_SPAN:
+        # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does
+        # not touch: this grid completes only after the span has, so the merge may wait on it alone.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
 def _decode_stage2_kernel(
     PM, PL, PACC, O, o_st, n_slots,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
-    """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits."""
+    """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits.
+    ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slots = tl.arange(0, SLOTS)
@@ -644,9 +653,12 @@ def decode_attention_triton(
     magic, offset = _CODE_MAGIC[q.dtype][:2]
 
     first_slot = hist_splits if gluon else 0
+    # On Hopper and later the dense tiers and the merge launch early (programmatic dependent launch):
+    # the dense tiers fill the span's tail instead of waiting for all of it, and launch gaps hide.
+    overlap = gluon and programmatic_launch(q.device)
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
-                     partial_acc, hist_splits, chunk_hist, lengths)  # fmt: skip
+                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap)  # fmt: skip
     _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots - first_slot)](
         *t(q),
         *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
@@ -660,17 +672,29 @@ def decode_attention_triton(
         MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
         K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
         V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
-        HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, num_warps=num_warps,
-        num_stages=num_stages,
+        HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
     )  # fmt: skip
     # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
     # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us.
     block_d = min(head_dim, _MERGE_BLOCK_D)
     _decode_stage2_kernel[(batch, q_heads, head_dim // block_d)](
         partial_m, partial_l, partial_acc, *t(out), n_slots,
-        D=head_dim, BLOCK_D=block_d, SLOTS=next_power_of_two(n_slots), INTERPRETED=INTERPRET,
+        D=head_dim, BLOCK_D=block_d, SLOTS=next_power_of_two(n_slots), INTERPRETED=INTERPRET, DEPENDENT=overlap,
+        launch_pdl=overlap,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may launch before the one before them ends (Hopper and later,
+    compiled, with a Triton that has grid dependency control)."""
+    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    from triton.language.extra import cuda
+
+    return hasattr(cuda, "gdc_wait")
 
 
 HISTORY_KERNELS = ("gluon", "triton")

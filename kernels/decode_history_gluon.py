@@ -78,6 +78,9 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # movmatrix.trans on each 8x8 bf16 block of a [64, 8] accumulator-shaped tensor (pack=2: a register
 # holds row g, columns 2t, 2t+1 of a block; afterwards, of the block's transpose).
 TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+# What the codes' magic exponents add (see word_unpack_asm): 0x4300 is bf16 128, 0x6400 fp16 1024.
+OFFSET = gl.constexpr(128.0)
+K3_OFFSET = gl.constexpr(1024.0)
 
 
 @gluon.jit
@@ -154,12 +157,15 @@ def _per_lane(per_head, like):
 
 
 def word_unpack_asm(pair: bool) -> str:
-    """PTX: 2-bit codes of 32-bit words as bf16 ``128 + f_j * code`` (``f_j = 4**j`` for blocks j < 3,
-    1 for j = 3: the factors of ``decode_attention._unpack_asm``), two codes a 32-bit output.
+    """PTX: 2-bit codes of 32-bit words as 16-bit floats ``OFFSET + f_j * code``, two codes a 32-bit output.
+
+    bf16 blocks j < 3 are ``128 + 4**j * code`` (they lie inside bf16's 7-bit mantissa); block 3 is
+    ``1024 + 64 * code`` in fp16 (10-bit mantissa) for K and ``128 + code`` in bf16, after a shift, for V
+    (whose weights stay bf16: fp16 could overflow on large value scales). Masks read the low byte of
+    each 16-bit half, so bytes 0 and 2 need no shift and bytes 1 and 3 one (no byte permutes).
 
     One word (K, ``pair=False``; its two inputs are the same word): output ``2j + h`` holds block j
-    of bytes ``h`` (low half) and ``h + 2`` (high half). The masks read the low byte of each 16-bit
-    half, so bytes 0 and 2 need no shift and bytes 1 and 3 one (no byte permutes).
+    of bytes ``h`` (low half) and ``h + 2`` (high half).
     Two words of two keys (V, ``pair=True``): output ``4j + b`` holds block j of byte b of both keys,
     the pair the value MMA's A operand wants.
     """
@@ -171,19 +177,41 @@ def word_unpack_asm(pair: bool) -> str:
     for per_block, b, gather in steps:
         lines.append(gather)
         for j in range(4):
-            source, mask = ("t", 0x00030003 << (2 * j)) if j < 3 else ("u", 0x00030003)
-            if j == 3:
+            source, mask, magic = "t", 0x00030003 << (2 * j), 0x43004300
+            if j == 3 and pair:
                 lines.append("shr.b32 u, t, 6;")
-            lines.append(f"lop3.b32 ${per_block * j + b}, {source}, {mask:#x}, 0x43004300, 0xEA;")
+                source, mask = "u", 0x00030003
+            elif j == 3:
+                magic = 0x64006400
+            lines.append(f"lop3.b32 ${per_block * j + b}, {source}, {mask:#x}, {magic:#x}, 0xEA;")
     return "{ " + " ".join(lines) + " }"
+
+
+# bf16 pairs (one 32-bit register) as two float32, one instruction each (the compiler's conversion of
+# the high half takes two), and two float32 as one rounded bf16 pair (one instruction, not three).
+WIDEN_BF16 = gl.constexpr("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }")
+NARROW_BF16 = gl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
+
+
+@gluon.jit
+def _widen(values):
+    """bf16 ``values`` as float32 (exact)."""
+    return gl.inline_asm_elementwise(WIDEN_BF16, "=r,=r,r", [values], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _narrow(values):
+    """float32 ``values`` rounded to bf16 (to nearest even, as ``.to(gl.bfloat16)``)."""
+    return gl.inline_asm_elementwise(NARROW_BF16, "=r,r,r", [values], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
 @gluon.jit
 def _unpack_k(words, UNPACK: gl.constexpr):
-    """Per column block j the ``[keys, bytes]`` codes of K's ``[keys, words]`` (``word_unpack_asm(False)``)."""
+    """Per column block j the ``[keys, bytes]`` codes of K's ``[keys, words]`` (``word_unpack_asm(False)``;
+    block 3 in fp16)."""
     # the word twice along a new last dim: each 32-bit output then holds that dim's two elements
-    o = gl.inline_asm_elementwise(UNPACK, "=r," * 8 + "r,r", [gl.join(words, words)], dtype=(gl.bfloat16,) * 8,
-                                  is_pure=True, pack=2)  # fmt: skip
+    o = gl.inline_asm_elementwise(UNPACK, "=r," * 8 + "r,r", [gl.join(words, words)],
+                                  dtype=(gl.bfloat16,) * 6 + (gl.float16,) * 2, is_pure=True, pack=2)  # fmt: skip
     return (_word_bytes(o[0], o[1]), _word_bytes(o[2], o[3]), _word_bytes(o[4], o[5]), _word_bytes(o[6], o[7]))
 
 
@@ -263,12 +291,17 @@ def _staged_tile(buffers, stage):
 
 @gluon.jit
 def _q_block(Q, J: gl.constexpr, GROUP: gl.constexpr):
-    """q's dims ``32J + byte(k)`` as the scores' B operand ``[32 k, 8 heads]`` (heads >= GROUP are 0);
+    """q's dims ``32J + byte(k)`` divided by block J's code factor ``4**J``, as the scores' B operand
+    ``[32 k, 8 heads]`` (heads >= GROUP are 0): bf16 for J < 3, fp16 for J = 3 (exact while |q| < 4e6).
     ``byte(k)`` inverts :func:`_k_operand`'s relabelling."""
     k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     byte = 8 * ((k // 2) % 4) + 4 * (k // 16) + 2 * (k % 2) + (k // 8) % 2
-    return gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0)
+    block = gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0)
+    if J == 0:
+        return block
+    divided = block.to(gl.float32) * (1.0 / 4**J)
+    return divided.to(gl.float16) if J == 3 else divided.to(gl.bfloat16)
 
 
 @gluon.jit
@@ -281,14 +314,19 @@ def _head_sum(q_block):
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
-    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr,
-    RING: gl.constexpr, PIPELINE: gl.constexpr,
+    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
     ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
-    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does."""
+    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
+    ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
+    it writes other slots and waits for this grid before it ends."""
+    if LAUNCH_DEPENDENTS:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
     b = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -305,27 +343,28 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, UNPACK, V_UNPACK, OFFSET, PIPELINE,
+        score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE,
     )  # fmt: skip
 
 
 @gluon.jit
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
-    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, OFFSET: gl.constexpr, PIPELINE: gl.constexpr,
+    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
-    sum and unnormalised accumulator (float32). Codes enter the MMAs as ``OFFSET + 4**j * c`` for
-    blocks j = 0..2 and ``OFFSET + c`` for j = 3; q is divided by the same factors. Whole tiles run
+    sum and unnormalised accumulator (float32). K's codes enter the MMAs as ``OFFSET + 4**j * c`` for
+    blocks j = 0..2 and ``K3_OFFSET + 64 * c`` for j = 3 (q divided by the same factors), V's as
+    ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see :func:`word_unpack_asm`). Whole tiles run
     without masks; a last partial tile runs masked. ``PIPELINE``: each whole tile is copied into
     shared memory (``cp.async``) while the one before computes, so that its loads' latency is hidden
     without registers to hold them (a register prefetch took 204 registers a thread)."""
-    q0, q1, q2, q3 = _q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP)
-    # Per head: sum(q) and what the codes' offset adds to the dots.
-    s0, s1, s2, s3 = _head_sum(q0), _head_sum(q1), _head_sum(q2), _head_sum(q3)
-    q_sum = s0 + s1 + s2 + s3
-    bias = OFFSET * (s0 + 0.25 * s1 + 0.0625 * s2 + s3)
-    q = (q0, (q1.to(gl.float32) * 0.25).to(gl.bfloat16), (q2.to(gl.float32) * 0.0625).to(gl.bfloat16), q3)
+    q = (_q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP))
+    # Per head, from the operands as the MMAs see them: what the codes' offsets add to the dots, and
+    # sum(q) for the zero points; negated, so that a tile's dots start from one FMA a score.
+    s0, s1, s2, s3 = _head_sum(q[0]), _head_sum(q[1]), _head_sum(q[2]), _head_sum(q[3])
+    neg_q_sum = -(s0 + 4.0 * s1 + 16.0 * s2 + 64.0 * s3)
+    neg_bias = -(OFFSET * (s0 + s1 + s2) + K3_OFFSET * s3)
     # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
     lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
@@ -344,60 +383,62 @@ def _history_span(
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             tile = _staged_tile(buffers, stage)
-            state = _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False)
     else:
         for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
-            state = _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False)
     if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
-        state = _tile_step(state, tile, q, q_sum, bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True)
+        state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
-                    acc0, acc1, acc2, acc3, GROUP, OFFSET)  # fmt: skip
+                    acc0, acc1, acc2, acc3, GROUP)  # fmt: skip
 
 
 @gluon.jit
-def _tile_step(state, tile, q, q_sum, bias, score_scale, block, end, UNPACK: gl.constexpr,
+def _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK: gl.constexpr,
                V_UNPACK: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
     """The online softmax over one 64-key tile: ``state`` (m, three lane-partial sums, four
     accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     raw_k, raw_v, meta = tile
-    k_scale, k_zero, v_scale, v_zero = meta
+    k_scale, k_zero, v_scale, v_zero = _widen(meta[0]), _widen(meta[1]), _widen(meta[2]), _widen(meta[3])
     # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
-    dots = -(_key_vector(k_zero.to(gl.float32))[:, None] * q_sum[None, :] + bias[None, :])
+    dots = _key_vector(k_zero)[:, None] * neg_q_sum[None, :] + neg_bias[None, :]
     c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
     dots = mma_v2(_k_operand(c0), q[0], dots)
     dots = mma_v2(_k_operand(c1), q[1], dots)
     dots = mma_v2(_k_operand(c2), q[2], dots)
     dots = mma_v2(_k_operand(c3), q[3], dots)
-    scores = dots * (_key_vector(k_scale.to(gl.float32)) * score_scale)[:, None]
+    scores = dots * (_key_vector(k_scale) * score_scale)[:, None]
     if MASKED:
         keys = block + gl.arange(0, 64, layout=META)
         scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, axis=0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(scores - m_safe[None, :])
-    weights = (p * _key_vector(v_scale.to(gl.float32))[:, None]).to(gl.bfloat16)
-    w = weights.to(gl.float32)
+    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_new)
+    m_i = m_new
     alpha_lanes = _per_lane(alpha, l_part)
-    l_part = l_part * alpha_lanes + _lane_sum(p)
-    w_part = w_part * alpha_lanes + _lane_sum(w)
-    wz_part = wz_part * alpha_lanes + _lane_sum(w * _key_vector(v_zero.to(gl.float32))[:, None])
+    l_part, w_part, wz_part = l_part * alpha_lanes, w_part * alpha_lanes, wz_part * alpha_lanes
+    p = gl.exp2(scores - m_new[None, :])
+    weights = _narrow(p * _key_vector(v_scale)[:, None])
+    w = _widen(weights)
+    l_part = l_part + _lane_sum(p)
+    w_part = w_part + _lane_sum(w)
+    wz_part = wz_part + _lane_sum(w * _key_vector(v_zero)[:, None])
     w_op = _weights_operand(weights)
     v0, v1, v2, v3 = _unpack_v(raw_v, V_UNPACK)
     acc0 = mma_v2(_v_operand(v0), w_op, acc0 * alpha[None, :])
     acc1 = mma_v2(_v_operand(v1), w_op, acc1 * alpha[None, :])
     acc2 = mma_v2(_v_operand(v2), w_op, acc2 * alpha[None, :])
     acc3 = mma_v2(_v_operand(v3), w_op, acc3 * alpha[None, :])
-    return m_new, l_part, w_part, wz_part, acc0, acc1, acc2, acc3
+    return m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
 def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, acc1, acc2, acc3,
-                    GROUP: gl.constexpr, OFFSET: gl.constexpr):  # fmt: skip
+                    GROUP: gl.constexpr):  # fmt: skip
     """m, l and ``acc[h, dim] = acc_j[m, h] / f_j - sum(w * zero) - OFFSET / f_j * sum(w)`` (``f_j`` the
     block's code factor; dim ``32j + 4*(m % 8) + m // 8``)."""
     heads = gl.arange(0, 8, layout=HEAD_COLS)
@@ -417,13 +458,16 @@ def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
     partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None, pipeline: bool = False,
+    launch_dependents: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
     m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
     ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
-    :func:`_history_span`; not yet timed on a GPU, so off by default)."""
-    from oscar_hf.kernels.decode_attention import _CODE_MAGIC, _LOG2E
+    :func:`_history_span`; not yet timed on a GPU, so off by default). ``launch_dependents`` (Hopper
+    and later): the next kernel may start before this one ends, and must not read what it writes
+    without waiting (``griddepcontrol.wait``)."""
+    from oscar_hf.kernels.decode_attention import _LOG2E
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
@@ -445,8 +489,9 @@ def history_into(
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
-        GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[q.dtype][1],
-        RING=lengths is not None, PIPELINE=pipeline, num_warps=1, maxnreg=REGISTERS,
+        GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
+        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, num_warps=1,
+        maxnreg=REGISTERS,
     )  # fmt: skip
 
 
@@ -498,8 +543,6 @@ def compile_for_sm90() -> None:
     import sass_count
     from triton.runtime import driver
 
-    from oscar_hf.kernels.decode_attention import _CODE_MAGIC
-
     driver.set_active(sass_count._Sm90Driver())
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     history, words, meta = 100_000, (8 * 100_000 * 8, 100_000 * 8), (8 * 100_000, 100_000)
@@ -508,9 +551,8 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
-            V_UNPACK=word_unpack_asm(True), OFFSET=_CODE_MAGIC[bf16][1], RING=ring, PIPELINE=pipeline, grid=(1,),
-            num_warps=1,
-            maxnreg=REGISTERS,
+            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, grid=(1,),
+            num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))
         print(f"ring={ring} pipeline={pipeline}: {_resource_usage(compiled)}; shared {compiled.metadata.shared} B; "

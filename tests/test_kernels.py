@@ -275,12 +275,11 @@ def test_decode_attention_matches_reference(name, dtype):
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
-def _run_unpack_ptx(ptx: str, word: int) -> dict[int, int]:
-    """Execute the PTX subset of ``_unpack_asm`` (prmt, shr, lop3 0xEA on 32-bit registers)."""
-    registers = {"$in": word}
-    parts = ptx.count("lop3") // 2
-    body = ptx.strip("{} ").replace(f"${2 * parts}", "$in")
-    for statement in filter(None, (line.strip() for line in body.split(";"))):
+def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
+    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, lop3 0xEA on 32-bit registers)
+    from the given input registers; returns every register."""
+    registers = dict(registers)
+    for statement in filter(None, (line.strip() for line in ptx.strip("{} ").split(";"))):
         op, operands = statement.split(None, 1)
         if op == ".reg":
             continue
@@ -292,10 +291,17 @@ def _run_unpack_ptx(ptx: str, word: int) -> dict[int, int]:
             registers[dest] = int.from_bytes(result, "little")
         elif op == "shr.b32":
             registers[dest] = values[0] >> values[1]
+        elif op == "mov.b32":
+            registers[dest] = values[0]
         else:
             assert op == "lop3.b32" and values[3] == 0xEA, statement  # (a & b) | c
             registers[dest] = (values[0] & values[1]) | values[2]
     return registers
+
+
+def _run_unpack_ptx(ptx: str, word: int) -> dict[str, int]:
+    """``_unpack_asm``'s registers for one input word (its input register follows the outputs)."""
+    return run_ptx(ptx.replace(f"${ptx.count('lop3')}", "$in"), {"$in": word})  # one lop3 an output
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
