@@ -48,7 +48,8 @@ def main() -> None:
 
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             splits = PROGRAMS_PER_SM * sms // (options.batch * inputs["k_codes"].shape[1])
-            history_partials(inputs["q"], *(inputs[name] for name in bench.TIER_NAMES[2:8]), scale, splits, pipeline=True)
+            packed = [inputs[name] for name in bench.TIER_NAMES[2:8]]
+            history_partials(inputs["q"], *packed, scale, splits, pipeline=True)
         else:
             kernels.decode_attention_triton(*args, None, 2, 2, scale, *knobs)
     torch.cuda.synchronize()

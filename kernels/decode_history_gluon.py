@@ -1,8 +1,10 @@
 """The packed-history span of decode attention with explicit layouts (Gluon), for INT2 K and V, one
 (scale, zero) per row, bf16, head_dim 128, up to 8 query heads per KV head, 64-key tiles on one
 warp. On a GPU the decode kernel takes its history slots from here for the shapes it covers
-(``OSCAR_DECODE_HISTORY=triton`` opts out): 30.7 us instead of 43.1 at 100K, batch 1, on an H200,
-and 199.7 instead of 298.3 at batch 8 (``eval/results/gluon_history_timing.md``).
+(``OSCAR_DECODE_HISTORY=triton`` opts out): on an H200 at 100K, 26.7-26.9 us instead of 41.0 at
+batch 1, and 170.0 (the next tile staged) or 174.0 (direct) instead of 282.6 at batch 8
+(``eval/results/gluon_history_timing.md``). The dense tiers (a Triton launch) and the merge follow
+it as programmatic dependent launches on Hopper, so they start in the span's tail.
 
 Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
 costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
@@ -20,7 +22,11 @@ MMA's rows, so heads pad nothing (they are the MMA's 8 columns):
   proves free. q is gathered once into the same order and the output is scattered back by pointer
   arithmetic; the cache's byte layout does not change;
 * per-head sums over keys (l, and the two value corrections) stay per lane inside the loop and are
-  reduced across lanes once at the end; only the running max crosses lanes each tile.
+  reduced across lanes once at the end; only the running max crosses lanes each tile;
+* the tile is bound by the integer (ALU) pipe, which runs at half rate: unpacking is nearly all of
+  it, so K's last column block enters its MMA as fp16 (``1024 + 64 c`` needs no shift), and the
+  bf16 conversions are single asm instructions (735 instructions a tile, was 819; Nsight Compute:
+  ALU 51% busy, issue 48%, at 4 warps a scheduler).
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers and the instructions of its loop (``eval/sass_count.py``'s compile without a GPU).
@@ -457,14 +463,16 @@ def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, ac
 def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
-    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None, pipeline: bool = False,
-    launch_dependents: bool = False,
+    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
+    pipeline: bool | None = None, launch_dependents: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
     m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
     ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
-    :func:`_history_span`; not yet timed on a GPU, so off by default). ``launch_dependents`` (Hopper
+    :func:`_history_span`); None (the default) stages where the metadata are aligned for it, as a
+    cache's buffers are (H200, 100K: 170.0-175.5 us at batch 8 against 174.0-175.7 direct, a tie at
+    batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
     and later): the next kernel may start before this one ends, and must not read what it writes
     without waiting (``griddepcontrol.wait``)."""
     from oscar_hf.kernels.decode_attention import _LOG2E
@@ -482,6 +490,8 @@ def history_into(
     meta = [_rows_in_place(t, 1) for t in (k_scale, k_zero, v_scale, v_zero)]
     if len({t.stride()[:2] for t in meta}) > 1:  # the kernel takes one pair of strides for all four
         meta = [t.contiguous() for t in meta]
+    if pipeline is None:
+        pipeline = staging_aligned(meta)
     if pipeline and not staging_aligned(meta):
         raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
                          "16-row aligned (storage.ROW_ALIGNMENT)")

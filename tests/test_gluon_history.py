@@ -127,6 +127,22 @@ def _in_buffer(rows: torch.Tensor) -> torch.Tensor:
     return buffer.view()
 
 
+def test_a_cache_history_is_aligned_for_staging():
+    """The span stages tiles (its default) only where each head's metadata rows start 16 bytes aligned:
+    always for a cache's buffers (capacities of whole ROW_ALIGNMENT rows), not for arbitrary tensors."""
+    pytest.importorskip("triton.experimental.gluon")
+    from oscar_hf.kernels.decode_history_gluon import staging_aligned
+    from oscar_hf.storage import PackedHistory
+
+    history = PackedHistory(2, 8, 128, 2, 128, torch.bfloat16, torch.device("cpu"))
+    for rows in (1, 99, 1000):  # the buffers grow in between
+        history.extend(rows)
+        stored = history.packed()
+        assert staging_aligned([stored.scale, stored.zero])
+    plain = torch.zeros(2, 8, 1099, 1, dtype=torch.bfloat16)
+    assert not staging_aligned([plain])
+
+
 @GPU
 def test_staging_refuses_unaligned_metadata():
     from oscar_hf.kernels.decode_history_gluon import history_partials
