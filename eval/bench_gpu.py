@@ -63,7 +63,7 @@ from oscar_hf.absorption import absorb_value_rotations  # noqa: E402
 from oscar_hf.cache import ABSORBED_ATTRIBUTE  # noqa: E402
 from oscar_hf.compat import cache_keyword  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
-from oscar_hf.storage import aligned_rows  # noqa: E402
+from oscar_hf.storage import RowBuffer  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -601,10 +601,10 @@ def tiered_inputs(config: dict, context: int, batch: int, device: torch.device, 
         return torch.randn(batch, kv_heads, count, dim, generator=generator, device=device, dtype=dtype)
 
     def as_stored(tensor: torch.Tensor) -> torch.Tensor:
-        """The first ``history`` rows of a buffer of aligned capacity, as a cache's history holds them."""
-        stored = tensor.new_empty(batch, kv_heads, aligned_rows(history), tensor.shape[-1])
-        stored[:, :, :history] = tensor
-        return stored[:, :, :history]
+        """``tensor`` in a cache's history buffer (capacity of whole aligned rows), as the cache holds it."""
+        stored = RowBuffer(batch, kv_heads, tuple(tensor.shape[3:]), tensor.dtype, device)
+        stored.append(tensor)
+        return stored.view()
 
     def packed(bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if config["codes"] == "quantize":

@@ -7,10 +7,11 @@
 # Steps and their wall time on one H200 (2026-11-30, 2026-12-01): tests ~210 s (compiled kernel and static
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
-# autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, e2e 140 s per model for 2 contexts and 3 caches (here 3 and 4: expect ~280 s),
-# memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, ncu ~50 s (Nsight Compute on the Gluon
-# history span; ncu must be on PATH, as in /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its
-# diagnosis against torch, and its timing against the Triton stage 1).
+# autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, e2e 140 s per model for 2 contexts and 3 caches
+# (here 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
+# ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
+# /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
+# against the Triton stage 1).
 # A device call may run 10 minutes.
 # Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
 # eval/results/ to commit.

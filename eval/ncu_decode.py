@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
+import tune_decode as tune  # noqa: E402
 
 CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "bench_kernel.json").read_text())
 
@@ -46,9 +47,8 @@ def main() -> None:
         if options.staged:
             from oscar_hf.kernels.decode_history_gluon import PROGRAMS_PER_SM, history_partials
 
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            splits = PROGRAMS_PER_SM * sms // (options.batch * inputs["k_codes"].shape[1])
             packed = [inputs[name] for name in bench.TIER_NAMES[2:8]]
+            splits = tune.splits_for(PROGRAMS_PER_SM, options.batch)
             history_partials(inputs["q"], *packed, scale, splits, pipeline=True)
         else:
             kernels.decode_attention_triton(*args, None, 2, 2, scale, *knobs)

@@ -490,9 +490,10 @@ def history_into(
     meta = [_rows_in_place(t, 1) for t in (k_scale, k_zero, v_scale, v_zero)]
     if len({t.stride()[:2] for t in meta}) > 1:  # the kernel takes one pair of strides for all four
         meta = [t.contiguous() for t in meta]
+    aligned = staging_aligned(meta)
     if pipeline is None:
-        pipeline = staging_aligned(meta)
-    if pipeline and not staging_aligned(meta):
+        pipeline = aligned
+    elif pipeline and not aligned:
         raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
                          "16-row aligned (storage.ROW_ALIGNMENT)")
     history_kernel[(batch, kv_heads, splits)](
