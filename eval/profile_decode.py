@@ -2,18 +2,22 @@
 
     python eval/profile_decode.py [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
     python eval/profile_decode.py --prefill --context 32768     # one prefill forward per cache instead
+    python eval/profile_decode.py --python                      # host time by Python function (cProfile)
 
 Builds the random-weight model of ``eval/bench_gpu.py``, fills each cache synthetically, then
 profiles ``--steps`` single-token forwards (after warm-up) and prints, per cache: wall time per step,
 summed CUDA kernel time per step, and the top operators by self CUDA and self CPU time. Also times
 ``generate`` of the same number of tokens on a fresh cache, to compare with the step loop. Writes
-``<out>/profile_decode.json``.
+``<out>/profile_decode.json``. ``--python`` adds the steps' host time by Python function (eager batch-1
+decoding is bound by it), profiled on their own, since cProfile slows every call it counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -30,7 +34,21 @@ def top_ops(prof, key: str, count: int) -> list[dict]:
     return [{"name": e.key[:90], "calls": e.count, f"{key}_us": round(getattr(e, key), 1)} for e in events]
 
 
-def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, rotations) -> dict:
+def python_functions(cache, model, batch: int, steps: int, count: int) -> list[dict]:
+    """The ``count`` Python functions (and builtins) with the most own host time over ``steps`` steps."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    bench.decode_steps(model, cache, batch, 0, steps)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": calls / steps,
+             "own_us_per_step": round(own * 1e6 / steps, 1), "cumulative_us_per_step": round(total * 1e6 / steps, 1)}
+            for (file, line, name), (_, calls, own, total, _) in rows]  # fmt: skip
+
+
+def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, rotations,
+                  python: bool = False) -> dict:  # fmt: skip
     model.set_attn_implementation(bench.attention_for(cache_name))
     max_len = context + 2 * steps + 16
 
@@ -45,6 +63,7 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = bench.decode_steps(model, cache, batch, 0, steps)
     kernels_us = sum(e.self_device_time_total for e in prof.key_averages())
+    host = {"python": python_functions(cache, model, batch, steps, 40)} if python else {}
     del cache
     bench.free_memory()
     cache = filled()
@@ -62,6 +81,7 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
         "generate_ms_per_token": generate_ms / steps,
         "top_cuda": top_ops(prof, "self_device_time_total", 12),
         "top_cpu": top_ops(prof, "self_cpu_time_total", 30),
+        **host,
     }
 
 
@@ -100,6 +120,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--caches", default="dynamic,oscar-int2")
     parser.add_argument("--prefill", action="store_true", help="profile one prefill of --context tokens instead")
+    parser.add_argument("--python", action="store_true", help="also profile the steps' host time by Python function")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     options = parser.parse_args()
     name, spec = bench.model_spec(json.loads(options.model) if options.model.startswith("{") else options.model)
@@ -111,7 +132,8 @@ def main() -> None:
             result = profile_prefill(model, cache_name, options.batch, options.context, rotations)
             print(f"{cache_name}: prefill {result['prefill_ms']:.1f} ms (CUDA kernels {result['cuda_kernel_ms']:.1f} ms)")
         else:
-            result = profile_cache(model, cache_name, options.batch, options.context, options.steps, rotations)
+            result = profile_cache(model, cache_name, options.batch, options.context, options.steps, rotations,
+                                   options.python)  # fmt: skip
             print(f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
                   f"generate {result['generate_ms_per_token']:.1f} ms/token")  # fmt: skip
         results.append(result)
@@ -119,6 +141,8 @@ def main() -> None:
             print("   cuda", op)
         for op in result["top_cpu"][:6]:
             print("   cpu ", op)
+        for function in result.get("python", [])[:25]:
+            print("   py  ", function)
     options.out.mkdir(parents=True, exist_ok=True)
     info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name, "context": options.context,

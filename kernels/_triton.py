@@ -108,6 +108,70 @@ def op_or_launcher(op, launcher):
     return op if torch.compiler.is_compiling() else launcher
 
 
+# kernel -> {(device, argument traits, keyword arguments): (compiled kernel, trailing arguments)}
+_COMPILED: dict = {}
+
+
+def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, reusing the compiled binary of an earlier identical launch.
+
+    Triton's dispatch (binding, specialisation, cache key, checks of the kernel's globals, launch
+    metadata) took ~140 us of host time per launch on the H200's host under cProfile, three launches
+    a layer: more than the kernels themselves at batch 1 (``eval/results/profile_decode.json``). Here
+    the binary is keyed by what Triton specialises on, kept at least as fine: each tensor's dtype and
+    16-byte alignment, each integer's divisibility by 16, equality to 1 and width, and the keyword
+    arguments (constexprs and launch options) as given. A miss launches through Triton, which compiles
+    or finds the binary. Interpreted kernels, and launches that a hook observes (profilers), always
+    go through Triton.
+    """
+    traits = _argument_traits(args)
+    hooks = triton.knobs.runtime
+    if INTERPRET or traits is None or _observed(hooks.launch_enter_hook) or _observed(hooks.launch_exit_hook):
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    key = (device, traits, tuple(kwargs.items()))
+    cached = _COMPILED.setdefault(kernel, {}).get(key)
+    if cached is None:
+        compiled = kernel[grid](*args, **kwargs)
+        # the binary takes every parameter in order, constexprs included; launch options are not parameters
+        defaults = {param.name: param.default for param in kernel.params}
+        trailing = tuple(kwargs.get(name, defaults[name]) for name in kernel.arg_names[len(args) :])
+        _COMPILED[kernel][key] = (compiled, trailing)
+        return
+    compiled, trailing = cached
+    grid = (*grid, 1, 1)
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    # no launch metadata and no hooks: none is observed (checked above)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *trailing)  # fmt: skip
+
+
+def _observed(hook) -> bool:
+    """Whether a Triton launch hook is set (a function, or since Triton 3.6 a chain with members)."""
+    return bool(getattr(hook, "calls", hook))
+
+
+def _argument_traits(args: tuple) -> tuple | None:
+    """What Triton's specialisation can see of each positional argument (None: a type not handled here)."""
+    traits = []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            traits.append((arg % 16 == 0, arg == 1, -(2**31) <= arg < 2**31, arg >= 2**63))
+        elif kind is torch.Tensor or isinstance(arg, torch.Tensor):
+            traits.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is float:
+            traits.append(float)
+        elif kind is bool or arg is None:
+            traits.append(arg)
+        elif kind is tuple and (inner := _argument_traits(arg)) is not None:  # strides, passed as one argument
+            traits.append(inner)
+        else:
+            return None
+    return tuple(traits)
+
+
 def cdiv(numerator: int, denominator: int) -> int:
     """Ceiling division of ints on the host (``triton.cdiv`` is a JIT-wrapped function: ~5 µs a call)."""
     return -(-numerator // denominator)

@@ -41,7 +41,8 @@ from oscar_hf.log import get_logger
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
 from ._triton import (
-    INTERPRET, cdiv, define_op, is_power_of_two, next_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
+    INTERPRET, cdiv, define_op, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher, runs_triton, tl,
+    to_dtype, triton,
 )  # fmt: skip
 
 logger = get_logger(__name__)
@@ -554,10 +555,12 @@ def _device_programs(device: torch.device, programs_per_sm: int) -> int:
     wave: a partial second wave nearly doubled the time (batch 8 at 100K on an H200: 17 splits 704
     us, 16 splits 526 us; decode_kernel_tuning_v3.md), and 12 one-warp programs an SM instead of 8
     took 62 us instead of 45 at batch 1."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return programs_per_sm * sms
-    return 4
+    return programs_per_sm * _multiprocessors(device) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _splits(
@@ -659,7 +662,7 @@ def decode_attention_triton(
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
                      partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap)  # fmt: skip
-    _decode_stage1_kernel[(batch, kv_heads * head_blocks, n_slots - first_slot)](
+    launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
         *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
         *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
@@ -678,7 +681,7 @@ def decode_attention_triton(
     # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
     # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us.
     block_d = min(head_dim, _MERGE_BLOCK_D)
-    _decode_stage2_kernel[(batch, q_heads, head_dim // block_d)](
+    launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
         partial_m, partial_l, partial_acc, *t(out), n_slots,
         D=head_dim, BLOCK_D=block_d, SLOTS=next_power_of_two(n_slots), INTERPRETED=INTERPRET, DEPENDENT=overlap,
         launch_pdl=overlap,
@@ -751,6 +754,7 @@ def _shift_free_blocks(bits: int, dtype: torch.dtype) -> int:
     return min(8 // bits, _CODE_MAGIC[dtype][2] // bits)
 
 
+@functools.cache
 def _unpack_asm(bits: int, dtype: torch.dtype) -> str:
     """PTX for :func:`_code_blocks`: 4 packed bytes in, their codes as 16-bit floats ``OFFSET + f * c`` out.
 

@@ -34,6 +34,8 @@ registers and the instructions of its loop (``eval/sass_count.py``'s compile wit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -162,6 +164,7 @@ def _per_lane(per_head, like):
     return gl.convert_layout(per_head, gl.SliceLayout(0, like.type.layout), assert_trivial=True)[None, :]
 
 
+@functools.cache
 def word_unpack_asm(pair: bool) -> str:
     """PTX: 2-bit codes of 32-bit words as 16-bit floats ``OFFSET + f_j * code``, two codes a 32-bit output.
 
@@ -365,6 +368,12 @@ def _history_span(
     without masks; a last partial tile runs masked. ``PIPELINE``: each whole tile is copied into
     shared memory (``cp.async``) while the one before computes, so that its loads' latency is hidden
     without registers to hold them (a register prefetch took 204 registers a thread)."""
+    whole_end = start + (end - start) // 64 * 64
+    if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
+        buffers = _stage_buffers(KS)
+        if start < whole_end:
+            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
+        async_copy.commit_group()
     q = (_q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP))
     # Per head, from the operands as the MMAs see them: what the codes' offsets add to the dots, and
     # sum(q) for the zero points; negated, so that a tile's dots start from one FMA a score.
@@ -375,12 +384,7 @@ def _history_span(
     lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
     state = (gl.full([8], float("-inf"), gl.float32, HEAD_COLS), lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
-    whole_end = start + (end - start) // 64 * 64
     if PIPELINE:  # tile i + 1 is copied into shared memory while tile i computes
-        buffers = _stage_buffers(KS)
-        if start < whole_end:
-            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
-        async_copy.commit_group()
         for block in range(start, whole_end, 64):
             stage = (block - start) // 64 % 2
             if block + 64 < whole_end:
@@ -475,6 +479,7 @@ def history_into(
     batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
     and later): the next kernel may start before this one ends, and must not read what it writes
     without waiting (``griddepcontrol.wait``)."""
+    from oscar_hf.kernels._triton import launch_kernel
     from oscar_hf.kernels.decode_attention import _LOG2E
 
     batch, q_heads, head_dim = q.shape
@@ -496,7 +501,7 @@ def history_into(
     elif pipeline and not aligned:
         raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
                          "16-row aligned (storage.ROW_ALIGNMENT)")
-    history_kernel[(batch, kv_heads, splits)](
+    launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING

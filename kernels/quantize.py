@@ -27,7 +27,8 @@ import torch
 from oscar_hf.quant import QuantizedRows, check_bits, clip_index, quantize
 
 from ._triton import (
-    HAS_TRITON, INTERPRET, cdiv, define_op, is_power_of_two, op_or_launcher, runs_triton, tl, to_dtype, triton,
+    HAS_TRITON, INTERPRET, cdiv, define_op, is_power_of_two, launch_kernel, op_or_launcher, runs_triton, tl, to_dtype,
+    triton,
 )  # fmt: skip
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -232,7 +233,7 @@ def quantize_pack_triton(
     if n_rows == 0:
         return codes, scale, zero
     block = _block_rows(head_dim)
-    _quantize_pack_kernel[(cdiv(n_rows, block),)](
+    launch_kernel(_quantize_pack_kernel, (cdiv(n_rows, block),),
         rows, codes, scale, zero,
         n_rows, rows.stride(0), codes.stride(0), scale.stride(0),
         D=head_dim, G=group_size, BITS=bits, SYMMETRIC=symmetric,
@@ -297,7 +298,7 @@ def _launch_many(
     batch, heads, _, head_dim = like.shape
     n_rows = batch * heads * rows_per_head
     block = block_rows or _block_rows(head_dim)
-    _quantize_pack_many_kernel[(cdiv(n_rows, block), table.shape[0])](
+    launch_kernel(_quantize_pack_many_kernel, (cdiv(n_rows, block), table.shape[0]),
         table, heads, rows_per_head, n_rows, table if window is None else window, len(_JOB_COLUMNS),
         SRC_DTYPE=_TL_DTYPES[like.dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
         BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=like.is_cuda and not INTERPRET,

@@ -208,6 +208,10 @@ class OscarLayer(CacheLayerMixin):
 
     def finish_step(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: StepPlan) -> None:
         """Store the chunk: sink part, quantized middle part, recent part."""
+        if not plan.to_sink and not plan.quantize_new:  # a decode step: all to the recent window, no slicing
+            self.recent_keys.append(new_keys)
+            self.recent_values.append(new_values)
+            return
         sink_end, middle_end = plan.to_sink, plan.to_sink + plan.quantize_new
         self.sink_keys.append(new_keys[:, :, :sink_end])
         self.sink_values.append(new_values[:, :, :sink_end])

@@ -41,9 +41,15 @@ class RowBuffer:
         self.data = torch.empty(batch, heads, 0, *row_shape, dtype=dtype, device=device)
         self.start = 0
         self.length = 0
+        self._view: tuple[int, int, torch.Tensor] | None = None  # (start, length, view) of the current data
 
     def view(self) -> torch.Tensor:
-        return self.data[:, :, self.start : self.start + self.length]
+        """The valid rows. Kept while they do not change: a decode step asks for each tier's rows
+        several times, and slicing costs host time (~3-5 us) at every call."""
+        cached = self._view
+        if cached is None or cached[0] != self.start or cached[1] != self.length:
+            self._view = cached = (self.start, self.length, self.data.narrow(2, self.start, self.length))
+        return cached[2]
 
     def append(self, rows: torch.Tensor) -> None:
         if rows.shape[2]:
@@ -76,20 +82,20 @@ class RowBuffer:
             return
         fixed = self.data.new_empty(*self.data.shape[:2], capacity, *self.data.shape[3:])
         fixed[:, :, : self.length] = self.view()
-        self.data, self.start = fixed, 0
+        self._replace(fixed)
 
     def unroll(self, start: int, length: int) -> None:
         """Take the buffer as a ring whose ``length`` valid rows begin at ``start`` (wrapping around its
         end) and lay them out plainly again, oldest first."""
         if start:
-            self.data = torch.roll(self.data, -start, dims=2)
+            self._replace(torch.roll(self.data, -start, dims=2))
         self.start, self.length = 0, length
 
     def select_batch(self, index: torch.Tensor) -> None:
-        self.data = self.data.index_select(0, index.to(self.data.device))
+        self._replace(self.data.index_select(0, index.to(self.data.device)), self.start)
 
     def repeat_batch(self, repeats: int) -> None:
-        self.data = self.data.repeat_interleave(repeats, dim=0)
+        self._replace(self.data.repeat_interleave(repeats, dim=0), self.start)
 
     def used_bytes(self) -> int:
         return self.view().numel() * self.data.element_size()
@@ -106,7 +112,11 @@ class RowBuffer:
         shape = (*self.data.shape[:2], aligned_rows(new_capacity), *self.data.shape[3:])
         moved = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
         moved[:, :, : self.length] = self.view()
-        self.data, self.start = moved, 0
+        self._replace(moved)
+
+    def _replace(self, data: torch.Tensor, start: int = 0) -> None:
+        """Hold ``data`` instead (its valid rows from ``start``); the old tensor is freed with its view."""
+        self.data, self.start, self._view = data, start, None
 
 
 class PackedHistory:

@@ -93,7 +93,8 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
 def test_e2e_benchmark(tmp_path):
     config = {
         "benchmark": "e2e", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
-        "decode": {**TINY_DECODE, "bandwidth_bytes_per_s": 1e11}, "prefill": {"context": 384, "warmup": 0, "repeats": 1},
+        "decode": {**TINY_DECODE, "bandwidth_bytes_per_s": 1e11, "rounds": 2},
+        "prefill": {"context": 384, "warmup": 0, "repeats": 1},
     }  # fmt: skip
     config["caches"] = ["dynamic", "static", "oscar-int2", "oscar-int2+absorbed"]
     rows = _ok(_run(config, tmp_path, "e2e")["cases"])
@@ -103,6 +104,7 @@ def test_e2e_benchmark(tmp_path):
     for row in decode:
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0
         assert row["roofline_ms"] > 0 and row["step_over_roofline"] == pytest.approx(row["step_ms"] / row["roofline_ms"])
+        assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] in row["tokens_per_s_rounds"]
     oscar = next(r for r in decode if r["cache"] == "oscar-int2" and r["batch"] == 1)
     dynamic = next(r for r in decode if r["cache"] == "dynamic" and r["batch"] == 1)
     assert oscar["kv_bytes"] < dynamic["kv_bytes"]

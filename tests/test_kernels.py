@@ -108,6 +108,31 @@ def _assert_same(got, want) -> None:
     assert torch.equal(got.zero, want.zero)
 
 
+def test_launch_traits_separate_what_triton_specialises_on():
+    """Arguments that would get different binaries from Triton never share a cached one."""
+    traits = _triton._argument_traits
+    data = torch.zeros(64, dtype=torch.uint8)
+    assert traits((data, 32)) == traits((data, 48))  # same alignment and divisibility: one binary
+    assert traits((data,)) != traits((data[1:],))  # 16-byte alignment of a pointer
+    assert traits((32,)) != traits((33,)) != traits((1,))  # divisibility by 16, the value 1
+    assert traits((2**31,)) != traits((2**31 - 16,)) and traits((2**63,)) != traits((2**62,))  # widths
+    assert traits((data.float(),)) != traits((data,))  # dtypes
+    assert traits((True,)) != traits((1,)) and traits((None,)) != traits((0,))
+    assert traits(((32, 48),)) == traits(((16, 64),)) != traits(((32, 47),))  # tuples element by element
+    assert traits(("text",)) is None and traits(((1, "text"),)) is None  # not handled: launched through Triton
+
+
+@gpu_only
+def test_cached_launches_follow_alignment_and_lengths():
+    """Launches that reuse a binary and launches that need another both match the reference."""
+    flat = (torch.randn(1024 * 128 + 8, device=DEVICE) * 3).bfloat16()
+    aligned, shifted = flat[: 1024 * 128].view(1024, 128), flat[1 : 1 + 1024 * 128].view(1024, 128)  # 2 bytes off
+    for view in (aligned, aligned, shifted, aligned[:997], shifted[:997], aligned):
+        _assert_same(quantize_pack(view, 2, 128, clip_ratio=0.96), quantize(view, 2, 128, clip_ratio=0.96))
+    assert len(_triton._COMPILED[_quantize._quantize_pack_kernel]) >= 3
+
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("symmetric", [False, True])
