@@ -124,9 +124,9 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     or finds the binary. Interpreted kernels, and launches that a hook observes (profilers), always
     go through Triton.
     """
-    traits = _argument_traits(args)
     hooks = triton.knobs.runtime
-    if INTERPRET or traits is None or _observed(hooks.launch_enter_hook) or _observed(hooks.launch_exit_hook):
+    traits = None if INTERPRET else _argument_traits(args)
+    if traits is None or _observed(hooks.launch_enter_hook) or _observed(hooks.launch_exit_hook):
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()

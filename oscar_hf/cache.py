@@ -207,18 +207,18 @@ class OscarLayer(CacheLayerMixin):
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def finish_step(self, new_keys: torch.Tensor, new_values: torch.Tensor, plan: StepPlan) -> None:
-        """Store the chunk: sink part, quantized middle part, recent part."""
-        if not plan.to_sink and not plan.quantize_new:  # a decode step: all to the recent window, no slicing
-            self.recent_keys.append(new_keys)
-            self.recent_values.append(new_values)
-            return
+        """Store the chunk: sink part, quantized middle part, recent part. Only the parts that exist are
+        sliced: a decode step's one row goes to the recent window as it is (slicing costs host time)."""
         sink_end, middle_end = plan.to_sink, plan.to_sink + plan.quantize_new
-        self.sink_keys.append(new_keys[:, :, :sink_end])
-        self.sink_values.append(new_values[:, :, :sink_end])
+        if sink_end:
+            self.sink_keys.append(new_keys[:, :, :sink_end])
+            self.sink_values.append(new_values[:, :, :sink_end])
         if plan.quantize_new:
             self._append_history(new_keys[:, :, sink_end:middle_end], new_values[:, :, sink_end:middle_end])
-        self.recent_keys.append(new_keys[:, :, middle_end:])
-        self.recent_values.append(new_values[:, :, middle_end:])
+        if middle_end:
+            new_keys, new_values = new_keys[:, :, middle_end:], new_values[:, :, middle_end:]
+        self.recent_keys.append(new_keys)
+        self.recent_values.append(new_values)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
