@@ -376,7 +376,7 @@ def write_chunk(cache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
         # rotate, place in sink / history / recent window, quantize the history rows exactly once
         layer.stash(keys, values)
         new_keys, new_values, plan = layer.begin_step(None)
-        layer.finish_step(new_keys, new_values, plan)
+        layer.finish_step(*layer.rotate_chunk(new_keys, new_values), plan)
     else:
         # transformers 5.17's StaticLayer indexes by cache_position; newer layers count for themselves
         positions = torch.arange(start, start + keys.shape[2], device=keys.device)

@@ -119,8 +119,8 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     metadata) took ~130 us of host time per launch on the H200's host under cProfile, three launches
     a layer: more than the kernels themselves at batch 1 (``eval/results/profile_decode.json``). Here
     the binary is keyed by what Triton specialises on, kept at least as fine: each tensor's dtype and
-    16-byte alignment, each integer's divisibility by 16, equality to 1 and width, and the keyword
-    arguments (constexprs and launch options) as given. A miss launches through Triton, which compiles
+    16-byte alignment, each integer's divisibility by 16, equality to 1 and width, tuples of ints
+    (strides) by value, and the keyword arguments (constexprs and launch options) as given. A miss launches through Triton, which compiles
     or finds the binary. Interpreted kernels, and launches that a hook observes (profilers), always
     go through Triton.
     """
@@ -131,13 +131,18 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         return
     device = torch.cuda.current_device()
     key = (device, traits, tuple(kwargs.items()))
-    cached = _COMPILED.setdefault(kernel, {}).get(key)
+    binaries = _COMPILED.setdefault(kernel, {})
+    cached = binaries.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **kwargs)
+        if not _ints_in_tuples(args):
+            return
+        if len(binaries) >= _MAX_BINARIES_PER_KERNEL:
+            binaries.clear()
         # the binary takes every parameter in order, constexprs included; launch options are not parameters
         defaults = {param.name: param.default for param in kernel.params}
         trailing = tuple(kwargs.get(name, defaults[name]) for name in kernel.arg_names[len(args) :])
-        _COMPILED[kernel][key] = (compiled, trailing)
+        binaries[key] = (compiled, trailing)
         return
     compiled, trailing = cached
     grid = (*grid, 1, 1)
@@ -152,24 +157,38 @@ def _observed(hook) -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
+_I32 = range(-(2**31), 2**31)
+_MAX_BINARIES_PER_KERNEL = 4096  # tuples are keyed by value: a bound against keys that never repeat
+
+
 def _argument_traits(args: tuple) -> tuple | None:
-    """What Triton's specialisation can see of each positional argument (None: a type not handled here)."""
+    """What Triton's specialisation can see of each positional argument (None: a type not handled here).
+
+    Tuples (strides) are keyed by their values, finer than Triton's per-element traits but ~3x cheaper
+    on the host, and a layer's strides change only when its buffers grow.
+    """
     traits = []
+    append = traits.append
     for arg in args:
         kind = type(arg)
         if kind is int:
-            traits.append((arg % 16 == 0, arg == 1, -(2**31) <= arg < 2**31, arg >= 2**63))
+            append((arg % 16 == 0, arg == 1, arg in _I32, arg >= 2**63))
         elif kind is torch.Tensor or isinstance(arg, torch.Tensor):
-            traits.append((arg.dtype, arg.data_ptr() % 16 == 0))
+            append((arg.dtype, arg.data_ptr() % 16 == 0))
         elif kind is float:
-            traits.append(float)
+            append(float)
         elif kind is bool or arg is None:
-            traits.append(arg)
-        elif kind is tuple and (inner := _argument_traits(arg)) is not None:  # strides, passed as one argument
-            traits.append(inner)
+            append(arg)
+        elif kind is tuple:  # checked to hold ints only before a key is kept (_ints_in_tuples)
+            append(arg)
         else:
             return None
     return tuple(traits)
+
+
+def _ints_in_tuples(args: tuple) -> bool:
+    """Whether every tuple argument holds ints only (strides): launches with other tuples are not cached."""
+    return all(type(value) is int for arg in args if type(arg) is tuple for value in arg)
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -183,6 +202,20 @@ def is_power_of_two(value: int) -> bool:
 
 def next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
+
+
+@triton.jit
+def dot(a, b, INTERPRETED: tl.constexpr):
+    """``tl.dot`` with float32 accumulation, exact in the interpreter too.
+
+    Triton 3.6's interpreter multiplies bfloat16 bit patterns as integers; upcasting there is exact
+    (products of bf16 values fit float32). Compiled float32 dots use IEEE, not TF32, precision.
+    """
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import torch
 
@@ -41,8 +42,8 @@ from oscar_hf.log import get_logger
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
 from ._triton import (
-    INTERPRET, cdiv, define_op, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher, runs_triton, tl,
-    to_dtype, triton,
+    INTERPRET, cdiv, define_op, dot, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher, runs_triton,
+    tl, to_dtype, triton,
 )  # fmt: skip
 
 logger = get_logger(__name__)
@@ -67,17 +68,6 @@ _CODE_MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.
 
 
 @triton.jit
-def _dot(a, b, INTERPRETED: tl.constexpr):
-    # Triton 3.6's interpreter multiplies bfloat16 bit patterns as integers; upcasting there is exact
-    # (products of bf16 values fit float32). Compiled float32 dots use IEEE, not TF32, precision.
-    if INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _attend(
     q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, score_scale,
     K_PARTS: tl.constexpr, V_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -88,16 +78,16 @@ def _attend(
     the accumulators ``a_j`` likewise with ``V_PARTS``), the shape in which packed codes unpack, so
     ``q·k`` is a sum of per-block dots. Blocks 2 and 3 are unused when there are 2 parts.
     """
-    scores = _dot(q0, tl.trans(k0), INTERPRETED) + _dot(q1, tl.trans(k1), INTERPRETED)
+    scores = dot(q0, tl.trans(k0), INTERPRETED) + dot(q1, tl.trans(k1), INTERPRETED)
     if K_PARTS == 4:
-        scores += _dot(q2, tl.trans(k2), INTERPRETED) + _dot(q3, tl.trans(k3), INTERPRETED)
+        scores += dot(q2, tl.trans(k2), INTERPRETED) + dot(q3, tl.trans(k3), INTERPRETED)
     m_new, l_i, alpha, p = _online_softmax(scores * score_scale, valid, m_i, l_i)
     p = to_dtype(p, v0.dtype, INTERPRETED)
-    a0 = a0 * alpha[:, None] + _dot(p, v0, INTERPRETED)
-    a1 = a1 * alpha[:, None] + _dot(p, v1, INTERPRETED)
+    a0 = a0 * alpha[:, None] + dot(p, v0, INTERPRETED)
+    a1 = a1 * alpha[:, None] + dot(p, v1, INTERPRETED)
     if V_PARTS == 4:
-        a2 = a2 * alpha[:, None] + _dot(p, v2, INTERPRETED)
-        a3 = a3 * alpha[:, None] + _dot(p, v3, INTERPRETED)
+        a2 = a2 * alpha[:, None] + dot(p, v2, INTERPRETED)
+        a3 = a3 * alpha[:, None] + dot(p, v3, INTERPRETED)
     return m_new, l_i, a0, a1, a2, a3
 
 
@@ -235,11 +225,11 @@ def _packed_scores(
     block lies within one group (the dispatcher checks that groups are that wide).
     """
     PARTS: tl.constexpr = 8 // BITS
-    d0 = _dot(q0, tl.trans(k0), INTERPRETED)
-    d1 = _dot(q1, tl.trans(k1), INTERPRETED)
+    d0 = dot(q0, tl.trans(k0), INTERPRETED)
+    d1 = dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
-        d2 = _dot(q2, tl.trans(k2), INTERPRETED)
-        d3 = _dot(q3, tl.trans(k3), INTERPRETED)
+        d2 = dot(q2, tl.trans(k2), INTERPRETED)
+        d3 = dot(q3, tl.trans(k3), INTERPRETED)
     if GROUPS == 1:  # one (scale, zero) per row: one correction for the sum of the block dots
         if PARTS == 4:
             d0 += d2 + d3
@@ -324,13 +314,13 @@ def _packed_span(
                 w3, sw3, sz3 = _value_weights(p, v_scales, v_zeros, _group_of(3, D, V_BITS, V_GROUPS), V_GROUPS,
                                               dtype, INTERPRETED)  # fmt: skip
         k_scales, k_zeros, v_scales, v_zeros = ahead
-        a0 = a0 * alpha[:, None] + _dot(w0, v0, INTERPRETED)
-        a1 = a1 * alpha[:, None] + _dot(w1, v1, INTERPRETED)
+        a0 = a0 * alpha[:, None] + dot(w0, v0, INTERPRETED)
+        a1 = a1 * alpha[:, None] + dot(w1, v1, INTERPRETED)
         c0 = c0 * alpha + sz0 + sw0 * (OFFSET / _part_factor(0, V_BITS, V_FREE))
         c1 = c1 * alpha + sz1 + sw1 * (OFFSET / _part_factor(1, V_BITS, V_FREE))
         if V_PARTS == 4:
-            a2 = a2 * alpha[:, None] + _dot(w2, v2, INTERPRETED)
-            a3 = a3 * alpha[:, None] + _dot(w3, v3, INTERPRETED)
+            a2 = a2 * alpha[:, None] + dot(w2, v2, INTERPRETED)
+            a3 = a3 * alpha[:, None] + dot(w3, v3, INTERPRETED)
             c2 = c2 * alpha + sz2 + sw2 * (OFFSET / _part_factor(2, V_BITS, V_FREE))
             c3 = c3 * alpha + sz3 + sw3 * (OFFSET / _part_factor(3, V_BITS, V_FREE))
     a0 = a0 * (1.0 / _part_factor(0, V_BITS, V_FREE)) - c0[:, None]
@@ -645,9 +635,7 @@ def decode_attention_triton(
                                           _PROGRAMS_PER_SM.get(num_warps, 1))  # fmt: skip
     n_slots = hist_splits + 3 * dense_splits
 
-    partial_m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=q.device)
-    partial_l = torch.empty_like(partial_m)
-    partial_acc = torch.empty(batch, q_heads, n_slots, head_dim, dtype=torch.float32, device=q.device)
+    partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
     # Masks travel as bytes (bool pointers are not portable across Triton versions). Without one the
     # kernel never reads the pointer: q stands in, sparing an allocation per call.
@@ -687,6 +675,31 @@ def decode_attention_triton(
         launch_pdl=overlap,
     )  # fmt: skip
     return out
+
+
+# (device, stream, thread) -> the partial buffers of the latest eager call there
+_PARTIALS: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+
+def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: torch.device, reuse: bool):
+    """``(m, l, acc)`` slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]``).
+
+    They live from stage 1 to stage 2 of one call. Calls from one thread on one stream run in
+    order, so eager calls there share one set while the shape stays (every layer of a step):
+    three allocations fewer a call, and eager batch-1 decoding is bound by host time. Static
+    decoding (``reuse`` false) allocates inside the graph it is captured in.
+    """
+    shape = (batch, q_heads, n_slots, head_dim)
+    if reuse and device.type == "cuda":
+        where = (device, triton.runtime.driver.active.get_current_stream(device.index), threading.get_ident())
+        kept = _PARTIALS.get(where)
+        if kept is not None and kept[0] == shape:
+            return kept[1]
+    m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=device)
+    buffers = (m, torch.empty_like(m), torch.empty(shape, dtype=torch.float32, device=device))
+    if reuse and device.type == "cuda":
+        _PARTIALS[where] = (shape, buffers)
+    return buffers
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .cache import ATTENTION_NAME, OscarLayer, active_cache
+from .cache import ATTENTION_NAME, OscarLayer, StepPlan, active_cache
 from .kernels.decode_attention import decode_attention
 
 
@@ -47,8 +47,9 @@ def oscar_attention_forward(
         return layer.static.attend(layer, query, kwargs.get("scaling")), None
     new_keys, new_values, plan = layer.begin_step(attention_mask)
     if _is_plain_decode(layer, query, module, kwargs):
-        output = layer.unrotate_values(_decode(layer, query, new_keys, new_values, attention_mask, kwargs.get("scaling")))
-    elif layer.stored_length == 0:
+        return _decode(layer, query, new_keys, new_values, plan, attention_mask, kwargs.get("scaling")), None
+    new_keys, new_values = layer.rotate_chunk(new_keys, new_values)
+    if layer.stored_length == 0:
         # A first chunk attends only to itself: the K/V as given yield the same attention as their
         # rotated copies, without rotating q, concatenating tiers and rotating the output back.
         output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -80,23 +81,29 @@ def _decode(
     query: torch.Tensor,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
+    plan: StepPlan,
     attention_mask: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """``[B, 1, Hq, D]`` attention output (rotated V basis) of one token over all tiers of ``layer``."""
+    """``[B, 1, Hq, D]`` attention output of one token over all tiers of ``layer``, which then stores it.
+
+    One launch rotates q, K and V; K and V go straight into the recent window when the plan puts
+    them there, so the window already holds them when attention reads it.
+    """
+    query, new_keys, new_values = layer.rotate_step(query, new_keys, new_values, into_window=plan.joins_window)
     key_mask = None
     if attention_mask is not None:
         key_mask = attention_mask[:, 0, -1, :]
         key_mask = key_mask if key_mask.dtype == torch.bool else key_mask == 0  # additive float masks
     history_k, history_v = layer.history_keys.packed(), layer.history_values.packed()
     output = decode_attention(
-        layer.rotate_keys(query)[:, :, 0],
-        layer.sink_keys.view(), layer.sink_values.view(),
+        query, layer.sink_keys.view(), layer.sink_values.view(),
         history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
         layer.recent_keys.view(), layer.recent_values.view(), new_keys, new_values,
         k_bits=layer.config.key.bits, v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=key_mask,
     )  # fmt: skip
-    return output.unsqueeze(1)
+    layer.finish_step(new_keys, new_values, plan)
+    return layer.unrotate_output(output)
 
 
 def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> OscarLayer | None:

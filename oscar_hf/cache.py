@@ -31,6 +31,7 @@ from .config import OscarConfig, TensorQuantConfig, resolve_method
 from .log import get_logger, warning_once
 from .memory import LayerMemory, MemoryReport
 from .kernels.quantize import quantize_pack, quantize_pack_into
+from .kernels.rotate import rotate_rows
 from .quant import QuantizedRows, dequantize
 from .rotations import RotationSet, require_power_of_two
 from .static import StaticDecoding, static_unsupported
@@ -60,12 +61,19 @@ class StepPlan:
     demote: int  # oldest recent-window rows quantized before attention
     quantize_new: int  # new rows quantized after attention; the rest join the recent window
 
+    @property
+    def joins_window(self) -> bool:
+        """Whether every new row goes to the recent window."""
+        return self.to_sink == 0 and self.quantize_new == 0
+
 
 @dataclass
 class PendingChunk:
-    keys: torch.Tensor  # rotated
-    values: torch.Tensor  # rotated
-    source: torch.Tensor  # the un-rotated key tensor handed to attention, to recognise the call
+    """A chunk's post-RoPE K/V as the model produced them (not rotated yet); attention receives the
+    same ``keys`` object, which is how it is recognised."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 def _rotate(states: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
@@ -105,6 +113,7 @@ class OscarLayer(CacheLayerMixin):
         self.is_initialized = False
         self.sink_end: int | None = None  # fixed once every row has shown its first real token
         self._pending: PendingChunk | None = None
+        self._empty_rows: torch.Tensor | None = None
         self.sink_keys = self.sink_values = self.recent_keys = self.recent_values = None
         self.history_keys = self.history_values = None
 
@@ -169,7 +178,7 @@ class OscarLayer(CacheLayerMixin):
         if self.config.check_finite:
             _check_finite(key_states, "key")
             _check_finite(value_states, "value")
-        self._pending = PendingChunk(self.rotate_keys(key_states), self.rotate_values(value_states), key_states)
+        self._pending = PendingChunk(key_states, value_states)
 
     @property
     def has_pending(self) -> bool:
@@ -177,17 +186,17 @@ class OscarLayer(CacheLayerMixin):
 
     def owns(self, key_states: torch.Tensor) -> bool:
         """Whether ``key_states`` is the chunk this layer is waiting to attend over."""
-        return self._pending is not None and self._pending.source is key_states
+        return self._pending is not None and self._pending.keys is key_states
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending chunk's rotated K and V, which the caller now stores."""
+        """The pending chunk's K and V (not rotated), which the caller now rotates and stores."""
         if self._pending is None:
             raise RuntimeError("no pending chunk: call stash() first")
         chunk, self._pending = self._pending, None
         return chunk.keys, chunk.values
 
     def begin_step(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, StepPlan]:
-        """Take the pending chunk, plan its placement and demote overflowing recent rows."""
+        """Take the pending chunk (not rotated), plan its placement and demote overflowing recent rows."""
         self._leave_static()
         keys, values = self.take_pending()
         self._observe_padding(attention_mask, keys.shape[2])
@@ -230,9 +239,51 @@ class OscarLayer(CacheLayerMixin):
         """
         self.stash(key_states, value_states)
         new_keys, new_values, plan = self.begin_step(None)
+        new_keys, new_values = self.rotate_chunk(new_keys, new_values)
         keys, values = self.dense_rotated(new_keys, new_values)
         self.finish_step(new_keys, new_values, plan)
         return self.unrotate_keys(keys), self.unrotate_values(values)
+
+    def rotate_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's ``K·R_K`` and ``V·R_V`` (prefill: GEMMs)."""
+        return self.rotate_keys(keys), self.rotate_values(values)
+
+    def rotate_step(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, into_window: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's ``q·R_K`` ``[B, Hq, D]``, ``K·R_K`` and ``V·R_V`` in one launch (kernels/rotate.py).
+
+        ``into_window``: K and V are written straight into the recent window's next rows, which the
+        window then holds, and the new rows returned are empty (``[B, Hkv, 0, D]``).
+        """
+        batch, q_heads, _, head_dim = query.shape
+        rotated_query = query.new_empty(batch, q_heads, head_dim)
+        if into_window:
+            rotated_keys, rotated_values = self.recent_keys.extend(keys.shape[2]), self.recent_values.extend(keys.shape[2])
+        else:
+            rotated_keys, rotated_values = torch.empty_like(keys), torch.empty_like(values)
+        key_rotation, value_rotation = self._rotation("key", query, True), self._rotation("value", query, True)
+        rotate_rows([(query, key_rotation, rotated_query), (keys, key_rotation, rotated_keys),
+                     (values, value_rotation, rotated_values)])  # fmt: skip
+        if into_window:
+            return rotated_query, self._no_rows(keys), self._no_rows(values)
+        return rotated_query, rotated_keys, rotated_values
+
+    def unrotate_output(self, output: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention output ``[B, Hq, D]`` mapped back (``o·R_V^T``), as ``[B, 1, Hq, D]``."""
+        rotation = self._rotation("value", output)
+        if rotation is None:
+            return output.unsqueeze(1)
+        unrotated = torch.empty_like(output)
+        rotate_rows([(output, rotation.T, unrotated)])
+        return unrotated.unsqueeze(1)
+
+    def _no_rows(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty ``[B, H, 0, D]`` tier like ``like``, kept (a slice a call costs host time)."""
+        empty = self._empty_rows
+        if empty is None or empty.shape[:2] != like.shape[:2] or empty.dtype != like.dtype:
+            self._empty_rows = empty = like.new_empty(like.shape[0], like.shape[1], 0, like.shape[-1])
+        return empty
 
     def rotate_keys(self, states: torch.Tensor) -> torch.Tensor:
         """``x @ R_K``; queries are rotated like keys so that scores are unchanged."""
@@ -250,13 +301,15 @@ class OscarLayer(CacheLayerMixin):
         rotation = self._rotation("value", values)
         return values if rotation is None else _rotate(values, rotation.T)
 
-    def _rotation(self, which: str, like: torch.Tensor) -> torch.Tensor | None:
-        """R_K or R_V (kept in float32) on ``like``'s device and in its dtype, cast once."""
+    def _rotation(self, which: str, like: torch.Tensor, identity: bool = False) -> torch.Tensor | None:
+        """R_K or R_V (kept in float32) on ``like``'s device and in its dtype, cast once; without one,
+        None or (``identity``) the identity matrix."""
         master = self.key_rotation if which == "key" else self.value_rotation
-        if master is None:
+        if master is None and not identity:
             return None
-        key = (which, like.dtype, like.device)
+        key = (which if master is not None else "identity", like.dtype, like.device)
         if key not in self._rotation_copies:
+            master = torch.eye(like.shape[-1]) if master is None else master
             self._rotation_copies[key] = master.to(device=like.device, dtype=like.dtype)
         return self._rotation_copies[key]
 

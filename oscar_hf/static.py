@@ -157,16 +157,16 @@ class StaticDecoding:
     def attend(self, layer: "OscarLayer", query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attend over all the layer's tiers and its new token, which the same launch stores in the ring's
         newest slot (reserved by :meth:`advance`): ``[B, 1, Hq, D]``."""
-        keys, values = layer.take_pending()
+        query, keys, values = layer.rotate_step(query, *layer.take_pending(), into_window=False)
         ring_k, ring_v = layer.recent_keys.data, layer.recent_values.data
         history_k, history_v = layer.history_keys.whole(), layer.history_values.whole()
         output = decode_attention(
-            layer.rotate_keys(query)[:, :, 0], layer.sink_keys.view(), layer.sink_values.view(),
+            query, layer.sink_keys.view(), layer.sink_values.view(),
             history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
             ring_k, ring_v, keys, values, k_bits=layer.config.key.bits,
             v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=self.sink_mask, lengths=self.lengths,
         )  # fmt: skip
-        return layer.unrotate_values(output.unsqueeze(1))
+        return layer.unrotate_output(output)
 
     # ------------------------------------------------------------------------------------- thaw
     def thaw(self) -> None:

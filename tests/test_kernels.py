@@ -63,16 +63,16 @@ def _import_kernels():
         spec = importlib.machinery.ModuleSpec("oscar_hf.kernels", None, is_package=True)
         spec.submodule_search_locations = [str(KERNELS_DIR)]
         sys.modules["oscar_hf.kernels"] = importlib.util.module_from_spec(spec)
-    names = ("_triton", "quantize", "decode_attention")
+    names = ("_triton", "quantize", "decode_attention", "rotate")
     return tuple(importlib.import_module(f"oscar_hf.kernels.{name}") for name in names)
 
 
-_triton, _quantize, _decode = _import_kernels()
+_triton, _quantize, _decode, _rotate = _import_kernels()
 if not CUDA and not _triton.INTERPRET:
     # Imported earlier (by another test module) without the interpreter: import the modules again.
     for name in [n for n in sys.modules if n.startswith("oscar_hf.kernels.")]:
         del sys.modules[name]
-    _triton, _quantize, _decode = _import_kernels()
+    _triton, _quantize, _decode, _rotate = _import_kernels()
 
 quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
 quantize_pack_into = _quantize.quantize_pack_into
@@ -118,8 +118,9 @@ def test_launch_traits_separate_what_triton_specialises_on():
     assert traits((2**31,)) != traits((2**31 - 16,)) and traits((2**63,)) != traits((2**62,))  # widths
     assert traits((data.float(),)) != traits((data,))  # dtypes
     assert traits((True,)) != traits((1,)) and traits((None,)) != traits((0,))
-    assert traits(((32, 48),)) == traits(((16, 64),)) != traits(((32, 47),))  # tuples element by element
-    assert traits(("text",)) is None and traits(((1, "text"),)) is None  # not handled: launched through Triton
+    assert traits(((32, 48),)) == traits(((32, 48),)) != traits(((32, 47),))  # tuples (strides) by value
+    assert traits(("text",)) is None  # not handled: launched through Triton
+    assert not _triton._ints_in_tuples(((1, "text"),)) and _triton._ints_in_tuples((data, (1, 2)))  # never kept
 
 
 @gpu_only
@@ -232,6 +233,53 @@ def test_quantize_pack_into_validates_jobs():
         quantize_pack_into([rows], [target], 4, 64, clip_ratios=[0.0])
     with pytest.raises(ValueError, match="share shape"):
         quantize_pack_into([rows, rows[:, :, :2]], [target, target], 2, 64, clip_ratios=[0.0, 0.0])
+
+
+# -------------------------------------------------------------------------------------- rotation
+
+
+def _rotation(head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))[0].to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch, q_heads, kv_heads", [(1, 4, 1), (3, 9, 3), (2, 32, 8)])  # 9 rows: a partial block
+def test_rotate_rows_matches_torch(head_dim, dtype, batch, q_heads, kv_heads):
+    """q (a transposed projection), K into a window row of a larger buffer, V by a transposed R."""
+    generator = torch.Generator().manual_seed(head_dim + q_heads)
+    query = torch.randn(batch, 1, q_heads, head_dim, generator=generator).to(dtype).to(DEVICE).transpose(1, 2)
+    keys, values = (torch.randn(batch, kv_heads, 1, head_dim, generator=generator).to(dtype).to(DEVICE) for _ in "kv")
+    key_rotation, value_rotation = _rotation(head_dim, dtype, 1), _rotation(head_dim, dtype, 2).T
+    window = torch.full((batch, kv_heads, 7, head_dim), 5.0, dtype=dtype, device=DEVICE)
+    jobs = [(query, key_rotation, torch.empty(batch, q_heads, head_dim, dtype=dtype, device=DEVICE)),
+            (keys, key_rotation, window[:, :, 3:4]), (values, value_rotation, torch.empty_like(values))]  # fmt: skip
+    _rotate.rotate_rows(jobs)
+    for rows, rotation, got in jobs:
+        want = (rows.double() @ rotation.double()).view(got.shape)
+        # one rounding to the output dtype (float32 accumulation in another order: a last bit at most)
+        tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
+        torch.testing.assert_close(got.double(), want, **tolerance)
+    untouched = torch.cat([window[:, :, :3], window[:, :, 4:]], dim=2)
+    assert bool((untouched == 5.0).all())
+
+
+def test_rotate_rows_one_job_and_validation():
+    rows = torch.randn(2, 3, 64, device=DEVICE)
+    rotation, out = _rotation(64, torch.float32, 3), torch.empty(2, 3, 64, device=DEVICE)
+    _rotate.rotate_rows([(rows, rotation, out)])
+    torch.testing.assert_close(out, rows @ rotation, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="1 to 3 jobs"):
+        _rotate.rotate_rows([(rows, rotation, out)] * 4)
+    with pytest.raises(ValueError, match="does not match"):
+        _rotate.rotate_rows([(rows, rotation.double(), out)])
+    with pytest.raises(ValueError, match="same B, H, D"):
+        _rotate.rotate_rows([(rows, rotation, out[:1])])
+    odd = torch.randn(2, 3, 80, device=DEVICE)  # not a power of two: the torch reference
+    odd_out = torch.empty_like(odd)
+    _rotate.rotate_rows([(odd, _rotation(80, torch.float32, 4), odd_out)])
+    torch.testing.assert_close(odd_out, odd @ _rotation(80, torch.float32, 4))
 
 
 # ------------------------------------------------------------------------------ decode attention
@@ -368,6 +416,16 @@ def test_decode_attention_splits_do_not_change_the_result():
     torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
 
+@gpu_only
+def test_eager_calls_of_one_shape_share_slot_buffers_not_outputs():
+    """Consecutive eager calls reuse the partial buffers (_decode._partials) and keep their own outputs."""
+    calls = [_decode_inputs(2, 8, 2, 128, 4, 3000, 9, 1, torch.bfloat16, 2, 2, seed=seed) for seed in (1, 2)]
+    outputs = [decode_attention(*args, **options) for args, options in calls]
+    assert outputs[0].data_ptr() != outputs[1].data_ptr() and len(_decode._PARTIALS) >= 1
+    for (args, options), got in zip(calls, outputs):
+        torch.testing.assert_close(got, decode_attention_reference(*args, **options), **TOLERANCE[torch.bfloat16])
+
+
 def test_decode_attention_dispatcher_and_masked_rows():
     args, options = _decode_inputs(2, 4, 2, 64, 3, 10, 4, 1, torch.float32)
     options["key_mask"] = torch.ones(2, 18, dtype=torch.bool, device=DEVICE)
@@ -466,6 +524,7 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
     # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
     monkeypatch.setattr(oscar_hf.attention, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.cache, "quantize_pack_into", quantize_pack_into)
+    monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
     launches = []
     for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
@@ -503,6 +562,7 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     from oscar_hf.compat import cache_keyword
 
     monkeypatch.setattr(oscar_hf.static, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.static, "WindowQuantizer", _quantize.WindowQuantizer)
     launches = []
     launch_decode, launch_quantize = _decode.decode_attention_triton, _quantize._launch_many

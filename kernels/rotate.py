@@ -1,0 +1,113 @@
+"""Rotating a decode step's few rows, ``out = rows @ R``, up to three jobs in one launch.
+
+An eager decode step rotates q and the new K by R_K and the new V by R_V, and maps the attention
+output back by R_V^T. As cuBLAS calls these four small products cost far more host time than GPU
+time (aten::mm ~60 us of host time each on the H200's host, against ~20 us for the model's own
+GEMMs: ``eval/results/profile_decode.json``), and two more copies put the new K/V into the recent
+window. :func:`rotate_rows` does q, K and V in one launch and writes each result where it belongs,
+the new K/V straight into the window's next row.
+
+Rows are ``[B, H, D]`` or ``[B, H, 1, D]``: row ``(b, h)`` starts at ``b * stride(0) + h * stride(1)``
+and its dims are contiguous, so transposed projections and slices of the cache's buffers are read and
+written in place. Products accumulate in float32 and are rounded once to the output's dtype, as
+torch's 16-bit matmuls are; the sums may run in another order, so a result can differ from torch's
+in its last bit. The rotation may be any strided ``[D, D]`` view (``R.T`` included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._triton import INTERPRET, cdiv, dot, is_power_of_two, launch_kernel, runs_triton, tl, to_dtype, triton
+
+RotateJob = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, rotation [D, D], out)
+
+_BLOCK_ROWS = 16  # the smallest M of an MMA
+_BLOCK_COLUMNS = 64  # output dims a program: R's [D, 64] tile stays small at D = 256
+_MAX_JOBS = 3
+
+
+@triton.jit
+def _rotate_block(X, x_strides, Y, y_strides, R, r_strides, shape, block, column, D: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """``BLOCK_ROWS`` rows of one job (``shape`` = heads, rows), output dims ``column * BLOCK_COLUMNS ...``."""
+    heads, rows = shape
+    row = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = row < rows
+    batch, head = row // heads, row % heads
+    dims = tl.arange(0, D)
+    x = tl.load(X + (batch * x_strides[0] + head * x_strides[1])[:, None] + dims[None, :], mask=valid[:, None])
+    columns = column * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
+    rotation = tl.load(R + dims[:, None] * r_strides[0] + columns[None, :] * r_strides[1])
+    out = dot(x, rotation, INTERPRETED)
+    pointers = Y + (batch * y_strides[0] + head * y_strides[1])[:, None] + columns[None, :]
+    tl.store(pointers, to_dtype(out, Y.dtype.element_ty, INTERPRETED), mask=valid[:, None])
+
+
+@triton.jit
+def _rotate_kernel(
+    X0, x0_strides, Y0, y0_strides, R0, r0_strides, shape0, blocks0,
+    X1, x1_strides, Y1, y1_strides, R1, r1_strides, shape1, blocks1,
+    X2, x2_strides, Y2, y2_strides, R2, r2_strides, shape2,
+    D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Program ``(row block, column block)``; the row blocks of job 0 come first, then job 1's, then job 2's."""
+    block, column = tl.program_id(0), tl.program_id(1)
+    if block < blocks0:
+        _rotate_block(X0, x0_strides, Y0, y0_strides, R0, r0_strides, shape0, block, column,
+                      D, BLOCK_ROWS, BLOCK_COLUMNS, INTERPRETED)  # fmt: skip
+    elif block < blocks0 + blocks1:
+        _rotate_block(X1, x1_strides, Y1, y1_strides, R1, r1_strides, shape1, block - blocks0, column,
+                      D, BLOCK_ROWS, BLOCK_COLUMNS, INTERPRETED)  # fmt: skip
+    else:
+        _rotate_block(X2, x2_strides, Y2, y2_strides, R2, r2_strides, shape2, block - blocks0 - blocks1, column,
+                      D, BLOCK_ROWS, BLOCK_COLUMNS, INTERPRETED)  # fmt: skip
+
+
+def rotate_rows(jobs: Sequence[RotateJob]) -> None:
+    """``out = rows @ rotation`` for each of 1 to 3 jobs: one Triton launch on a GPU (and under
+    ``TRITON_INTERPRET=1``), :func:`rotate_rows_reference` elsewhere and for head dims the kernel does
+    not cover (not a power of two, or below 16).
+
+    Raises:
+        ValueError: more than three jobs, or rows, rotations and outputs that do not fit together.
+    """
+    _check_jobs(jobs)
+    head_dim = jobs[0][0].shape[-1]
+    if not (runs_triton(jobs[0][0]) and is_power_of_two(head_dim) and head_dim >= 16):
+        rotate_rows_reference(jobs)
+        return
+    arguments, blocks = [], 0
+    for index, (rows, rotation, out) in enumerate((*jobs, *[jobs[0]] * (_MAX_JOBS - len(jobs)))):
+        batch, heads = rows.shape[:2]
+        job_blocks = cdiv(batch * heads, _BLOCK_ROWS) if index < len(jobs) else 0
+        arguments += [rows, (rows.stride(0), rows.stride(1)), out, (out.stride(0), out.stride(1)), rotation,
+                      rotation.stride(), (heads, batch * heads)]  # fmt: skip
+        if index < _MAX_JOBS - 1:
+            arguments.append(job_blocks)
+        blocks += job_blocks
+    launch_kernel(_rotate_kernel, (blocks, head_dim // min(head_dim, _BLOCK_COLUMNS)), *arguments, D=head_dim,
+                  BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLUMNS=min(head_dim, _BLOCK_COLUMNS), INTERPRETED=INTERPRET)  # fmt: skip
+
+
+def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
+    """The torch reference of :func:`rotate_rows`: one matmul and one copy a job."""
+    for rows, rotation, out in jobs:
+        out.copy_((rows @ rotation).view(out.shape))
+
+
+def _check_jobs(jobs: Sequence[RotateJob]) -> None:
+    if not 1 <= len(jobs) <= _MAX_JOBS:
+        raise ValueError(f"rotate_rows takes 1 to {_MAX_JOBS} jobs, got {len(jobs)}")
+    for rows, rotation, out in jobs:
+        batch, heads, head_dim = rows.shape[0], rows.shape[1], rows.shape[-1]
+        if rows.numel() != batch * heads * head_dim or out.shape != rows.shape[:2] + (1,) * (out.dim() - 3) + (head_dim,):
+            raise ValueError(f"rows {tuple(rows.shape)} and out {tuple(out.shape)} must both be [B, H, D] or "
+                             "[B, H, 1, D] of the same B, H, D")  # fmt: skip
+        if rotation.shape != (head_dim, head_dim) or rotation.dtype != rows.dtype or rotation.device != rows.device:
+            raise ValueError(f"rotation {tuple(rotation.shape)} {rotation.dtype} on {rotation.device} does not "
+                             f"match rows of {head_dim} dims, {rows.dtype} on {rows.device}")  # fmt: skip
+        if rows.stride(-1) != 1 or out.stride(-1) != 1 or out.dtype != rows.dtype:
+            raise ValueError("rows and out need contiguous dims and one dtype")
