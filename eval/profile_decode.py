@@ -8,8 +8,8 @@ Builds the random-weight model of ``eval/bench_gpu.py``, fills each cache synthe
 profiles ``--steps`` single-token forwards (after warm-up) and prints, per cache: wall time per step,
 summed CUDA kernel time per step, and the top operators by self CUDA and self CPU time. Also times
 ``generate`` of the same number of tokens on a fresh cache, to compare with the step loop. Writes
-``<out>/profile_decode.json``. ``--python`` adds the steps' host time by Python function (eager batch-1
-decoding is bound by it), profiled on their own, since cProfile slows every call it counts.
+``<out>/profile_decode.json``. ``--python`` adds the host time by Python function of ``generate``'s steps (eager
+batch-1 decoding is bound by it), profiled on their own, since cProfile slows every call it counts.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ def top_ops(prof, key: str, count: int) -> list[dict]:
     return [{"name": e.key[:90], "calls": e.count, f"{key}_us": round(getattr(e, key), 1)} for e in events]
 
 
-def python_functions(cache, model, batch: int, steps: int, count: int) -> list[dict]:
-    """The ``count`` Python functions (and builtins) with the most own host time over ``steps`` steps."""
+def python_functions(run, steps: int, count: int) -> list[dict]:
+    """The ``count`` Python functions (and builtins) with the most own host time in ``run()``, per step."""
     profiler = cProfile.Profile()
     profiler.enable()
-    bench.decode_steps(model, cache, batch, 0, steps)
+    run()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
@@ -63,11 +63,16 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = bench.decode_steps(model, cache, batch, 0, steps)
     kernels_us = sum(e.self_device_time_total for e in prof.key_averages())
-    host = {"python": python_functions(cache, model, batch, steps, 40)} if python else {}
     del cache
     bench.free_memory()
-    cache = filled()
     ids = bench.random_tokens(model, batch, context + 1)
+    host = {}
+    if python:  # generate's steps, the path the e2e benchmark times
+        cache = filled()
+        host["python"] = python_functions(lambda: bench.generate(model, cache, ids, steps), steps, 40)
+        del cache
+        bench.free_memory()
+    cache = filled()
     start = time.perf_counter()
     bench.generate(model, cache, ids, steps)
     bench.synchronize(bench.model_devices(model))

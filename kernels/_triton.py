@@ -119,23 +119,25 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     metadata) took ~130 us of host time per launch on the H200's host under cProfile, three launches
     a layer: more than the kernels themselves at batch 1 (``eval/results/profile_decode.json``). Here
     the binary is keyed by what Triton specialises on, kept at least as fine: each tensor's dtype and
-    16-byte alignment, each integer's divisibility by 16, equality to 1 and width, tuples of ints
-    (strides) by value, and the keyword arguments (constexprs and launch options) as given. A miss launches through Triton, which compiles
-    or finds the binary. Interpreted kernels, and launches that a hook observes (profilers), always
-    go through Triton.
+    16-byte alignment, each integer's divisibility by 16, equality to 1 and width, other arguments
+    (floats, flags, stride tuples) by value, and the keyword arguments (constexprs and launch options)
+    as given. A miss launches through Triton, which compiles or finds the binary. Interpreted
+    kernels, and launches that a hook observes (profilers), always go through Triton.
     """
     hooks = triton.knobs.runtime
-    traits = None if INTERPRET else _argument_traits(args)
-    if traits is None or _observed(hooks.launch_enter_hook) or _observed(hooks.launch_exit_hook):
+    if INTERPRET or _observed(hooks.launch_enter_hook) or _observed(hooks.launch_exit_hook):
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
-    key = (device, traits, tuple(kwargs.items()))
+    key = (device, _argument_traits(args), tuple(kwargs.items()))
     binaries = _COMPILED.setdefault(kernel, {})
-    cached = binaries.get(key)
+    try:
+        cached = binaries.get(key)
+    except TypeError:  # an unhashable argument: not keyable
+        cached = None
     if cached is None:
         compiled = kernel[grid](*args, **kwargs)
-        if not _ints_in_tuples(args):
+        if not _keyable(args):
             return
         if len(binaries) >= _MAX_BINARIES_PER_KERNEL:
             binaries.clear()
@@ -158,37 +160,27 @@ def _observed(hook) -> bool:
 
 
 _I32 = range(-(2**31), 2**31)
-_MAX_BINARIES_PER_KERNEL = 4096  # tuples are keyed by value: a bound against keys that never repeat
+_MAX_BINARIES_PER_KERNEL = 4096  # scalars and tuples are keyed by value: a bound against keys that never repeat
+_Tensor = torch.Tensor
 
 
-def _argument_traits(args: tuple) -> tuple | None:
-    """What Triton's specialisation can see of each positional argument (None: a type not handled here).
+def _argument_traits(args: tuple) -> tuple:
+    """What Triton's specialisation can see of each positional argument, or finer.
 
-    Tuples (strides) are keyed by their values, finer than Triton's per-element traits but ~3x cheaper
-    on the host, and a layer's strides change only when its buffers grow.
+    Tensors: dtype and 16-byte alignment; ints: divisibility by 16, equality to 1, width. Everything
+    else (floats, flags, stride tuples) is keyed by its value, finer than Triton and cheaper on the
+    host (a layer's strides change only when its buffers grow); :func:`_keyable` decides at a miss
+    whether such a key may be kept. One expression: this runs for every launch of a decode step.
     """
-    traits = []
-    append = traits.append
-    for arg in args:
-        kind = type(arg)
-        if kind is int:
-            append((arg % 16 == 0, arg == 1, arg in _I32, arg >= 2**63))
-        elif kind is torch.Tensor or isinstance(arg, torch.Tensor):
-            append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif kind is float:
-            append(float)
-        elif kind is bool or arg is None:
-            append(arg)
-        elif kind is tuple:  # checked to hold ints only before a key is kept (_ints_in_tuples)
-            append(arg)
-        else:
-            return None
-    return tuple(traits)
+    return tuple([(arg.dtype, arg.data_ptr() % 16 == 0) if type(arg) is _Tensor
+                  else (arg % 16 == 0, arg == 1, arg in _I32, arg >= 2**63) if type(arg) is int
+                  else arg for arg in args])  # fmt: skip
 
 
-def _ints_in_tuples(args: tuple) -> bool:
-    """Whether every tuple argument holds ints only (strides): launches with other tuples are not cached."""
-    return all(type(value) is int for arg in args if type(arg) is tuple for value in arg)
+def _keyable(args: tuple) -> bool:
+    """Whether every argument keyed by value is a float, flag, None or tuple of ints (strides)."""
+    return all(type(arg) in (_Tensor, int, float, bool, type(None))
+               or (type(arg) is tuple and all(type(value) is int for value in arg)) for arg in args)  # fmt: skip
 
 
 def cdiv(numerator: int, denominator: int) -> int:

@@ -797,9 +797,11 @@ def _unpack_asm(bits: int, dtype: torch.dtype) -> str:
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``(tensor, strides of all but the last dim)``; kernels index the last dim with unit stride."""
-    if tensor.stride(-1) != 1 and tensor.numel():
+    strides = tensor.stride()
+    if strides[-1] != 1 and tensor.numel():
         tensor = tensor.contiguous()
-    return tensor, tuple(tensor.stride()[:-1])
+        strides = tensor.stride()
+    return tensor, strides[:-1]
 
 
 # -------------------------------------------------------------------------------- torch reference

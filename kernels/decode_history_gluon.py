@@ -491,10 +491,12 @@ def history_into(
         raise ValueError(f"the span covers at most 8 query heads per KV head, got {group}")
     q = q.contiguous()
     # Rows are read in place (a cache's buffers hold more rows than are valid): no copies per call.
-    words_k, words_v = (_rows_in_place(codes, 32).view(torch.int32) for codes in (k_codes, v_codes))
+    words_k, words_v = _rows_in_place(k_codes, 32).view(torch.int32), _rows_in_place(v_codes, 32).view(torch.int32)
     meta = [_rows_in_place(t, 1) for t in (k_scale, k_zero, v_scale, v_zero)]
-    if len({t.stride()[:2] for t in meta}) > 1:  # the kernel takes one pair of strides for all four
+    strides = [t.stride()[:2] for t in meta]
+    if strides.count(strides[0]) != 4:  # the kernel takes one pair of strides for all four
         meta = [t.contiguous() for t in meta]
+        strides = [t.stride()[:2] for t in meta]
     aligned = staging_aligned(meta)
     if pipeline is None:
         pipeline = aligned
@@ -503,7 +505,7 @@ def history_into(
                          "16-row aligned (storage.ROW_ALIGNMENT)")
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *meta[0].stride()[:2], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
+        *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
         RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, num_warps=1,
@@ -514,7 +516,8 @@ def history_into(
 def _rows_in_place(rows: torch.Tensor, row_elements: int) -> torch.Tensor:
     """``rows`` ``[B, H, L, row_elements]`` as the kernel reads them (contiguous rows, any stride between
     them); copied only where a row itself is not contiguous."""
-    if rows.stride(-1) != 1 or rows.stride(2) != row_elements:
+    strides = rows.stride()
+    if strides[3] != 1 or strides[2] != row_elements:
         return rows.contiguous()
     return rows
 

@@ -74,22 +74,27 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
     Raises:
         ValueError: more than three jobs, or rows, rotations and outputs that do not fit together.
     """
-    _check_jobs(jobs)
+    if not 1 <= len(jobs) <= _MAX_JOBS:
+        raise ValueError(f"rotate_rows takes 1 to {_MAX_JOBS} jobs, got {len(jobs)}")
+    arguments, blocks = [], 0
+    for rows, rotation, out in jobs:  # checked and turned into arguments in one pass: host time counts here
+        rows_strides, out_strides = rows.stride(), out.stride()
+        _check_job(rows, rotation, out, rows_strides[-1], out_strides[-1])
+        batch, heads = rows.shape[0], rows.shape[1]
+        job_blocks = cdiv(batch * heads, _BLOCK_ROWS)
+        arguments += [rows, rows_strides[:2], out, out_strides[:2], rotation, rotation.stride(), (heads, batch * heads),
+                      job_blocks]  # fmt: skip
+        blocks += job_blocks
     head_dim = jobs[0][0].shape[-1]
     if not (runs_triton(jobs[0][0]) and is_power_of_two(head_dim) and head_dim >= 16):
         rotate_rows_reference(jobs)
         return
-    arguments, blocks = [], 0
-    for index, (rows, rotation, out) in enumerate((*jobs, *[jobs[0]] * (_MAX_JOBS - len(jobs)))):
-        batch, heads = rows.shape[:2]
-        job_blocks = cdiv(batch * heads, _BLOCK_ROWS) if index < len(jobs) else 0
-        arguments += [rows, (rows.stride(0), rows.stride(1)), out, (out.stride(0), out.stride(1)), rotation,
-                      rotation.stride(), (heads, batch * heads)]  # fmt: skip
-        if index < _MAX_JOBS - 1:
-            arguments.append(job_blocks)
-        blocks += job_blocks
-    launch_kernel(_rotate_kernel, (blocks, head_dim // min(head_dim, _BLOCK_COLUMNS)), *arguments, D=head_dim,
-                  BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLUMNS=min(head_dim, _BLOCK_COLUMNS), INTERPRETED=INTERPRET)  # fmt: skip
+    unused = arguments[:7] + [0]  # jobs beyond the given ones: job 0's tensors, no row blocks
+    arguments += unused * (_MAX_JOBS - len(jobs))
+    del arguments[-1]  # the last job's block count is implied
+    columns = min(head_dim, _BLOCK_COLUMNS)
+    launch_kernel(_rotate_kernel, (blocks, head_dim // columns), *arguments, D=head_dim, BLOCK_ROWS=_BLOCK_ROWS,
+                  BLOCK_COLUMNS=columns, INTERPRETED=INTERPRET)  # fmt: skip
 
 
 def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
@@ -98,16 +103,14 @@ def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
         out.copy_((rows @ rotation).view(out.shape))
 
 
-def _check_jobs(jobs: Sequence[RotateJob]) -> None:
-    if not 1 <= len(jobs) <= _MAX_JOBS:
-        raise ValueError(f"rotate_rows takes 1 to {_MAX_JOBS} jobs, got {len(jobs)}")
-    for rows, rotation, out in jobs:
-        batch, heads, head_dim = rows.shape[0], rows.shape[1], rows.shape[-1]
-        if rows.numel() != batch * heads * head_dim or out.shape != rows.shape[:2] + (1,) * (out.dim() - 3) + (head_dim,):
-            raise ValueError(f"rows {tuple(rows.shape)} and out {tuple(out.shape)} must both be [B, H, D] or "
-                             "[B, H, 1, D] of the same B, H, D")  # fmt: skip
-        if rotation.shape != (head_dim, head_dim) or rotation.dtype != rows.dtype or rotation.device != rows.device:
-            raise ValueError(f"rotation {tuple(rotation.shape)} {rotation.dtype} on {rotation.device} does not "
-                             f"match rows of {head_dim} dims, {rows.dtype} on {rows.device}")  # fmt: skip
-        if rows.stride(-1) != 1 or out.stride(-1) != 1 or out.dtype != rows.dtype:
-            raise ValueError("rows and out need contiguous dims and one dtype")
+def _check_job(rows: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor, rows_step: int, out_step: int) -> None:
+    batch, heads, head_dim = rows.shape[0], rows.shape[1], rows.shape[-1]
+    if rows.numel() != batch * heads * head_dim or out.numel() != rows.numel() or out.shape[:2] != rows.shape[:2] \
+            or out.shape[-1] != head_dim:  # fmt: skip
+        raise ValueError(f"rows {tuple(rows.shape)} and out {tuple(out.shape)} must both be [B, H, D] or "
+                         "[B, H, 1, D] of the same B, H, D")  # fmt: skip
+    if rotation.shape != (head_dim, head_dim) or rotation.dtype != rows.dtype or rotation.device != rows.device:
+        raise ValueError(f"rotation {tuple(rotation.shape)} {rotation.dtype} on {rotation.device} does not "
+                         f"match rows of {head_dim} dims, {rows.dtype} on {rows.device}")  # fmt: skip
+    if rows_step != 1 or out_step != 1 or out.dtype != rows.dtype:
+        raise ValueError("rows and out need contiguous dims and one dtype")

@@ -119,8 +119,9 @@ def test_launch_traits_separate_what_triton_specialises_on():
     assert traits((data.float(),)) != traits((data,))  # dtypes
     assert traits((True,)) != traits((1,)) and traits((None,)) != traits((0,))
     assert traits(((32, 48),)) == traits(((32, 48),)) != traits(((32, 47),))  # tuples (strides) by value
-    assert traits(("text",)) is None  # not handled: launched through Triton
-    assert not _triton._ints_in_tuples(((1, "text"),)) and _triton._ints_in_tuples((data, (1, 2)))  # never kept
+    assert traits((0.5,)) != traits((0.25,))  # floats by value too: finer than Triton, never coarser
+    keyable = _triton._keyable
+    assert keyable((data, 3, (1, 2), 0.5, True, None)) and not keyable(("text",)) and not keyable(((1, "text"),))
 
 
 @gpu_only

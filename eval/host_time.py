@@ -1,0 +1,152 @@
+"""Host time of one layer's decode attention, piece by piece, OscarCache against DynamicCache.
+
+    python eval/host_time.py [--model qwen3-8b] [--context 100000] [--batch 1] [--iterations 300]
+
+Eager batch-1 decoding is bound by host time (``eval/results/profile_decode.json``), and cProfile
+inflates Python-heavy code, so this times each piece without a profiler: ``--iterations`` calls in a
+row after a warm-up, one synchronisation at the end, wall time a call. Where a piece's GPU time is
+longer than its host time the number is the GPU time (``gpu_bound`` lists the pieces whose kernels
+alone take that long). Layer 0 of a random-weight model's cache is filled with ``--context`` tokens
+(OscarCache through its real write path). Writes ``<out>/host_time.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402
+
+from oscar_hf.attention import oscar_attention_forward  # noqa: E402
+from oscar_hf.kernels.decode_attention import decode_attention  # noqa: E402
+from oscar_hf.kernels.rotate import rotate_rows  # noqa: E402
+
+
+def per_call_us(fn, iterations: int, device: torch.device) -> float:
+    for _ in range(100):  # past a demotion (every 64 tokens) and whatever it compiles
+        fn()
+    bench.synchronize([device])
+    start = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    bench.synchronize([device])
+    return (time.perf_counter() - start) / iterations * 1e6
+
+
+def step_inputs(model, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q ``[B, Hq, 1, D]`` and K/V ``[B, Hkv, 1, D]`` laid out as a Qwen3 layer hands them to attention."""
+    config = bench.text_config(model)
+    head_dim = bench.head_dim(model)
+    q = torch.randn(batch, 1, config.num_attention_heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(batch, 1, config.num_key_value_heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+            for _ in "kv")  # fmt: skip
+    return q, k, v
+
+
+def oscar_pieces(model, batch: int, context: int, rotations, device: torch.device, iterations: int) -> dict:
+    cache = bench.make_cache("oscar-int2", model, context + 4096, rotations)
+    bench.fill_cache(cache, model, batch, context, 65536)
+    layer, module = cache.layers[0], model.model.layers[0].self_attn
+    q, k, v = step_inputs(model, batch, device, torch.bfloat16)
+    scaling = module.scaling
+
+    def whole_layer() -> None:  # cache.update + the attention function, as a decode step runs them
+        keys, values = cache.update(k.clone(), v.clone(), 0)
+        oscar_attention_forward(module, q, keys, values, None, scaling=scaling)
+
+    key_rotation, value_rotation = layer._rotation("key", q), layer._rotation("value", q)
+    outputs = [torch.empty(batch, t.shape[1], t.shape[-1], device=device, dtype=t.dtype) for t in (q, k, v)]
+    out = torch.empty_like(outputs[0])
+
+    def attention() -> None:  # over the layer's tiers as they stand (the new row already in the window)
+        history_k, history_v = layer.history_keys.packed(), layer.history_values.packed()
+        decode_attention(outputs[0], layer.sink_keys.view(), layer.sink_values.view(), history_k.codes, history_k.scale,
+                         history_k.zero, history_v.codes, history_v.scale, history_v.zero, layer.recent_keys.view(),
+                         layer.recent_values.view(), layer._no_rows(k), layer._no_rows(v), k_bits=2, v_bits=2,
+                         sm_scale=scaling)  # fmt: skip
+
+    pieces = {
+        "oscar: update + attention (one layer)": whole_layer,
+        "oscar: clone K and V (part of the line above)": lambda: (k.clone(), v.clone()),
+        "oscar: decode_attention (span, dense tiers, merge)": attention,
+        "oscar: rotate q, K, V (one launch)": lambda: rotate_rows(
+            [(q, key_rotation, outputs[0]), (k, key_rotation, outputs[1]), (v, value_rotation, outputs[2])]),
+        "oscar: rotate the output back (one launch)": lambda: rotate_rows([(out, value_rotation.T, outputs[0])]),
+        "torch: four rotation matmuls": lambda: (q @ key_rotation, k @ key_rotation, v @ value_rotation,
+                                                 out @ value_rotation.T),
+    }
+    return {name: per_call_us(fn, iterations, device) for name, fn in pieces.items()}
+
+
+def dynamic_pieces(model, batch: int, context: int, device: torch.device, iterations: int) -> dict:
+    """What a DynamicCache layer does per step: concatenate the new K/V to the cached ones, SDPA over them
+    (the cache itself keeps its length here, so that every call costs what one at ``context`` does)."""
+    config = bench.text_config(model)
+    shape = (batch, config.num_key_value_heads, context, bench.head_dim(model))
+    cached_k, cached_v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in "kv")
+    module = model.model.layers[0].self_attn
+    q, k, v = step_inputs(model, batch, device, torch.bfloat16)
+
+    def whole_layer() -> None:
+        keys, values = torch.cat([cached_k, k], dim=-2), torch.cat([cached_v, v], dim=-2)
+        sdpa_attention_forward(module, q, keys, values, None, scaling=module.scaling)
+
+    return {"dynamic: cat K and V + SDPA (one layer)": per_call_us(whole_layer, iterations, device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b", help="a preset of eval/bench_gpu.py or a JSON object")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--context", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    options = parser.parse_args()
+    name, spec = bench.model_spec(json.loads(options.model) if options.model.startswith("{") else options.model)
+    model = bench.build_model({**spec, "num_hidden_layers": 1}, options.device, torch.bfloat16, bench.attention_for("oscar-int2"))
+    device = bench.input_device(model)
+    rotations = bench.random_rotations(bench.head_dim(model), [0])
+    with torch.no_grad():
+        times = {**oscar_pieces(model, options.batch, options.context, rotations, device, options.iterations),
+                 **dynamic_pieces(model, options.batch, options.context, device, options.iterations)}  # fmt: skip
+    for piece, us in times.items():
+        print(f"{us:9.1f} us  {piece}")
+    info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name, "context": options.context,
+            "batch": options.batch, "iterations": options.iterations, "us_per_call": times}  # fmt: skip
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "host_time.json").write_text(json.dumps(info, indent=1))
+    rows = "\n".join(f"| {piece} | {us:.1f} |" for piece, us in times.items())
+    (options.out / "host_time.md").write_text(
+        f"# Host time of one layer's decode attention\n\n{name}, context {options.context}, batch {options.batch}: "
+        f"wall time a call over {options.iterations} calls in a row (host-bound pieces show host time).\n\n"
+        f"| piece | us a call |\n|---|---|\n{rows}\n\n`{info['command']}` on {bench.machine_line(info['machine'])}, "
+        f"{info['date']}.\n"
+    )
+    plot(times, options.out / "host_time.png", f"{name}, {options.context} tokens, batch {options.batch}")
+
+
+def plot(times: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 0.5 * len(times) + 1.2))
+    axis.barh(list(times)[::-1], list(times.values())[::-1], color="tab:blue")
+    axis.set_xlabel("us a call (wall, calls in a row)")
+    axis.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
