@@ -10,7 +10,9 @@ to its own unquantized K/V, as the reference's prefill does:
 
 1. ``begin_step``: plan where the new tokens go and demote the oldest rows of the recent window
    (quantized from their stored rotated rows) if the window would overflow;
-2. attention over ``[sink | history | recent | new]`` (``oscar_hf.attention``);
+2. rotation and attention over ``[sink | history | recent | new]`` (``oscar_hf.attention``): a
+   prefill chunk is rotated by GEMMs (``rotate_chunk``), a decode step's q, K and V by one launch
+   that writes K and V straight into the recent window (``rotate_step``, ``kernels/rotate.py``);
 3. ``finish_step``: store the new tokens; those that land between the sink and the recent window
    are quantized now, exactly once.
 """
