@@ -267,6 +267,17 @@ def model_spec(entry: str | dict) -> tuple[str, dict]:
     return name, {**MODEL_PRESETS.get(preset, {}), **entry}
 
 
+def add_model_arguments(parser) -> None:
+    """``--model`` (a preset or a JSON object), ``--device``, ``--context``, ``--batch``, ``--out``: the
+    options of the single-model diagnostics (``eval/profile_decode.py``, ``eval/host_time.py``)."""
+    parser.add_argument("--model", default="qwen3-8b", type=lambda text: model_spec(json.loads(text) if
+                        text.startswith("{") else text), help="a preset of eval/bench_gpu.py or a JSON object")  # fmt: skip
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--context", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+
+
 def build_model(spec: dict, device: str | torch.device, dtype: torch.dtype, attn: str = "sdpa") -> PreTrainedModel:
     """A random-weight Qwen3 (normal, std 0.02) initialised directly on ``device`` in ``dtype``.
 

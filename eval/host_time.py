@@ -103,14 +103,10 @@ def dynamic_pieces(model, batch: int, context: int, device: torch.device, iterat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-8b", help="a preset of eval/bench_gpu.py or a JSON object")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--context", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=1)
+    bench.add_model_arguments(parser)
     parser.add_argument("--iterations", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
     options = parser.parse_args()
-    name, spec = bench.model_spec(json.loads(options.model) if options.model.startswith("{") else options.model)
+    name, spec = options.model
     model = bench.build_model({**spec, "num_hidden_layers": 1}, options.device, torch.bfloat16, bench.attention_for("oscar-int2"))
     device = bench.input_device(model)
     rotations = bench.random_rotations(bench.head_dim(model), [0])

@@ -118,17 +118,13 @@ def profile_prefill(model, cache_name: str, batch: int, context: int, rotations)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-8b", help="a preset of eval/bench_gpu.py or a JSON object")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--context", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=1)
+    bench.add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--caches", default="dynamic,oscar-int2")
     parser.add_argument("--prefill", action="store_true", help="profile one prefill of --context tokens instead")
-    parser.add_argument("--python", action="store_true", help="also profile the steps' host time by Python function")
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--python", action="store_true", help="also profile the host time of generate's steps by Python function")
     options = parser.parse_args()
-    name, spec = bench.model_spec(json.loads(options.model) if options.model.startswith("{") else options.model)
+    name, spec = options.model
     model = bench.build_model(spec, options.device, torch.bfloat16)
     rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
     results = []

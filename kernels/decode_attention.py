@@ -686,8 +686,9 @@ def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: tor
 
     They live from stage 1 to stage 2 of one call. Calls from one thread on one stream run in
     order, so eager calls there share one set while the shape stays (every layer of a step):
-    three allocations fewer a call, and eager batch-1 decoding is bound by host time. Static
-    decoding (``reuse`` false) allocates inside the graph it is captured in.
+    three allocations fewer a call, and eager batch-1 decoding is bound by host time. One set stays
+    allocated per stream and thread (at most ~300 slots: 4.4 MB at batch 1 for 32 heads of 128 dims).
+    Static decoding (``reuse`` false) allocates inside the graph it is captured in.
     """
     shape = (batch, q_heads, n_slots, head_dim)
     if reuse and device.type == "cuda":
