@@ -691,14 +691,15 @@ def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: tor
     Static decoding (``reuse`` false) allocates inside the graph it is captured in.
     """
     shape = (batch, q_heads, n_slots, head_dim)
-    if reuse and device.type == "cuda":
+    reuse = reuse and device.type == "cuda"
+    if reuse:
         where = (device, triton.runtime.driver.active.get_current_stream(device.index), threading.get_ident())
         kept = _PARTIALS.get(where)
         if kept is not None and kept[0] == shape:
             return kept[1]
     m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=device)
     buffers = (m, torch.empty_like(m), torch.empty(shape, dtype=torch.float32, device=device))
-    if reuse and device.type == "cuda":
+    if reuse:
         _PARTIALS[where] = (shape, buffers)
     return buffers
 
