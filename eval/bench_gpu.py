@@ -70,6 +70,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method
 # "<method>+absorbed": that OscarCache method on the model with R_V folded into v_proj/o_proj.
 ABSORBED_SUFFIX = "+absorbed"
+# "<method>+eager-layout": OscarCache(decode_graphs=False): plain generate launches every kernel from
+# Python (the default freezes the cache on CUDA and replays each layer's attention from a CUDA graph).
+EAGER_LAYOUT_SUFFIX = "+eager-layout"
 # "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder);
 # "<cache>+graph+compile": with the decoder layers compiled inside the captured step;
 # "<cache>+graph+autotune": compiled with mode "max-autotune-no-cudagraphs" (Inductor times its GEMMs);
@@ -354,7 +357,9 @@ def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations:
         return DynamicCache(config=model.config)
     if cache_name == "static":
         return StaticCache(config=model.config, max_cache_len=max_len)
-    return OscarCache(model, cache_name, rotations=rotations, max_cache_len=max_len if preallocate else None)
+    eager_layout = cache_name.endswith(EAGER_LAYOUT_SUFFIX)
+    return OscarCache(model, cache_name.removesuffix(EAGER_LAYOUT_SUFFIX), rotations=rotations,
+                      max_cache_len=max_len if preallocate else None, decode_graphs=False if eager_layout else None)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ layer's stored state through it and ``module.layer_idx``. Attention runs in the 
 Two paths: decoding one token goes through :func:`oscar_hf.kernels.decode_attention.decode_attention`
 (the split-K Triton kernel reading packed history on GPU, its torch reference elsewhere); prefill
 and chunked prefill dequantize one layer's history transiently and run SDPA (prefill is
-compute-bound, and nothing dense outlives the call).
+compute-bound, and nothing dense outlives the call). On CUDA, plain ``generate`` freezes the cache at
+its first one-token step (``OscarCache(decode_graphs=...)``), and each layer's decode call is then
+replayed from a CUDA graph (:mod:`oscar_hf.static`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .cache import ATTENTION_NAME, OscarLayer, StepPlan, active_cache
+from .cache import ATTENTION_NAME, OscarCache, OscarLayer, StepPlan, active_cache, allowed_keys
 from .kernels.decode_attention import decode_attention
 
 
@@ -37,16 +39,19 @@ def oscar_attention_forward(
     "Everything else" is a forward without an OscarCache (``use_cache=False``, scoring), and layer
     types the cache keeps in BF16 (sliding windows), whose K/V arrive complete.
     """
-    layer = _waiting_layer(module, key)
+    cache, layer = _waiting_layer(module, key)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    plain_decode = _is_plain_decode(layer, query, module, kwargs)
+    if plain_decode and layer.static is None:
+        cache.freeze_for_decoding(module.layer_idx, attention_mask)
     if layer.static is not None:  # a frozen cache: shape-stable, nothing read on the host
-        if not _is_plain_decode(layer, query, module, kwargs):
+        if not plain_decode:
             raise ValueError("static decoding computes plain softmax attention of one token (no soft-capping, "
                              "learned sinks or dropout)")  # fmt: skip
         return layer.static.attend(layer, query, kwargs.get("scaling")), None
     new_keys, new_values, plan = layer.begin_step(attention_mask)
-    if _is_plain_decode(layer, query, module, kwargs):
+    if plain_decode:
         return _decode(layer, query, new_keys, new_values, plan, attention_mask, kwargs.get("scaling")), None
     new_keys, new_values = layer.rotate_chunk(new_keys, new_values)
     if layer.stored_length == 0:
@@ -91,10 +96,7 @@ def _decode(
     them there, so the window already holds them when attention reads it.
     """
     query, new_keys, new_values = layer.rotate_step(query, new_keys, new_values, into_window=plan.joins_window)
-    key_mask = None
-    if attention_mask is not None:
-        key_mask = attention_mask[:, 0, -1, :]
-        key_mask = key_mask if key_mask.dtype == torch.bool else key_mask == 0  # additive float masks
+    key_mask = None if attention_mask is None else allowed_keys(attention_mask)
     history_k, history_v = layer.history_keys.packed(), layer.history_values.packed()
     output = decode_attention(
         query, layer.sink_keys.view(), layer.sink_values.view(),
@@ -106,22 +108,23 @@ def _decode(
     return layer.unrotate_output(output)
 
 
-def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> OscarLayer | None:
+def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> tuple[OscarCache | None, OscarLayer | None]:
+    """The active cache and its layer waiting for ``key``, or Nones when no OscarLayer is."""
     cache = active_cache()
     layer_idx = getattr(module, "layer_idx", None)
     if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
-        return None
+        return None, None
     layer = cache.layers[layer_idx]
     if not isinstance(layer, OscarLayer):
-        return None
+        return None, None
     if layer.owns(key):
-        return layer
+        return cache, layer
     if layer.has_pending:
         raise RuntimeError(
             f"layer {layer_idx}: attention received key states that OscarCache did not return; "
             "the model changes K/V between the cache update and attention, which OscarCache does not support"
         )
-    return None
+    return None, None
 
 
 AttentionInterface.register(ATTENTION_NAME, oscar_attention_forward)

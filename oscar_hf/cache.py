@@ -36,8 +36,8 @@ from .kernels.quantize import quantize_pack, quantize_pack_into
 from .kernels.rotate import rotate_rows
 from .quant import QuantizedRows, dequantize
 from .rotations import RotationSet, require_power_of_two
-from .static import StaticDecoding, static_unsupported
-from .storage import PackedHistory, RowBuffer
+from .static import StaticDecoding, static_not_yet, static_unsupported
+from .storage import MAX_SLACK_ROWS, PackedHistory, RowBuffer
 
 logger = get_logger(__name__)
 
@@ -327,9 +327,7 @@ class OscarLayer(CacheLayerMixin):
         if attention_mask is None:
             self.sink_end = self.config.sink
             return
-        allowed = attention_mask[:, 0, -1, :]  # the last query is the newest token: its row shows every real key
-        if allowed.dtype != torch.bool:
-            allowed = allowed == 0
+        allowed = allowed_keys(attention_mask)  # the newest token's row shows every real key
         started = allowed.any(dim=-1)
         if bool(started.all()):
             self.sink_end = int(allowed.int().argmax(dim=-1).max()) + self.config.sink
@@ -383,10 +381,14 @@ class OscarLayer(CacheLayerMixin):
         self._leave_static()
         self._clear()
 
-    def _leave_static(self) -> None:
-        """Eager operations need the eager layout: thaw a frozen cache first (every layer at once)."""
+    def _leave_static(self, stay_eager: bool = False) -> None:
+        """Eager operations need the eager layout: thaw a frozen cache first (every layer at once).
+
+        ``stay_eager``: the operation reorders or rolls back the cache (beam search, assisted decoding
+        do so every step), so plain ``generate`` should stop freezing it (:attr:`OscarCache.stays_eager`).
+        """
         if self.static is not None:
-            self.static.thaw()
+            self.static.thaw(stay_eager)
 
     def _require_idle(self, operation: str) -> None:
         if self._pending is not None:
@@ -397,14 +399,14 @@ class OscarLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._require_idle("reorder")
-        self._leave_static()
+        self._leave_static(stay_eager=True)
         if self.is_initialized:
             for buffer in self._buffers():
                 buffer.select_batch(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._require_idle("repeat")
-        self._leave_static()
+        self._leave_static(stay_eager=True)
         if self.is_initialized:
             for buffer in self._buffers():
                 buffer.repeat_batch(repeats)
@@ -416,7 +418,7 @@ class OscarLayer(CacheLayerMixin):
         transformers 5.17 legacy meaning).
         """
         self._require_idle("crop")
-        self._leave_static()
+        self._leave_static(stay_eager=True)
         length = self.get_seq_length()
         remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, length - tokens_to_remove)
         if remove == 0:
@@ -524,6 +526,12 @@ class OscarCache(Cache):
         rotations: per-layer R_K/R_V, required by calibrated methods (``oscar-*``).
         max_cache_len: optional most tokens (prompt and generated) the cache will hold; the history is
             then allocated once at that size, as static decoding (:func:`oscar_hf.generate`) wants.
+        decode_graphs: how one-token steps of plain ``model.generate`` run. None (default): on CUDA,
+            the cache freezes into the static layout at the first such step (:mod:`oscar_hf.static`)
+            and each layer's attention is replayed from a CUDA graph of its own, ~50 us of host time
+            a layer instead of ~500; elsewhere it stays eager. True: freeze on any device (without
+            graphs off CUDA: what the CPU tests compare). False: always the eager layout. Greedy
+            tokens are the eager cache's either way (:func:`freeze_for_decoding`).
         **overrides: fields of :class:`OscarConfig` to change, e.g. ``sink=64, recent=256, block=8``.
 
     Full-attention layers become :class:`OscarLayer`; other layer types (sliding windows, linear
@@ -543,6 +551,7 @@ class OscarCache(Cache):
         method: str | OscarConfig = "oscar-int2",
         rotations: RotationSet | None = None,
         max_cache_len: int | None = None,
+        decode_graphs: bool | None = None,
         **overrides,
     ):
         model_config = config.config if isinstance(config, PreTrainedModel) else config
@@ -558,6 +567,10 @@ class OscarCache(Cache):
         self.rotations = rotations
         self.capacity = max_cache_len  # (transformers 5.17 has a read-only Cache.max_cache_len)
         self.static: StaticDecoding | None = None
+        self.decode_graphs = decode_graphs
+        # Set when an operation that reorders or rolls back the cache thaws it, or when freezing is
+        # refused for good: plain generate stops freezing the cache until reset().
+        self.stays_eager = False
         layers = [self._layer(i, rotations) if i in quantized_ids else layer for i, layer in enumerate(stock_layers)]
         self._first_oscar_layer = quantized_ids[0]
         super().__init__(layers=layers)
@@ -642,6 +655,8 @@ class OscarCache(Cache):
             self.static.thaw()
         if layer_idx == self._first_oscar_layer:
             if self.static is not None:
+                if self.static.grows and self.static.full():
+                    self._grow_frozen()
                 self.static.advance()
             else:
                 self._demote_all(key_states.shape[2])
@@ -682,10 +697,35 @@ class OscarCache(Cache):
         Each later one-token step then runs shape-stable on the device. Anything else (a longer chunk,
         ``crop``, reordering, a memory report) thaws the cache back to its eager layout first.
         """
-        if self.static is not None:
+        if self.static is not None and not self.static.grows:
             return True
+        self.stop_static()  # frozen by plain generate: freeze again at this fixed capacity
+        return self._freeze(capacity or self.capacity, attention_mask)
+
+    def freeze_for_decoding(self, layer_idx: int, attention_mask: torch.Tensor | None) -> None:
+        """Freeze at the first layer's attention of a one-token step of plain ``generate``, where
+        ``decode_graphs`` asks for it (see the constructor); the attention function calls this.
+
+        That step's update already ran eagerly (its demotions included), so only its ring slot is
+        reserved here. The frozen cache grows instead of filling up: MAX_SLACK_ROWS more history rows,
+        as the eager cache's buffers would. Called when the cache cannot be frozen yet (before its
+        sink is complete) it tries again next step; refused for good (padding after the sink,
+        several devices...), it stays eager (the reason is logged at debug level).
+        """
+        if layer_idx != self._first_oscar_layer or self.stays_eager or self.decode_graphs is False:
+            return
+        device = self.layers[layer_idx].device
+        if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
+            return
+        key_mask = None if attention_mask is None else allowed_keys(attention_mask)
+        if not self._freeze(self._grown_capacity(), key_mask, replay=device.type == "cuda", grows=True):
+            self.stays_eager = True
+            return
+        self.static.advance()
+
+    def _freeze(self, capacity: int | None, attention_mask: torch.Tensor | None, replay: bool = False,
+                grows: bool = False) -> bool:  # fmt: skip
         reason = static_unsupported(self)
-        capacity = capacity or self.capacity
         if reason is None and capacity is None:
             reason = "no capacity: pass max_cache_len to the cache (or a capacity here)"
         sink_mask = None
@@ -699,8 +739,28 @@ class OscarCache(Cache):
         if reason is not None:
             logger.debug("OscarCache stays eager: %s", reason)
             return False
-        self.static = StaticDecoding(self, capacity, sink_mask)
+        self.static = StaticDecoding(self, capacity, sink_mask, replay=replay, grows=grows)
         return True
+
+    def _grown_capacity(self) -> int:
+        """Tokens a growing frozen cache holds: its allocated history while that has room for another
+        block (a copy of the history is put off until it is needed), else MAX_SLACK_ROWS more rows."""
+        first = self.layers[self._first_oscar_layer]
+        allocated, stored = first.history_keys.codes.data.shape[2], first.history_length
+        history = allocated if allocated >= stored + first.config.block else stored + MAX_SLACK_ROWS
+        return first.sink_keys.length + history
+
+    def _grow_frozen(self) -> None:
+        """A full cache frozen by plain generate: thaw, and freeze again with room for more history."""
+        full = self.static
+        full.thaw()
+        self.static = StaticDecoding(self, self._grown_capacity(), full.sink_mask, replay=full.replayed is not None,
+                                     grows=True)  # fmt: skip
+        logger.debug("OscarCache grew its frozen history to %d tokens", self.static.capacity)
+
+    def reset(self) -> None:
+        self.stays_eager = False
+        super().reset()
 
     def stop_static(self) -> None:
         """Thaw a frozen cache back to its eager layout (no device sync); nothing if it is not frozen."""
@@ -723,6 +783,13 @@ class OscarCache(Cache):
         clone = copy.copy(self)
         clone.__dict__ = copy.deepcopy(self.__dict__, memo)
         return clone
+
+
+def allowed_keys(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, keys]``, True where the newest query may attend, from a decode step's 4D mask (bool,
+    or additive float)."""
+    allowed = attention_mask[:, 0, -1, :]
+    return allowed if allowed.dtype == torch.bool else allowed == 0
 
 
 def head_dim_of(text_config: PretrainedConfig) -> int:

@@ -18,11 +18,19 @@ Each step does exactly what the eager cache does (same demotion points, same qua
 attention), so greedy outputs match it; only the order in which attention sums the recent keys differs.
 A host mirror of the lengths advances with every step (a graph runner advances it per replay), so
 the cache thaws back into its eager layout without a device sync.
+
+Plain ``model.generate`` uses the same layout (:meth:`OscarCache.freeze_for_decoding`): there each
+layer's attention call, and the step's advance, are replayed from small CUDA graphs of their own
+(:class:`ReplayedCall`), which take ~50 us of host time instead of the ~500 us of launching their
+kernels one by one from Python. Such a cache grows: when its history is full it thaws and freezes
+again with ``MAX_SLACK_ROWS`` more rows (one copy of the history and new graphs every 4,096 tokens).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import gc
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -50,11 +58,9 @@ def static_unsupported(cache: "OscarCache") -> str | None:
         return f"method {config.method!r} keeps everything in BF16 (no window to demote)"
     if config.check_finite:
         return "check_finite=True reads every step's K/V on the host"
-    if not all(layer.is_initialized and layer.sink_end is not None for layer in layers):
-        return "the prefill has not run yet"
-    first = layers[0]
-    if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
-        return "the sink is not complete yet (new tokens still go to the sink)"
+    reason = static_not_yet(cache)
+    if reason is not None:
+        return reason
     if len({layer.device for layer in layers}) > 1:  # one device tensor of lengths serves every layer
         return "the cache's layers live on several devices (device_map); static decoding needs one"
     lengths = {(layer.sink_keys.length, layer.history_length, layer.recent_keys.length) for layer in layers}
@@ -63,15 +69,85 @@ def static_unsupported(cache: "OscarCache") -> str | None:
     return None
 
 
+def static_not_yet(cache: "OscarCache") -> str | None:
+    """Why ``cache`` cannot be frozen yet, though it may be later (after its prefill), or None."""
+    from .cache import OscarLayer
+
+    layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
+    if not layers or not all(layer.is_initialized and layer.sink_end is not None for layer in layers):
+        return "the prefill has not run yet"
+    first = layers[0]
+    if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
+        return "the sink is not complete yet (new tokens still go to the sink)"
+    return None
+
+
+class ReplayedCall:
+    """``fn(*tensors)`` run eagerly at its first call (which compiles its kernels), captured in a CUDA graph
+    at the second and replayed from then on, its inputs copied into the graph's own.
+
+    The result is the graph's output tensor, overwritten by the next replay. ``fn`` must be shape-stable
+    and read nothing on the host; calls sharing ``pool`` must replay in the order they were captured.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor | None], pool: tuple, stream: torch.cuda.Stream):
+        self.fn, self.pool, self.stream = fn, pool, stream
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.output: torch.Tensor | None = None
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | None:
+        self.calls += 1
+        if self.graph is None:
+            if self.calls == 1:
+                return self.fn(*inputs)
+            self._capture(inputs)
+        for buffer, tensor in zip(self.inputs, inputs):
+            buffer.copy_(tensor)
+        self.graph.replay()
+        return self.output
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.inputs = tuple(torch.empty_like(tensor) for tensor in inputs)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(current)
+        # A graph freed during a capture (by the cycle collector) invalidates it; torch.cuda.graph runs
+        # gc.collect() first, which costs ~10 ms a call with a model loaded: pausing the collector is enough.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    self.output = self.fn(*self.inputs)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as error:
+            raise RuntimeError("capturing an OscarCache decode call in a CUDA graph failed; "
+                               "OscarCache(..., decode_graphs=False) decodes without graphs") from error  # fmt: skip
+        finally:
+            if collecting:
+                gc.enable()
+        current.wait_stream(self.stream)
+        self.graph = graph
+
+
 class StaticDecoding:
     """The frozen state of an OscarCache: device lengths, rings and the demotion launches.
 
-    Made by :meth:`OscarCache.start_static`; use that. ``capacity`` is the most tokens the cache will
-    hold (prompt and generated); ``sink_mask`` is ``[batch, sink rows]``, True for real tokens, or None.
+    Made by :meth:`OscarCache.start_static` or :meth:`OscarCache.freeze_for_decoding`; use those.
+    ``capacity`` is the most tokens the cache will hold (prompt and generated); ``sink_mask`` is
+    ``[batch, sink rows]``, True for real tokens, or None. ``replay``: replay each layer's attention
+    and the step's advance from CUDA graphs of their own (:class:`ReplayedCall`; CUDA only).
+    ``grows``: the owner grows a full cache (:meth:`OscarCache.freeze_for_decoding`) instead of raising.
     """
 
-    def __init__(self, cache: "OscarCache", capacity: int, sink_mask: torch.Tensor | None):
+    def __init__(self, cache: "OscarCache", capacity: int, sink_mask: torch.Tensor | None, replay: bool = False,
+                 grows: bool = False):  # fmt: skip
         self.cache = cache
+        self.grows = grows
         self.layers: list[OscarLayer] = list(cache.layers)
         first = self.layers[0]
         config = first.config
@@ -100,6 +176,9 @@ class StaticDecoding:
         self._new_token = torch.tensor([0, 0, 1], device=device)
         self.sink_mask = None if sink_mask is None else sink_mask.to(device=device, dtype=torch.uint8).contiguous()
         self.demoters = self._demoters()
+        self.replayed: dict[tuple, ReplayedCall] | None = None
+        if replay and device.type == "cuda":
+            self.replayed, self._pool, self._stream = {}, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
         for layer in self.layers:
             layer.static = self
 
@@ -131,8 +210,12 @@ class StaticDecoding:
     def advance(self) -> None:
         """Begin a decode step (at the first layer): demote every ring's oldest block when the window is
         full, as the eager cache would, and reserve the new token's ring slot; all on the device."""
-        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        capturing = self._capturing()
+        if not capturing:
             self.advance_host()  # a replayed graph runs no Python: its runner advances the mirror instead
+        self._replayed_call(("advance",), self._advance_device, capturing)()
+
+    def _advance_device(self) -> None:
         due = (self.lengths[2:] + 1 >= self.window_limit).long()
         self.window.copy_(torch.cat([due, self.lengths[1:2], self.lengths[:1]]))
         for demote in self.demoters:
@@ -140,11 +223,15 @@ class StaticDecoding:
         self.lengths.add_(due * self._shift + self._new_token)
         self.lengths[1:2].remainder_(self.ring_size)
 
+    def full(self) -> bool:
+        """Whether the next step's demotion would overflow the history."""
+        return self.ring_rows + 1 >= self.window_limit and self.history_rows + self.block > self.history_capacity
+
     def advance_host(self) -> None:
         """Advance the host mirror of the lengths by one step; raises before the history would overflow."""
         rows = self.ring_rows + 1
         if rows >= self.window_limit:
-            if self.history_rows + self.block > self.history_capacity:
+            if self.full():
                 raise RuntimeError(
                     f"the static OscarCache is full: it was frozen for {self.capacity} tokens "
                     "(pass a larger max_cache_len)"
@@ -157,7 +244,15 @@ class StaticDecoding:
     def attend(self, layer: "OscarLayer", query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attend over all the layer's tiers and its new token, which the same launch stores in the ring's
         newest slot (reserved by :meth:`advance`): ``[B, 1, Hq, D]``."""
-        query, keys, values = layer.rotate_step(query, *layer.take_pending(), into_window=False)
+        keys, values = layer.take_pending()
+        capturing = self._capturing()
+        call = self._replayed_call(("attend", id(layer), scaling),
+                                   functools.partial(self._attend, layer, scaling), capturing)  # fmt: skip
+        return call(query, keys, values)
+
+    def _attend(self, layer: "OscarLayer", scaling: float | None, query: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        query, keys, values = layer.rotate_step(query, keys, values, into_window=False)
         ring_k, ring_v = layer.recent_keys.data, layer.recent_values.data
         history_k, history_v = layer.history_keys.whole(), layer.history_values.whole()
         output = decode_attention(
@@ -168,9 +263,24 @@ class StaticDecoding:
         )  # fmt: skip
         return layer.unrotate_output(output)
 
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _replayed_call(self, key: tuple, fn: Callable, capturing: bool) -> Callable:
+        """``fn`` itself, or (when replaying and no outer graph is being captured) its :class:`ReplayedCall`."""
+        if self.replayed is None or capturing:
+            return fn
+        call = self.replayed.get(key)
+        if call is None:
+            call = self.replayed[key] = ReplayedCall(fn, self._pool, self._stream)
+        return call
+
     # ------------------------------------------------------------------------------------- thaw
-    def thaw(self) -> None:
-        """Return every layer to the eager layout (from the host mirror: no device sync)."""
+    def thaw(self, stay_eager: bool = False) -> None:
+        """Return every layer to the eager layout (from the host mirror: no device sync); ``stay_eager``:
+        plain generate stops freezing the cache (:attr:`OscarCache.stays_eager`)."""
+        self.cache.stays_eager |= stay_eager
+        self.replayed = None  # free the graphs now, never during a later capture
         for layer in self.layers:
             for buffer in (*layer.history_keys.buffers(), *layer.history_values.buffers()):
                 buffer.unroll(0, self.history_rows)

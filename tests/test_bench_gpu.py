@@ -139,6 +139,9 @@ def test_absorbed_case_folds_r_v_for_its_duration_only():
         assert bench.make_cache(method, model, 64, rotations).values_prerotated
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not bench.make_cache("oscar-int2", model, 64, rotations).values_prerotated
+    assert bench.make_cache("oscar-int2", model, 64, rotations).decode_graphs is None  # the library's default
+    eager = bench.make_cache("oscar-int2+eager-layout", model, 64, rotations)
+    assert eager.decode_graphs is False and eager.oscar_config.method == "oscar-int2"
 
 
 @pytest.mark.parametrize("cache_name", ["dynamic", "static", "oscar-int2"])
@@ -285,3 +288,20 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
     for row in rows.values():
         assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
         assert row["matches_single_gpu"], row  # float32 on CPU: sharding must not change greedy tokens
+
+
+def test_step_times_reports_each_steps_wall_time(tmp_path):
+    """eval/step_times.py on CPU: one time per decode step, and its files."""
+    import step_times
+
+    spec = {k: v for k, v in TINY_MODEL.items() if k != "name"}
+    model = bench.build_model(spec, "cpu", torch.bfloat16)
+    rotations = bench.random_rotations(64, bench.full_attention_layers(model))
+    times = step_times.step_ms(model, "oscar-int2", batch=1, context=300, new_tokens=6, rotations=rotations)
+    assert len(times) == 6 and all(t > 0 for t in times)
+    row = step_times.summary(times)
+    assert row["first_steps_ms"] == times[:3] and row["steady_step_ms"] > 0
+    step_times.write(tmp_path, {"command": "x", "machine": bench.machine_info(), "date": "d", "model": "tiny",
+                                "context": 300, "batch": 1, "new_tokens": 6, "caches": {"oscar-int2": row}})  # fmt: skip
+    assert "| oscar-int2 |" in (tmp_path / "step_times.md").read_text()
+    assert (tmp_path / "step_times.png").stat().st_size > 0

@@ -535,7 +535,7 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
     outputs = []
     for enabled in (True, False):
         monkeypatch.setattr(_triton, "ENABLED", enabled)
-        cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2)
+        cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2, decode_graphs=False)
         outputs.append(generate(model, prompt, cache, max_new_tokens=12, output_scores=True,
                                 return_dict_in_generate=True))  # fmt: skip
         if enabled:
@@ -578,7 +578,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     with torch.no_grad():
         static = oscar_hf.generate(model, prompt, capture=False, **{cache_keyword(model): cache}, **options)
     monkeypatch.setattr(_triton, "ENABLED", False)
-    eager = generate(model, prompt, OscarCache(model, "quarot-int2", sink=4, recent=8, block=2), **options)
+    eager = generate(model, prompt, OscarCache(model, "quarot-int2", sink=4, recent=8, block=2, decode_graphs=False),
+                     **options)  # fmt: skip
     assert launches.count("decode") == 11 * 2  # 11 static steps x 2 layers
     assert launches.count("windowed") == 11  # one demotion launch per static step (most of them idle)
     assert torch.equal(static.sequences, eager.sequences)

@@ -251,13 +251,109 @@ def test_fused_projections_in_the_static_step_keep_the_tokens(tiny, static_steps
     assert "forward" not in tiny.model.layers[0].self_attn.q_proj.__dict__
 
 
+# ------------------------------------------------------------- plain generate on a frozen cache
+
+
+def frozen(model, method="quarot-int2", **options):
+    """A cache that plain generate freezes on any device (on CPU: the static steps without graphs)."""
+    return OscarCache(model, method, decode_graphs=True, **{**SMALL, **options})
+
+
+@pytest.mark.parametrize("method", ["quarot-int2", "int4"])
+def test_plain_generate_freezes_at_the_first_step_and_keeps_the_eager_tokens(tiny, method, static_steps):
+    ids, mask = left_pad(prompts([30, 26, 29]))  # the sink's pads: its mask is taken from the step's mask
+    want = generate(tiny, ids, OscarCache(tiny, method, **SMALL), attention_mask=mask, max_new_tokens=40)
+    cache = frozen(tiny, method)
+    got = generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
+    assert torch.equal(got, want)
+    assert static_steps["steps"] == 39 and cache.static is not None and cache.static.grows
+    assert cache.get_seq_length() == got.shape[1] - 1
+
+
+def test_a_frozen_cache_grows_when_its_history_is_full(tiny, monkeypatch, static_steps):
+    import oscar_hf.cache
+
+    monkeypatch.setattr(oscar_hf.cache, "MAX_SLACK_ROWS", 8)  # grow every 8 rows instead of every 4,096
+    ids = prompts([30])[0][None]
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=120)
+    cache = frozen(tiny)
+    capacities = []
+
+    def growing(self):
+        capacities.append(self.static.capacity)
+        grow(self)
+
+    grow = OscarCache._grow_frozen
+    monkeypatch.setattr(OscarCache, "_grow_frozen", growing)
+    assert torch.equal(generate(tiny, ids, cache, max_new_tokens=120), want)
+    assert static_steps["steps"] == 119
+    # full at 4 + 64 history rows (the prompt's allocation), then 8 rows more each time, rounded up to
+    # whole 16 rows: it grows instead of overflowing
+    assert capacities[:3] == [68, 84, 100] and cache.static.capacity > capacities[-1]
+
+
+def test_a_frozen_cache_thaws_for_the_next_turn_and_freezes_again(tiny, static_steps):
+    eager, cache = OscarCache(tiny, "quarot-int2", **SMALL), frozen(tiny)
+    turn = prompts([20])[0][None]
+    for seed, new_tokens in ((3, 13), (4, 9)):
+        want = generate(tiny, turn, eager, max_new_tokens=new_tokens)
+        got = generate(tiny, turn, cache, max_new_tokens=new_tokens)
+        assert torch.equal(got, want)
+        turn = torch.cat([got, prompts([7], seed=seed)[0][None]], dim=1)
+    assert static_steps["steps"] == 12 + 8
+    # oscar_hf.generate freezes it again at a fixed capacity (no growth inside its captured step)
+    want = generate(tiny, turn, eager, max_new_tokens=6)
+    assert torch.equal(fast(tiny, turn, cache, max_new_tokens=6, fuse_projections=False), want)
+
+
+def test_padding_after_the_sink_and_beam_search_keep_the_cache_eager(tiny, static_steps):
+    ids, mask = left_pad(prompts([30, 26]))
+    mask[0, 12] = 0  # a pad in the middle of a row: the static layout has no mask past the sink
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), attention_mask=mask, max_new_tokens=10)
+    cache = frozen(tiny)
+    assert torch.equal(generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=10), want)
+    assert static_steps["steps"] == 0 and cache.stays_eager
+    cache.reset()
+    assert not cache.stays_eager
+    ids = prompts([30])[0][None]
+    options = dict(num_beams=2, max_new_tokens=6)
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), **options)
+    cache = frozen(tiny)
+    assert torch.equal(generate(tiny, ids, cache, **options), want)
+    assert cache.stays_eager and static_steps["steps"] == 1  # frozen once, thawed by the first reordering
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("max_cache_len", [400, None])
+def test_plain_generate_on_gpu_replays_each_layers_attention(arch, max_cache_len):
+    model = tiny_model(arch, head_dim=64).to("cuda")
+    ids, mask = left_pad(prompts([300, 290]))
+    ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64)
+    rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
+    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
+                    **options)  # fmt: skip
+    # decode_graphs: on CUDA by default
+    cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=max_cache_len, **SMALL)
+    assert torch.equal(generate(model, ids, cache, **options), want)  # float32: the same tokens
+    calls = cache.static.replayed
+    assert len(calls) == 1 + 2  # the advance and each layer's attention
+    assert all(call.graph is not None for call in calls.values())
+    counts = {call.calls for call in calls.values()}
+    if max_cache_len:  # every step since the first decode step, one frozen layout
+        assert counts == {63}
+    else:  # the prompt's history buffer filled up: it grew, and its calls were captured again
+        assert len(counts) == 1 and 2 < counts.pop() < 63
+
+
 def captured_and_eager(arch: str, dtype: torch.dtype, **options):
     """Greedy decoding of a tiny random model on the GPU: the eager cache's output, then the captured one's."""
     model = tiny_model(arch, head_dim=64).to("cuda", dtype)
     ids, mask = left_pad(prompts([300, 290]))
     ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64, **options)
     rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
-    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, **SMALL), **options)
+    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
+                    **options)  # fmt: skip
     cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=400, **SMALL)
     return want, fast(model, ids, cache, capture=True, **options)
 

@@ -1,0 +1,116 @@
+"""Wall time of every step of one ``model.generate`` call, per cache: what the first steps cost.
+
+    python eval/step_times.py [--model qwen3-8b] [--context 100000] [--batch 1] [--new-tokens 64]
+                              [--caches dynamic oscar-int2 oscar-int2+eager-layout]
+
+On CUDA an OscarCache freezes at the first decode step of plain ``generate`` and captures each layer's
+attention in a CUDA graph at the second (``OscarCache(decode_graphs=...)``), so a call pays a one-time
+cost that a short benchmark's tokens/s mixes with the per-token rate. A logits processor records a
+synchronised timestamp after every step; each cache runs twice on a fresh fill (the first run compiles
+kernels) and the second is reported: its first steps, the median of the rest, and the one-time cost
+(the first steps' excess over that median). Writes ``<out>/step_times.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bench  # noqa: E402
+
+FIRST_STEPS = 3
+
+
+class StepClock(LogitsProcessor):
+    """Records a synchronised timestamp each time generate has the next token's logits."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def step_ms(model, cache_name: str, batch: int, context: int, new_tokens: int, rotations) -> list[float]:
+    """Milliseconds of each decode step after the first logits (the step over the filled context)."""
+    model.set_attn_implementation(bench.attention_for(cache_name))
+    with bench.model_for(model, cache_name, rotations) as method:
+        cache = bench.make_cache(method, model, context + new_tokens + 8, rotations)
+        bench.fill_cache(cache, model, batch, context, 65536)
+        clock = StepClock(bench.input_device(model))
+        start = time.perf_counter()
+        bench.generate(model, cache, bench.random_tokens(model, batch, context + 1), new_tokens,
+                       logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+    stamps = [start, *clock.stamps]
+    del cache
+    bench.free_memory()
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+
+
+def summary(times: list[float]) -> dict:
+    steady = statistics.median(times[FIRST_STEPS:])
+    return {"first_steps_ms": times[:FIRST_STEPS], "steady_step_ms": steady,
+            "one_time_ms": sum(times[:FIRST_STEPS]) - FIRST_STEPS * steady, "steps_ms": times}  # fmt: skip
+
+
+def write(out: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_times.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, batch "
+             f"{result['batch']}, {result['new_tokens']} new tokens (second run of each cache; every step "
+             "synchronised).\n", "| cache | first steps ms | steady step ms | one-time cost ms |",
+             "|---|---|---|---|"]  # fmt: skip
+    for name, row in result["caches"].items():
+        first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
+        lines.append(f"| {name} | {first} | {row['steady_step_ms']:.2f} | {row['one_time_ms']:.1f} |")
+    lines.append(f"\n`{result['command']}` on {bench.machine_line(result['machine'])}, {result['date']}.\n")
+    (out / "step_times.md").write_text("\n".join(lines))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, row in result["caches"].items():
+        axis.plot(range(1, len(row["steps_ms"]) + 1), row["steps_ms"], label=name)
+    axis.set(xlabel="decode step", ylabel="ms", yscale="log", title=f"{result['model']}, {result['context']} "
+             f"tokens, batch {result['batch']}")  # fmt: skip
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "step_times.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_model_arguments(parser)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--caches", nargs="+", default=["dynamic", "oscar-int2", "oscar-int2+eager-layout"])
+    args = parser.parse_args()
+    name, spec = args.model
+    model = bench.build_model(spec, args.device, torch.bfloat16)
+    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
+    caches = {}
+    for cache_name in args.caches:
+        for _ in range(2):
+            times = step_ms(model, cache_name, args.batch, args.context, args.new_tokens, rotations)
+        caches[cache_name] = summary(times)
+        print(cache_name, {k: v for k, v in caches[cache_name].items() if k != "steps_ms"}, flush=True)
+    write(args.out, {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name,
+                     "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
+                     "caches": caches})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
