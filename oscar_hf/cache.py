@@ -718,7 +718,7 @@ class OscarCache(Cache):
         if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
             return
         key_mask = None if attention_mask is None else allowed_keys(attention_mask)
-        if not self._freeze(self._grown_capacity(), key_mask, replay=device.type == "cuda", grows=True):
+        if not self._freeze(self._grown_capacity(), key_mask, replay=True, grows=True):
             self.stays_eager = True
             return
         self.static.advance()
@@ -754,8 +754,7 @@ class OscarCache(Cache):
         """A full cache frozen by plain generate: thaw, and freeze again with room for more history."""
         full = self.static
         full.thaw()
-        self.static = StaticDecoding(self, self._grown_capacity(), full.sink_mask, replay=full.replayed is not None,
-                                     grows=True)  # fmt: skip
+        self.static = StaticDecoding(self, self._grown_capacity(), full.sink_mask, replay=full.replay, grows=True)
         logger.debug("OscarCache grew its frozen history to %d tokens", self.static.capacity)
 
     def reset(self) -> None:

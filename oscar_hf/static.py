@@ -176,6 +176,7 @@ class StaticDecoding:
         self._new_token = torch.tensor([0, 0, 1], device=device)
         self.sink_mask = None if sink_mask is None else sink_mask.to(device=device, dtype=torch.uint8).contiguous()
         self.demoters = self._demoters()
+        self.replay = replay
         self.replayed: dict[tuple, ReplayedCall] | None = None
         if replay and device.type == "cuda":
             self.replayed, self._pool, self._stream = {}, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)

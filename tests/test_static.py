@@ -290,6 +290,7 @@ def test_a_frozen_cache_grows_when_its_history_is_full(tiny, monkeypatch, static
     # full at 4 + 64 history rows (the prompt's allocation), then 8 rows more each time, rounded up to
     # whole 16 rows: it grows instead of overflowing
     assert capacities[:3] == [68, 84, 100] and cache.static.capacity > capacities[-1]
+    assert cache.static.replay and cache.static.grows  # the grown cache still replays graphs (where CUDA has them)
 
 
 def test_a_frozen_cache_thaws_for_the_next_turn_and_freezes_again(tiny, static_steps):
