@@ -528,8 +528,8 @@ class OscarCache(Cache):
             then allocated once at that size, as static decoding (:func:`oscar_hf.generate`) wants.
         decode_graphs: how one-token steps of plain ``model.generate`` run. None (default): on CUDA,
             the cache freezes into the static layout at the first such step (:mod:`oscar_hf.static`)
-            and each layer's attention is replayed from a CUDA graph of its own, ~50 us of host time
-            a layer instead of ~500; elsewhere it stays eager. True: freeze on any device (without
+            and each layer's attention is replayed from a CUDA graph of its own, which cuts most of
+            its host time; elsewhere it stays eager. True: freeze on any device (without
             graphs off CUDA: what the CPU tests compare). False: always the eager layout. Greedy
             tokens are the eager cache's either way (:func:`freeze_for_decoding`).
         **overrides: fields of :class:`OscarConfig` to change, e.g. ``sink=64, recent=256, block=8``.
