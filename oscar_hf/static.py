@@ -212,10 +212,9 @@ class StaticDecoding:
     def advance(self) -> None:
         """Begin a decode step (at the first layer): demote every ring's oldest block when the window is
         full, as the eager cache would, and reserve the new token's ring slot; all on the device."""
-        capturing = self._capturing()
-        if not capturing:
+        if not self._capturing():
             self.advance_host()  # a replayed graph runs no Python: its runner advances the mirror instead
-        self._replayed_call(("advance",), self._advance_device, capturing)()
+        (self._replayed_call(("advance",), self._advance_device) or self._advance_device)()
 
     def _advance_device(self) -> None:
         due = (self.lengths[2:] + 1 >= self.window_limit).long()
@@ -247,9 +246,9 @@ class StaticDecoding:
         """Attend over all the layer's tiers and its new token, which the same launch stores in the ring's
         newest slot (reserved by :meth:`advance`): ``[B, 1, Hq, D]``."""
         keys, values = layer.take_pending()
-        capturing = self._capturing()
-        call = self._replayed_call(("attend", id(layer), scaling),
-                                   functools.partial(self._attend, layer, scaling), capturing)  # fmt: skip
+        call = self._replayed_call(("attend", id(layer), scaling), self._attend, layer, scaling)
+        if call is None:
+            return self._attend(layer, scaling, query, keys, values)
         return call(query, keys, values)
 
     def _attend(self, layer: "OscarLayer", scaling: float | None, query: torch.Tensor, keys: torch.Tensor,
@@ -268,13 +267,14 @@ class StaticDecoding:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _replayed_call(self, key: tuple, fn: Callable, capturing: bool) -> Callable:
-        """``fn`` itself, or (when replaying and no outer graph is being captured) its :class:`ReplayedCall`."""
-        if self.replayed is None or capturing:
-            return fn
+    def _replayed_call(self, key: tuple, fn: Callable, *bound) -> ReplayedCall | None:
+        """The :class:`ReplayedCall` of ``fn`` with its first arguments ``bound`` (made at the first ask),
+        or None where calls run directly: without replay, or inside an outer graph's capture."""
+        if self.replayed is None or self._capturing():
+            return None
         call = self.replayed.get(key)
-        if call is None:
-            call = self.replayed[key] = ReplayedCall(fn, self._pool, self._stream)
+        if call is None:  # the partial is built once, not on every step
+            call = self.replayed[key] = ReplayedCall(functools.partial(fn, *bound), self._pool, self._stream)
         return call
 
     # ------------------------------------------------------------------------------------- thaw
