@@ -7,7 +7,7 @@
 # Steps and their wall time on one H200 (2026-11-30, 2026-12-01): tests ~210 s (compiled kernel and static
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
-# autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~150 s, e2e 140 s per model for 2 contexts and 3 caches
+# autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
 # (here 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
 # /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
@@ -40,7 +40,8 @@ for step in "$@"; do
         decode-graphs) run gpu_test_decode_graphs 150 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
         step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8
             for batch in 1 8; do
-                run "step_times_b$batch" 130 python3 eval/step_times.py --batch $batch --out "$work/step_times_b$batch"
+                run "step_times_b$batch" 200 python3 eval/step_times.py --batch $batch --caches dynamic oscar-int2 \
+                    --out "$work/step_times_b$batch"
             done ;;
         e2e | e2e-4b)
             model=qwen3-8b name=bench_e2e

@@ -6,9 +6,11 @@
 On CUDA an OscarCache freezes at the first decode step of plain ``generate`` and captures each layer's
 attention in a CUDA graph at the second (``OscarCache(decode_graphs=...)``), so a call pays a one-time
 cost that a short benchmark's tokens/s mixes with the per-token rate. A logits processor records a
-synchronised timestamp after every step; each cache runs twice on a fresh fill (the first run compiles
-kernels) and the second is reported: its first steps, the median of the rest, and the one-time cost
-(the first steps' excess over that median). Writes ``<out>/step_times.{json,md,png}``.
+synchronised timestamp after every step. Each cache runs once to compile its kernels, then ``--rounds``
+times on a fresh fill, the caches in turn (the device host's speed drifts, which would favour whichever
+cache ran in a fast stretch); the round of median steady step is reported: its first steps, the median
+of the rest, and the one-time cost (the first steps' excess over that median), with every round's
+steady step. Writes ``<out>/step_times.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,6 +67,13 @@ def summary(times: list[float]) -> dict:
             "one_time_ms": sum(times[:FIRST_STEPS]) - FIRST_STEPS * steady, "steps_ms": times}  # fmt: skip
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median steady step (the slower middle one of an even count, as bench_gpu's), with every
+    round's steady step."""
+    ranked = sorted(rounds, key=lambda row: row["steady_step_ms"])
+    return {**ranked[len(ranked) // 2], "steady_step_ms_rounds": [row["steady_step_ms"] for row in rounds]}
+
+
 def write(out: Path, result: dict) -> None:
     import matplotlib
 
@@ -73,12 +83,14 @@ def write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_times.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, batch "
-             f"{result['batch']}, {result['new_tokens']} new tokens (second run of each cache; every step "
-             "synchronised).\n", "| cache | first steps ms | steady step ms | one-time cost ms |",
-             "|---|---|---|---|"]  # fmt: skip
+             f"{result['batch']}, {result['new_tokens']} new tokens, every step synchronised; after a compiling "
+             f"run, {result['rounds']} rounds with the caches in turn, the round of median steady step shown.\n",
+             "| cache | first steps ms | steady step ms | one-time cost ms | steady step ms, each round |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for name, row in result["caches"].items():
         first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
-        lines.append(f"| {name} | {first} | {row['steady_step_ms']:.2f} | {row['one_time_ms']:.1f} |")
+        each = " / ".join(f"{t:.1f}" for t in row["steady_step_ms_rounds"])
+        lines.append(f"| {name} | {first} | {row['steady_step_ms']:.2f} | {row['one_time_ms']:.1f} | {each} |")
     lines.append(f"\n`{result['command']}` on {bench.machine_line(result['machine'])}, {result['date']}.\n")
     (out / "step_times.md").write_text("\n".join(lines))
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -96,20 +108,27 @@ def main() -> None:
     bench.add_model_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--caches", nargs="+", default=["dynamic", "oscar-int2", "oscar-int2+eager-layout"])
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     name, spec = args.model
     model = bench.build_model(spec, args.device, torch.bfloat16)
     rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
-    caches = {}
+
+    def measure(cache_name: str) -> dict:
+        return summary(step_ms(model, cache_name, args.batch, args.context, args.new_tokens, rotations))
+
     for cache_name in args.caches:
-        for _ in range(2):
-            times = step_ms(model, cache_name, args.batch, args.context, args.new_tokens, rotations)
-        caches[cache_name] = summary(times)
-        print(cache_name, {k: v for k, v in caches[cache_name].items() if k != "steps_ms"}, flush=True)
+        measure(cache_name)  # compiles the kernels
+    rounds: dict[str, list[dict]] = {cache_name: [] for cache_name in args.caches}
+    for _, cache_name in tqdm([(r, c) for r in range(args.rounds) for c in args.caches], desc="rounds"):
+        rounds[cache_name].append(measure(cache_name))
+    caches = {cache_name: median_round(rows) for cache_name, rows in rounds.items()}
+    for cache_name, row in caches.items():
+        print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
     write(args.out, {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name,
                      "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
-                     "caches": caches})  # fmt: skip
+                     "rounds": args.rounds, "caches": caches})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ class ReplayedCall:
             if self.calls == 1:
                 return self.fn(*inputs)
             self._capture(inputs)
-        for buffer, tensor in zip(self.inputs, inputs):
-            buffer.copy_(tensor)
+        if inputs:  # one launch for all inputs of equal dtype and strides
+            torch._foreach_copy_(self.inputs, inputs)
         self.graph.replay()
         return self.output
 

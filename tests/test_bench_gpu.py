@@ -301,7 +301,12 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     assert len(times) == 6 and all(t > 0 for t in times)
     row = step_times.summary(times)
     assert row["first_steps_ms"] == times[:3] and row["steady_step_ms"] > 0
+    slower, faster = ({**row, "steady_step_ms": row["steady_step_ms"] * factor} for factor in (3.0, 0.5))
+    reported = step_times.median_round([slower, row, faster])
+    assert reported["steady_step_ms"] == row["steady_step_ms"]
+    assert reported["steady_step_ms_rounds"] == [slower["steady_step_ms"], row["steady_step_ms"], faster["steady_step_ms"]]
     step_times.write(tmp_path, {"command": "x", "machine": bench.machine_info(), "date": "d", "model": "tiny",
-                                "context": 300, "batch": 1, "new_tokens": 6, "caches": {"oscar-int2": row}})  # fmt: skip
+                                "context": 300, "batch": 1, "new_tokens": 6, "rounds": 3,
+                                "caches": {"oscar-int2": reported}})  # fmt: skip
     assert "| oscar-int2 |" in (tmp_path / "step_times.md").read_text()
     assert (tmp_path / "step_times.png").stat().st_size > 0
