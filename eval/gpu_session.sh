@@ -8,7 +8,7 @@
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
 # autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
-# (here 3 and 4: expect ~280 s), memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
+# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s,
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
 # /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
 # against the Triton stage 1).
@@ -48,6 +48,10 @@ for step in "$@"; do
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
             run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
+        e2e-100k)  # the 8B at 100K, DynamicCache and OscarCache in turn for 3 rounds (host time drifts)
+            run e2e_100k 300 $bench --config eval/configs/bench_e2e.json --name "${E2E_NAME:-bench_e2e_100k}" \
+                --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'caches=["dynamic","oscar-int2"]' \
+                --set decode.repeats=1 --set decode.rounds=3 ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
         graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \
