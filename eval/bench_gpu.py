@@ -71,8 +71,9 @@ BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name 
 # "<method>+absorbed": that OscarCache method on the model with R_V folded into v_proj/o_proj.
 ABSORBED_SUFFIX = "+absorbed"
 # "<method>+eager-layout": OscarCache(decode_graphs=False): plain generate launches every kernel from
-# Python (the default freezes the cache on CUDA and replays each layer's attention from a CUDA graph).
-EAGER_LAYOUT_SUFFIX = "+eager-layout"
+# Python (the default freezes the cache on CUDA and replays each layer's attention from a CUDA graph);
+# "<method>+frozen": decode_graphs=True, which freezes on CPU too (without graphs), for CPU smoke tests.
+DECODE_GRAPHS_SUFFIXES = {"+eager-layout": False, "+frozen": True}
 # "<cache>+graph": its decode steps replayed from a CUDA graph (OscarCache: oscar_hf.StaticDecoder);
 # "<cache>+graph+compile": with the decoder layers compiled inside the captured step;
 # "<cache>+graph+autotune": compiled with mode "max-autotune-no-cudagraphs" (Inductor times its GEMMs);
@@ -357,9 +358,12 @@ def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations:
         return DynamicCache(config=model.config)
     if cache_name == "static":
         return StaticCache(config=model.config, max_cache_len=max_len)
-    eager_layout = cache_name.endswith(EAGER_LAYOUT_SUFFIX)
-    return OscarCache(model, cache_name.removesuffix(EAGER_LAYOUT_SUFFIX), rotations=rotations,
-                      max_cache_len=max_len if preallocate else None, decode_graphs=False if eager_layout else None)
+    method, decode_graphs = cache_name, None
+    for suffix, value in DECODE_GRAPHS_SUFFIXES.items():
+        if cache_name.endswith(suffix):
+            method, decode_graphs = cache_name.removesuffix(suffix), value
+    return OscarCache(model, method, rotations=rotations, max_cache_len=max_len if preallocate else None,
+                      decode_graphs=decode_graphs)
 
 
 @contextlib.contextmanager
@@ -1393,7 +1397,8 @@ def memory_markdown(result: dict) -> str:
 
 
 def multigpu_markdown(result: dict) -> str:
-    names = ("buffers_on_layer_device", "heads_per_rank_ok", "identical_across_ranks", "matches_single_gpu")
+    names = ("buffers_on_layer_device", "heads_per_rank_ok", "frozen_on_every_rank", "identical_across_ranks",
+             "matches_single_gpu")  # fmt: skip
     rows = [{**row, "checks": ", ".join(f"{k}={row[k]}" for k in names if k in row)} for row in result["cases"]]
     return table(rows, MULTIGPU_COLUMNS)
 

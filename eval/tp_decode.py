@@ -13,6 +13,8 @@ tensor-parallel plan (``tp_plan="auto"``). Per cache, each rank decodes greedily
 prompt and the script checks that
 
 * every OscarCache layer of a rank holds ``num_key_value_heads / world_size`` heads,
+* every rank's OscarCache froze for decoding (plain ``generate`` on CUDA, or ``+frozen``), so each
+  rank replays its own layers' graphs over its own heads,
 * the greedy tokens are identical on all ranks,
 * (``single_gpu_reference``) they equal those of the same model and cache on one GPU. With random
   weights the logits have near-ties, so a late divergence can come from bf16 reduction order in
@@ -87,6 +89,13 @@ def cache_heads(cache, batch: int, head_dim: int) -> list[int]:
     return [m.elements_per_token // (2 * batch * head_dim) for m in cache.memory_report().layers if m.kind == "oscar"]
 
 
+def gather(value, world: int) -> list:
+    """``value`` from every rank."""
+    gathered = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def prefill_fill(model, prompt: torch.Tensor):
     """A ``fill`` for bench.decode_case: a real prefill of all but the last prompt token."""
 
@@ -134,15 +143,15 @@ def main() -> None:
     rows = []
     for cache_name in config["caches"]:
         tokens, cache = greedy(model, cache_name, prompt, new_tokens, rotations)
+        frozen = all(gather(getattr(cache, "static", None) is not None, world))  # before the report thaws it
         heads = cache_heads(cache, batch, bench.head_dim(model))
+        identical = all(t == tokens for t in gather(tokens, world))
+        row = {"cache": cache_name, "tokens": tokens, "identical_across_ranks": identical}
+        if heads:
+            row.update(heads_per_rank=sorted(set(heads)), frozen_on_every_rank=frozen,
+                       heads_per_rank_ok=set(heads) == {text.num_key_value_heads // world})  # fmt: skip
         del cache
         bench.free_memory()
-        gathered = [None] * world
-        dist.all_gather_object(gathered, tokens)
-        row = {"cache": cache_name, "tokens": tokens, "identical_across_ranks": all(t == tokens for t in gathered)}
-        if heads:
-            row["heads_per_rank"] = sorted(set(heads))
-            row["heads_per_rank_ok"] = set(heads) == {text.num_key_value_heads // world}
         row.update(bench.decode_case(model, cache_name, prefill_fill(model, prompt), prompt, config, rotations))
         rows.append(row)
 

@@ -142,6 +142,8 @@ def test_absorbed_case_folds_r_v_for_its_duration_only():
     assert bench.make_cache("oscar-int2", model, 64, rotations).decode_graphs is None  # the library's default
     eager = bench.make_cache("oscar-int2+eager-layout", model, 64, rotations)
     assert eager.decode_graphs is False and eager.oscar_config.method == "oscar-int2"
+    frozen = bench.make_cache("oscar-int2+frozen", model, 64, rotations)
+    assert frozen.decode_graphs is True and frozen.oscar_config.method == "oscar-int2"
 
 
 @pytest.mark.parametrize("cache_name", ["dynamic", "static", "oscar-int2"])
@@ -274,7 +276,7 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
     config = tmp_path / "tp.json"
     config.write_text(json.dumps({"tensor_parallel": {
         "model": model, "context": 400, "batch": 2, "new_tokens": 4, "repeats": 1, "warmup_steps": 1, "steps": 2,
-        "dtype": "float32",
+        "dtype": "float32", "caches": ["dynamic", "oscar-int2", "oscar-int2+frozen"],
     }}))  # fmt: skip
     out = tmp_path / "tp_result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU even beside a GPU
@@ -284,7 +286,10 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["command"].startswith("torchrun --standalone --nproc_per_node 2")
     rows = {r["cache"]: r for r in result["rows"]}
-    assert rows["oscar-int2"]["heads_per_rank"] == [1] and rows["oscar-int2"]["heads_per_rank_ok"]
+    for name in ("oscar-int2", "oscar-int2+frozen"):
+        assert rows[name]["heads_per_rank"] == [1] and rows[name]["heads_per_rank_ok"]
+    # each rank freezes its own cache (on CPU only when asked; on CUDA plain generate does it)
+    assert rows["oscar-int2+frozen"]["frozen_on_every_rank"] and not rows["oscar-int2"]["frozen_on_every_rank"]
     for row in rows.values():
         assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
         assert row["matches_single_gpu"], row  # float32 on CPU: sharding must not change greedy tokens
