@@ -23,8 +23,9 @@ Plain ``model.generate`` uses the same layout (:meth:`OscarCache.freeze_for_deco
 layer's attention call, and the step's advance, are replayed from small CUDA graphs of their own
 (:class:`ReplayedCall`) instead of launching their kernels one by one from Python: a step of a
 Qwen3-8B shape at 100K tokens, batch 1, took 29.5 ms against DynamicCache's 32.1 on an H200
-(``eval/results/step_times_b1.md``; 44.1 ms in the eager layout). Such a cache grows: when its history is full it thaws and freezes
-again with ``MAX_SLACK_ROWS`` more rows (one copy of the history and new graphs every 4,096 tokens).
+(``eval/results/step_times_b1.md``; 44.1 ms in the eager layout). Such a cache grows: when its
+history is full it thaws and freezes again with ``MAX_SLACK_ROWS`` more rows (one copy of the history
+and new graphs every 4,096 tokens).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class ReplayedCall:
             if self.calls == 1:
                 return self.fn(*inputs)
             self._capture(inputs)
-        if inputs:  # one launch for all inputs of equal dtype and strides
-            torch._foreach_copy_(self.inputs, inputs)
+        if inputs:  # the advance has none, and _foreach_copy_ refuses an empty list
+            torch._foreach_copy_(self.inputs, inputs)  # one launch where dtypes and strides agree
         self.graph.replay()
         return self.output
 
