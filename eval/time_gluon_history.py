@@ -1,6 +1,7 @@
 """Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
 
-    python eval/time_gluon_history.py [--out eval/results] [--batches 1,8]
+    python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
+                                      [--dense-split-tokens 16,32] [--span-programs-per-sm 16]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -35,9 +36,13 @@ import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
 
-def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str) -> list[dict]:
+def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str, span_programs_per_sm: str) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
-    stage 1 throughout, then the span with the dense tiers in splits of each size."""
+    stage 1 throughout, then the span with the dense tiers in splits of each size, and the span's
+    history cut for each number of programs an SM (below 16, slots of the wave are left to the dense
+    tiers' programs, which can then run beside the span instead of after it)."""
+    import oscar_hf.kernels.decode_history_gluon as span
+
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
 
@@ -49,14 +54,18 @@ def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str) -> l
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")]
-    default, overlap = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch
+    default, overlap, per_sm = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, span.PROGRAMS_PER_SM
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens, pdl in itertools.product((int(t) for t in dense_split_tokens.split(",")), (True, False)):
-        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constant, swept here
+    sweep = itertools.product((int(t) for t in dense_split_tokens.split(",")), (True, False),
+                              (int(p) for p in span_programs_per_sm.split(",")))  # fmt: skip
+    for tokens, pdl, programs in sweep:
+        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constants, swept here
         kernels.programmatic_launch = overlap if pdl else lambda device: False
-        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens))
+        span.PROGRAMS_PER_SM = programs  # the launcher reads it at each call to size the history splits
+        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens,
+                        programs_per_sm=programs))  # fmt: skip
         print(rows[-1], flush=True)
-    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch = default, overlap
+    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, span.PROGRAMS_PER_SM = default, overlap, per_sm
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -68,6 +77,8 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="16")  # 10-14 were slower (session 10 and 11 runs)
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
+    parser.add_argument("--span-programs-per-sm", default="16",
+                        help="programs an SM the span's history splits are sized for, in the whole call")
     options = parser.parse_args()
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
@@ -100,7 +111,7 @@ def main() -> None:
             rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "programs_per_sm": per_sm,
                          "splits": splits, "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
             print(rows[-1], flush=True)
-        rows += full_call_rows(kernels, x, scale, options.dense_split_tokens)
+        rows += full_call_rows(kernels, x, scale, options.dense_split_tokens, options.span_programs_per_sm)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
