@@ -1,7 +1,7 @@
 """Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
-                                      [--dense-split-tokens 16,32] [--span-programs-per-sm 16]
+                                      [--dense-split-tokens 16,32] [--max-splits 256]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -36,12 +36,12 @@ import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
 
-def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str, span_programs_per_sm: str) -> list[dict]:
+def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
-    stage 1 throughout, then the span with the dense tiers in splits of each size, and the span's
-    history cut for each number of programs an SM (below 16, slots of the wave are left to the dense
-    tiers' programs, which can then run beside the span instead of after it)."""
-    import oscar_hf.kernels.decode_history_gluon as span
+    stage 1 throughout, then the span with the dense tiers in splits of each size and under each cap
+    on the history splits. At batch 1 the cap of 256 and whole 64-key tiles leave 223 splits of 7
+    tiles (1,784 programs, 328 slots of the wave free for the dense tiers' programs); uncapped, 260
+    splits of 6 tiles fill the wave of 264."""
 
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
@@ -54,20 +54,21 @@ def full_call_rows(kernels, x: dict, scale: float, dense_split_tokens: str, span
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")]
-    default, overlap, per_sm = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, span.PROGRAMS_PER_SM
+    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MAX_SPLITS
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    sweep = itertools.product((int(t) for t in dense_split_tokens.split(",")), (True, False),
-                              (int(p) for p in span_programs_per_sm.split(",")))  # fmt: skip
-    for tokens, pdl, programs in sweep:
-        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constants, swept here
-        kernels.programmatic_launch = overlap if pdl else lambda device: False
-        span.PROGRAMS_PER_SM = programs  # the launcher reads it at each call to size the history splits
-        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens,
-                        programs_per_sm=programs))  # fmt: skip
+    sweep = itertools.product(numbers(options.dense_split_tokens), (True, False), numbers(options.max_splits))
+    for tokens, pdl, cap in sweep:
+        kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MAX_SPLITS = tokens, cap  # the launcher's constants
+        kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
+        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens, max_splits=cap))
         print(rows[-1], flush=True)
-    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, span.PROGRAMS_PER_SM = default, overlap, per_sm
+    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MAX_SPLITS = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
+
+
+def numbers(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 def main() -> None:
@@ -77,8 +78,7 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="16")  # 10-14 were slower (session 10 and 11 runs)
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
-    parser.add_argument("--span-programs-per-sm", default="16",
-                        help="programs an SM the span's history splits are sized for, in the whole call")
+    parser.add_argument("--max-splits", default="256", help="caps on the history splits, in the whole call")
     options = parser.parse_args()
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
@@ -88,7 +88,7 @@ def main() -> None:
     info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
             "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     rows = []
-    for batch in (int(b) for b in options.batches.split(",")):
+    for batch in numbers(options.batches):
         x = bench.tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)
         q, packed = x["q"], [x[name] for name in bench.TIER_NAMES[2:8]]
         empty = x["sink_k"][:, :, :0]
@@ -101,7 +101,7 @@ def main() -> None:
 
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
-        for per_sm, pipeline in itertools.product(map(int, options.programs_per_sm.split(",")), (False, True)):
+        for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm), (False, True)):
             splits = tune.splits_for(per_sm, batch)
 
             def gluon_run():
@@ -111,16 +111,17 @@ def main() -> None:
             rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "programs_per_sm": per_sm,
                          "splits": splits, "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
             print(rows[-1], flush=True)
-        rows += full_call_rows(kernels, x, scale, options.dense_split_tokens, options.span_programs_per_sm)
+        rows += full_call_rows(kernels, x, scale, options)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | programs an SM | splits | dense split tokens | us | max abs error |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | programs an SM | splits | splits cap | dense split tokens | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
-                     f"{r.get('dense_split_tokens', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+                     f"{r.get('max_splits', '')} | {r.get('dense_split_tokens', '')} | {r['us']:.1f} | "
+                     f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

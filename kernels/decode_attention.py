@@ -538,6 +538,7 @@ _TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp,
 # at batch 8 and 100K, 8 (two waves) 434.
 _PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 1}
 _MERGE_BLOCK_D = 32
+_MERGE_TILE = 8192  # floats of a merge program's [slots, dims] tile: 64 registers a thread at 4 warps
 
 
 def _device_programs(device: torch.device, programs_per_sm: int) -> int:
@@ -667,11 +668,12 @@ def decode_attention_triton(
         num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
     )  # fmt: skip
     # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
-    # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us.
-    block_d = min(head_dim, _MERGE_BLOCK_D)
+    # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us. Narrower beyond 256 slots.
+    slots = next_power_of_two(n_slots)
+    block_d = min(head_dim, _MERGE_BLOCK_D, max(1, _MERGE_TILE // slots))
     launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
         partial_m, partial_l, partial_acc, *t(out), n_slots,
-        D=head_dim, BLOCK_D=block_d, SLOTS=next_power_of_two(n_slots), INTERPRETED=INTERPRET, DEPENDENT=overlap,
+        D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap,
         launch_pdl=overlap,
     )  # fmt: skip
     return out

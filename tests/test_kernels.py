@@ -417,6 +417,14 @@ def test_decode_attention_splits_do_not_change_the_result():
     torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
 
+def test_decode_attention_merges_more_than_256_slots():
+    """Beyond 256 slots the merge narrows its block of dims (its tile stays 8,192 floats); still exact."""
+    args, options = _decode_inputs(1, 2, 1, 64, 4, 16 * 270, 6, 1, torch.float32)
+    many = torch.ops.oscar.decode_attention(*args, None, 4, 2, 0.125, 270, 16, 0, 0)  # 270 + 3 slots: 512 in the merge
+    want = decode_attention_reference(*args, sm_scale=0.125, **options)
+    torch.testing.assert_close(many, want, **TOLERANCE[torch.float32])
+
+
 @gpu_only
 def test_eager_calls_of_one_shape_share_slot_buffers_not_outputs():
     """Consecutive eager calls reuse the partial buffers (_decode._partials) and keep their own outputs."""
