@@ -800,13 +800,15 @@ def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     return rows
 
 
-def median_round(results: list[dict]) -> dict:
-    """One row from rounds of the same case: the round of median tokens/s, with every round's tokens/s
-    (a failed round is the row if no round succeeded)."""
-    done = sorted((r for r in results if r.get("status") == "ok"), key=lambda r: r["tokens_per_s"])
+def median_round(results: list[dict], key: str = "tokens_per_s", higher_is_faster: bool = True) -> dict:
+    """One row from rounds of the same case: the round of median ``key`` (the slower middle one of an
+    even count), with every round's value as ``<key>_rounds`` (a failed round is the row if no round
+    succeeded; rows without a status count as succeeded)."""
+    done = sorted((r for r in results if r.get("status", "ok") == "ok"),
+                  key=lambda r: r[key] if higher_is_faster else -r[key])  # fmt: skip
     if len(results) == 1 or not done:
         return results[0]
-    return {**done[(len(done) - 1) // 2], "tokens_per_s_rounds": [r.get("tokens_per_s") for r in results]}
+    return {**done[(len(done) - 1) // 2], f"{key}_rounds": [r.get(key) for r in results]}
 
 
 def bench_e2e(config: dict) -> list[dict]:

@@ -67,13 +67,6 @@ def summary(times: list[float]) -> dict:
             "one_time_ms": sum(times[:FIRST_STEPS]) - FIRST_STEPS * steady, "steps_ms": times}  # fmt: skip
 
 
-def median_round(rounds: list[dict]) -> dict:
-    """The round of median steady step (the slower middle one of an even count, as bench_gpu's), with every
-    round's steady step."""
-    ranked = sorted(rounds, key=lambda row: row["steady_step_ms"])
-    return {**ranked[len(ranked) // 2], "steady_step_ms_rounds": [row["steady_step_ms"] for row in rounds]}
-
-
 def write(out: Path, result: dict) -> None:
     import matplotlib
 
@@ -122,7 +115,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {cache_name: [] for cache_name in args.caches}
     for _, cache_name in tqdm([(r, c) for r in range(args.rounds) for c in args.caches], desc="rounds"):
         rounds[cache_name].append(measure(cache_name))
-    caches = {cache_name: median_round(rows) for cache_name, rows in rounds.items()}
+    caches = {name: bench.median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
     write(args.out, {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
