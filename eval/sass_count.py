@@ -1,6 +1,6 @@
 """Instructions per history tile of the decode kernel, compiled for an H100/H200 (sm_90) on any machine.
 
-    python eval/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
+    python eval/sass_count.py [--warps 1] [--block-n 64] [--ring] [--together] [--sass out.sass]
 
 No GPU is needed: Triton compiles the stage-1 kernel for ``GPUTarget("cuda", 90, 32)`` with the
 argument types and specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128,
@@ -41,8 +41,9 @@ class _Sm90Driver:
         return GPUTarget("cuda", 90, 32)
 
 
-def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_000):
-    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only)."""
+def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_000, together: bool = False):
+    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only);
+    ``together``: as launched before the Gluon span, all dense tiers in one program."""
     from triton.runtime import driver
 
     driver.set_active(_Sm90Driver())
@@ -67,19 +68,33 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
         D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
         K_UNPACK=unpack, V_UNPACK=unpack,
-        HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, num_warps=num_warps,
+        HAS_MASK=False, RING=ring, INTERPRETED=False, TIERS_TOGETHER=together, BEFORE_SPAN=together, AFTER_SPAN=False,
+        num_warps=num_warps,
         num_stages=kernel._STAGES,
     )  # fmt: skip
 
 
-def sass_of(compiled) -> str:
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+def resource_usage(compiled) -> str:
+    """Registers, stack and local memory a thread of ``compiled`` takes (from ``cuobjdump``)."""
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        return subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", str(cubin)], capture_output=True,
+                               text=True).stdout  # fmt: skip
+    return " ".join(re.findall(r"REG:\d+|STACK:\d+|LOCAL:\d+", usage))
+
+
+def _cuobjdump() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def sass_of(compiled) -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        return subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
 def history_loop(sass: str) -> collections.Counter:
@@ -101,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warps", type=int, default=0, help="default: the launcher's")
     parser.add_argument("--block-n", type=int, default=0, help="default: the launcher's (at head_dim 128)")
     parser.add_argument("--ring", action="store_true", help="the static-decoding (device lengths) variant")
+    parser.add_argument("--together", action="store_true",
+                        help="the dense tiers' variant launched before the Gluon span (one program over all three)")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -108,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args.warps = args.warps or kernel._WARPS
     args.block_n = kernel._block_sizes(4, 128, args.block_n)[2]
-    sass = sass_of(compile_stage1(args.warps, args.block_n, args.ring))
+    compiled = compile_stage1(args.warps, args.block_n, args.ring, together=args.together)
+    sass = sass_of(compiled)
+    print(f"stage 1: {resource_usage(compiled)}; shared {compiled.metadata.shared} B")
     if args.sass:
         args.sass.write_text(sass)
     ops = history_loop(sass)
