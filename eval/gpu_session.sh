@@ -83,9 +83,9 @@ for step in "$@"; do
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
             run gluon_diagnosis 120 python3 eval/diagnose_gluon_history.py --out "$work"
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
-        kernel-b1)  # batches 1 and 8: the span alone, and the whole call with the dense tiers before or after it
-            run kernel_b1 200 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --programs-per-sm 16 \
-                --dense-split-tokens 32 --dense-block-n 16,32 --dense-orders auto,after ;;
+        kernel-b1)  # batch 1: the span alone in 1-3 waves, and the whole call
+            run kernel_b1 200 python3 eval/time_gluon_history.py --out "$work" --batches 1 --programs-per-sm 16,32,48 \
+                --dense-split-tokens 32 ;;
         ncu)  # the history span's occupancy and stall reasons, direct and staged, batches 1 and 8
             for batch in 1 8; do
                 for variant in direct staged; do

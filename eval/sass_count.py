@@ -1,6 +1,6 @@
 """Instructions per history tile of the decode kernel, compiled for an H100/H200 (sm_90) on any machine.
 
-    python eval/sass_count.py [--warps 1] [--block-n 64] [--ring] [--together] [--sass out.sass]
+    python eval/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
 
 No GPU is needed: Triton compiles the stage-1 kernel for ``GPUTarget("cuda", 90, 32)`` with the
 argument types and specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128,
@@ -41,9 +41,8 @@ class _Sm90Driver:
         return GPUTarget("cuda", 90, 32)
 
 
-def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_000, together: bool = False):
-    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only);
-    ``together``: as launched before the Gluon span, all dense tiers in one program."""
+def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_000):
+    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only)."""
     from triton.runtime import driver
 
     driver.set_active(_Sm90Driver())
@@ -68,8 +67,7 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
         D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
         K_UNPACK=unpack, V_UNPACK=unpack,
-        HAS_MASK=False, RING=ring, INTERPRETED=False, TIERS_TOGETHER=together, BEFORE_SPAN=together, AFTER_SPAN=False,
-        num_warps=num_warps,
+        HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, num_warps=num_warps,
         num_stages=kernel._STAGES,
     )  # fmt: skip
 
@@ -116,8 +114,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warps", type=int, default=0, help="default: the launcher's")
     parser.add_argument("--block-n", type=int, default=0, help="default: the launcher's (at head_dim 128)")
     parser.add_argument("--ring", action="store_true", help="the static-decoding (device lengths) variant")
-    parser.add_argument("--together", action="store_true",
-                        help="the dense tiers' variant launched before the Gluon span (one program over all three)")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -125,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args.warps = args.warps or kernel._WARPS
     args.block_n = kernel._block_sizes(4, 128, args.block_n)[2]
-    compiled = compile_stage1(args.warps, args.block_n, args.ring, together=args.together)
+    compiled = compile_stage1(args.warps, args.block_n, args.ring)
     sass = sass_of(compiled)
     print(f"stage 1: {resource_usage(compiled)}; shared {compiled.metadata.shared} B")
     if args.sass:

@@ -1,8 +1,7 @@
 """Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
-                                      [--dense-split-tokens 16,32] [--dense-block-n 16,32]
-                                      [--dense-orders auto,after]
+                                      [--dense-split-tokens 16,32]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -13,9 +12,9 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   of splits (programs an SM x SMs / (batch x KV heads)); ``gluon, staged``: the same with the next
   tile copied into shared memory while the current one computes (``pipeline=True``);
 * ``triton, all tiers`` and ``gluon, all tiers``: the whole call as the kernel benchmark times it
-  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits and
-  each order of the dense tiers and the span (see :func:`full_call_rows`), with the kernels launched
-  programmatically (the default on Hopper) and, ``no PDL``, one after another.
+  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits, with
+  the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
+  one after another.
 
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
@@ -39,43 +38,27 @@ import tune_decode as tune  # noqa: E402
 
 def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
-    stage 1 throughout, then the span with the dense tiers in splits of each size, for each order
-    that ``--dense-orders`` asks: ``auto`` (the launcher's choice: before the span, one program a
-    head over all three tiers, where that fits beside its wave) and ``after`` (always after the span,
-    in its tail); each with the kernels launched programmatically (Hopper) and one after another."""
+    stage 1 throughout, then the span with the dense tiers in splits of each size."""
 
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
-    chosen = []
 
     def run():
         return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale)
 
     def row(kernel: str, **extra) -> dict:
-        timed = {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
-                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
-        return {**timed, "dense_first": chosen[-1]} if chosen else timed
+        return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
+                "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")]
-    defaults = (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._dense_tiers_first,
-                kernels._SPAN_DENSE_BLOCK_N)  # fmt: skip
-
-    def decided(*args):  # the launcher's choice or, for ``after``, never first; kept for the row
-        chosen.append(order == "auto" and defaults[2](*args))
-        return chosen[-1]
-
+    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    kernels._dense_tiers_first = decided
-    sweep = itertools.product(numbers(options.dense_split_tokens), numbers(options.dense_block_n), (True, False),
-                              options.dense_orders.split(","))  # fmt: skip
-    for tokens, block_n, pdl, order in sweep:
-        kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._SPAN_DENSE_BLOCK_N = tokens, block_n  # the launcher's constants
+    for tokens, pdl in itertools.product(numbers(options.dense_split_tokens), (True, False)):
+        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constant
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
-        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens,
-                        dense_block_n=block_n))  # fmt: skip
+        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens))
         print(rows[-1], flush=True)
-    (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._dense_tiers_first,
-     kernels._SPAN_DENSE_BLOCK_N) = defaults  # fmt: skip
+    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -91,9 +74,6 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="16")  # 10-14 were slower (session 10 and 11 runs)
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
-    parser.add_argument("--dense-block-n", default="32", help="rows of the dense tiers' tiles beside the span")
-    parser.add_argument("--dense-orders", default="auto,after",
-                        help="where the dense tiers run in the whole call: the launcher's choice, or after the span")
     options = parser.parse_args()
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
@@ -131,12 +111,11 @@ def main() -> None:
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | programs an SM | splits | dense tiers first | dense split tokens | dense tile rows | us "
-             "| max abs error |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | programs an SM | splits | dense split tokens | us | max abs error |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
-                     f"{r.get('dense_first', '')} | {r.get('dense_split_tokens', '')} | {r.get('dense_block_n', '')} | "
-                     f"{r['us']:.1f} | "
+                     f"{r.get('dense_split_tokens', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

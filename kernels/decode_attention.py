@@ -57,14 +57,11 @@ _SPAN_DENSE_SPLIT_TOKENS = 32
 # Dense tiles stay small: the kernel's shared memory is sized by its largest branch, and wide dense
 # tiles (pipelined) would cap how many history programs fit on a multiprocessor.
 _DENSE_BLOCK_N = 16
-# Beside the Gluon span the launch holds dense programs only, so wider tiles cost no history program
-# its place: 32 rows take 243 registers on sm_90 without spills (64 spill).
-_SPAN_DENSE_BLOCK_N = 32
 _MIN_SPLIT_TOKENS = 256  # below this a history split costs more in the merge than it saves
-# Bounds the Triton stage 1's splits (and so the merge's slots); the Gluon span's fill its wave: at
-# batch 1 on an H200 (264 splits) the whole call took 30.3 us uncapped, 31.0 capped at 256.
+# Bounds the Triton stage 1's splits (and so the merge's slots). The Gluon span's fill their wave: at
+# batch 1 and 100K on an H200 that is 260 splits of 6 tiles, where the cap left 223 of 7 (the whole
+# call 30.3 us against 31.0; eval/results/gluon_history_split_cap.md).
 _MAX_SPLITS = 256
-_DENSE_PROGRAM_SLOTS = 2  # span programs' registers that one dense-tier program holds (254 against 128)
 # Codes enter the dots as OFFSET + code: int16 bits of a power of two whose ulp is 1, OR-ed with the
 # code (see _code_block); float32 converts codes directly.
 # The third number is the mantissa's width: column blocks of codes that fit in it need no shift.
@@ -388,16 +385,6 @@ def _store_new_rows(NK, nk_stride_n, NV, nv_stride_n, RK, rk_stride_n, RV, rv_st
         tl.store(RV + slot * rv_stride_n + dims, tl.load(NV + row * nv_stride_n + dims))
 
 
-@triton.jit
-def _tier_rows(index: tl.constexpr, tier, split, chunk, n, TOGETHER: tl.constexpr):
-    """Rows ``[start, end)`` of dense tier ``index`` that the program of (``tier``, ``split``) attends
-    over: its split of its own tier, nothing of the others; ``TOGETHER``: the whole tier."""
-    if TOGETHER:
-        return 0, n
-    start = split * chunk
-    return start, tl.where(tier == index, tl.minimum(start + chunk, n), start)
-
-
 # ---------------------------------------------------------------------------------------- kernels
 
 
@@ -414,13 +401,8 @@ def _decode_stage1_kernel(
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
     V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_FREE: tl.constexpr, V_FREE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
-    INTERPRETED: tl.constexpr, TIERS_TOGETHER: tl.constexpr, BEFORE_SPAN: tl.constexpr, AFTER_SPAN: tl.constexpr,
+    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr,
 ):  # fmt: skip
-    """``TIERS_TOGETHER``: one slot a head block covers all three dense tiers (``dense_splits`` is 1).
-    ``BEFORE_SPAN`` / ``AFTER_SPAN``: the Gluon span runs beside this grid (programmatic dependent
-    launch), launched after it or before it."""
-    if BEFORE_SPAN:  # the span may start now: it writes other slots and waits for this grid before it ends
-        tl.extra.cuda.gdc_launch_dependents()
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
     V_PARTS: tl.constexpr = 8 // V_BITS
@@ -468,36 +450,37 @@ def _decode_stage1_kernel(
             INTERPRETED,
         )  # fmt: skip
     else:
-        # Each program attends over its split of one tier (TIERS_TOGETHER: over all three); the
-        # other tiers' ranges are empty.
         tier = (slot - hist_splits) // dense_splits
         split = (slot - hist_splits) % dense_splits
-        start, end = _tier_rows(0, tier, split, chunk_sink, n_sink, TIERS_TOGETHER)
-        m_i, l_i, a0, a1, a2, a3 = _dense_span(
-            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
-            SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, end,
-            MASK, 0, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
-        )  # fmt: skip
-        start, end = _tier_rows(1, tier, split, chunk_recent, n_recent, TIERS_TOGETHER)
-        m_i, l_i, a0, a1, a2, a3 = _dense_span(
-            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
-            RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, end,
-            MASK, n_sink + n_hist, score_scale, ring_start, ring_rows, n_recent, D, DENSE_BLOCK_N, K_PARTS, V_PARTS,
-            TIER_MASK, RING, INTERPRETED,
-        )  # fmt: skip
-        start, end = _tier_rows(2, tier, split, chunk_new, n_new, TIERS_TOGETHER)
-        if RING and tl.program_id(1) % HEAD_BLOCKS == 0:
-            _store_new_rows(
-                NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2], NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2],
-                RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2], RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2],
-                start, end, ring_start + ring_rows, n_recent, D,
+        if tier == 0:
+            start = split * chunk_sink
+            m_i, l_i, a0, a1, a2, a3 = _dense_span(
+                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
+                SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, tl.minimum(start + chunk_sink, n_sink),
+                MASK, 0, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
             )  # fmt: skip
-        m_i, l_i, a0, a1, a2, a3 = _dense_span(
-            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
-            NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, end,
-            MASK, n_sink + n_hist + n_recent, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, TIER_MASK, False,
-            INTERPRETED,
-        )  # fmt: skip
+        elif tier == 1:
+            start = split * chunk_recent
+            m_i, l_i, a0, a1, a2, a3 = _dense_span(
+                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
+                RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, tl.minimum(start + chunk_recent, n_recent),
+                MASK, n_sink + n_hist, score_scale, ring_start, ring_rows, n_recent, D, DENSE_BLOCK_N, K_PARTS, V_PARTS,
+                TIER_MASK, RING, INTERPRETED,
+            )  # fmt: skip
+        else:
+            start = split * chunk_new
+            if RING and tl.program_id(1) % HEAD_BLOCKS == 0:
+                _store_new_rows(
+                    NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2], NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2],
+                    RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2], RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2],
+                    start, tl.minimum(start + chunk_new, n_new), ring_start + ring_rows, n_recent, D,
+                )  # fmt: skip
+            m_i, l_i, a0, a1, a2, a3 = _dense_span(
+                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
+                NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, tl.minimum(start + chunk_new, n_new),
+                MASK, n_sink + n_hist + n_recent, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, TIER_MASK, False,
+                INTERPRETED,
+            )  # fmt: skip
 
     out = (b * (tl.num_programs(1) // HEAD_BLOCKS * GROUP) + heads) * n_slots + slot
     tl.store(PM + out, m_i, mask=head_ok)
@@ -509,7 +492,9 @@ def _decode_stage1_kernel(
     if V_PARTS == 4:
         tl.store(pointers + 2 * DPV, a2, mask=head_ok[:, None])
         tl.store(pointers + 3 * DPV, a3, mask=head_ok[:, None])
-    if AFTER_SPAN:  # this grid completes only after the span has, so the merge may wait on it alone
+    if AFTER_SPAN:
+        # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does
+        # not touch: this grid completes only after the span has, so the merge may wait on it alone.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
@@ -579,31 +564,12 @@ def _splits(
     """``(splits, chunk)`` for a history of ``length`` rows; ``chunk`` is a multiple of ``block_n``.
 
     The history programs fill one wave of :func:`_device_programs` where the batch allows, at most
-    ``cap`` splits (the short dense-tier programs run beside them or after them).
+    ``cap`` splits (the short dense-tier programs are scheduled after them and only add a short tail).
     """
     if length == 0:
         return 0, block_n
     wave = max(1, _device_programs(device, programs_per_sm) // programs_per_split)
     return split_rows(length, requested or min(cap or wave, cdiv(length, _MIN_SPLIT_TOKENS), wave), block_n)
-
-
-def _dense_tiers_first(
-    overlap: bool, dense_programs: int, span_programs: int, dense_rows: int, chunk_hist: int, device: torch.device
-) -> bool:
-    """Whether the dense tiers run first, one program a head block over all three, and the Gluon span
-    beside them: where those programs fit in the slots that the span's wave leaves free and attend
-    over no more rows than a span program (BF16 rows cost less than packed ones), so that they end
-    before it. Otherwise they run in many short splits after the span, in its tail.
-
-    On an H200 at 100K and batch 1 the span's 261 splits leave 24 of 2,112 slots free; each dense
-    program (254 registers a thread) takes two of the span's (128).
-    """
-    if not overlap:
-        return False
-    from .decode_history_gluon import PROGRAMS_PER_SM
-
-    free = _device_programs(device, PROGRAMS_PER_SM) - span_programs
-    return dense_rows <= chunk_hist and _DENSE_PROGRAM_SLOTS * dense_programs <= free
 
 
 def split_rows(length: int, splits: int, block_n: int) -> tuple[int, int]:
@@ -661,6 +627,8 @@ def decode_attention_triton(
     block_h, head_blocks, block_n = _block_sizes(group, head_dim, block_n)
     num_stages = num_stages or (1 if q.dtype == torch.float32 else _STAGES)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
+    dense_tokens = _SPAN_DENSE_SPLIT_TOKENS if gluon else _DENSE_SPLIT_TOKENS
+    dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), dense_tokens))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
@@ -670,14 +638,7 @@ def decode_attention_triton(
     else:
         hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
-    # On Hopper and later the kernels after the first launch early (programmatic dependent launch),
-    # so launch gaps hide and the dense tiers run beside the span instead of after all of it.
-    overlap = gluon and programmatic_launch(q.device)
-    together = _dense_tiers_first(overlap, batch * kv_heads * head_blocks, batch * kv_heads * hist_splits,
-                                  n_sink + n_recent + n_new, chunk_hist, q.device)  # fmt: skip
-    dense_tokens = _SPAN_DENSE_SPLIT_TOKENS if gluon else _DENSE_SPLIT_TOKENS
-    dense_splits = 1 if together else max(1, cdiv(max(n_sink, n_recent, n_new), dense_tokens))
-    n_slots = hist_splits + (1 if together else 3 * dense_splits)
+    n_slots = hist_splits + 3 * dense_splits
 
     partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -688,35 +649,28 @@ def decode_attention_triton(
     magic, offset = _CODE_MAGIC[q.dtype][:2]
 
     first_slot = hist_splits if gluon else 0
-    dense_block_n = _SPAN_DENSE_BLOCK_N if gluon else _DENSE_BLOCK_N
-
-    def launch_stage1(before_span: bool, after_span: bool) -> None:
-        launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
-            *t(q),
-            *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, dense_block_n),
-            *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, dense_block_n),
-            *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, dense_block_n),
-            *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
-            mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits,
-            n_slots, first_slot, q if lengths is None else lengths,  # unread without RING
-            GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=dense_block_n,
-            D=head_dim, K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
-            MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype),
-            V_FREE=_shift_free_blocks(v_bits, q.dtype), K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
-            V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
-            HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, TIERS_TOGETHER=together,
-            BEFORE_SPAN=before_span, AFTER_SPAN=after_span, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=after_span,
-        )  # fmt: skip
-
-    if together:
-        launch_stage1(before_span=overlap, after_span=False)
+    # On Hopper and later the dense tiers and the merge launch early (programmatic dependent launch):
+    # the dense tiers fill the span's tail instead of waiting for all of it, and launch gaps hide.
+    overlap = gluon and programmatic_launch(q.device)
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
-                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
-                     after_previous=together)  # fmt: skip
-    if not together:
-        launch_stage1(before_span=False, after_span=overlap)
+                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap)  # fmt: skip
+    launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
+        *t(q),
+        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
+        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
+        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
+        *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
+        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
+        first_slot, q if lengths is None else lengths,  # unread without RING
+        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
+        K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
+        MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
+        K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
+        V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
+        HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
+    )  # fmt: skip
     # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
     # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us. Narrower beyond 256 slots.
     slots = next_power_of_two(n_slots)

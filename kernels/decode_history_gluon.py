@@ -324,7 +324,7 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, AFTER_PREVIOUS: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -332,11 +332,10 @@ def history_kernel(
     ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
     are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
-    it writes other slots and waits for this grid before it ends. ``AFTER_PREVIOUS``: launched while
-    the kernel before it (the dense tiers) runs; waits for it at the end, so that whatever waits for
-    this grid sees both."""
+    it writes other slots and waits for this grid before it ends."""
     if LAUNCH_DEPENDENTS:
-        _grid_dependency("griddepcontrol.launch_dependents; // $0")
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
     b = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -355,14 +354,6 @@ def history_kernel(
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
         score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE,
     )  # fmt: skip
-    if AFTER_PREVIOUS:
-        _grid_dependency("griddepcontrol.wait; // $0")
-
-
-@gluon.jit
-def _grid_dependency(instruction: gl.constexpr):
-    """A programmatic-dependent-launch instruction (Hopper), kept in place by its side effect."""
-    gl.inline_asm_elementwise(instruction, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -477,7 +468,7 @@ def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
     partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
-    pipeline: bool | None = None, launch_dependents: bool = False, after_previous: bool = False,
+    pipeline: bool | None = None, launch_dependents: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
@@ -487,8 +478,7 @@ def history_into(
     cache's buffers are (H200, 100K: 170.0-175.5 us at batch 8 against 174.0-175.7 direct, a tie at
     batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
     and later): the next kernel may start before this one ends, and must not read what it writes
-    without waiting (``griddepcontrol.wait``). ``after_previous`` (Hopper and later): launch before
-    the previous kernel ends, which must not write what this one reads; this grid ends after it."""
+    without waiting (``griddepcontrol.wait``)."""
     from oscar_hf.kernels._triton import launch_kernel
     from oscar_hf.kernels.decode_attention import _LOG2E
 
@@ -518,8 +508,8 @@ def history_into(
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
-        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents,
-        AFTER_PREVIOUS=after_previous, num_warps=1, maxnreg=REGISTERS, launch_pdl=after_previous,
+        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, num_warps=1,
+        maxnreg=REGISTERS,
     )  # fmt: skip
 
 
@@ -580,8 +570,7 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
-            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True,
-            AFTER_PREVIOUS=pipeline, grid=(1,),
+            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

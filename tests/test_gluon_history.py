@@ -181,23 +181,6 @@ def test_decode_attention_takes_its_history_slots_from_the_span(monkeypatch, pad
 
 
 @GPU
-@pytest.mark.parametrize("first", [True, False], ids=["dense-tiers-first", "dense-tiers-after"])
-def test_the_dense_tiers_run_before_or_after_the_span(monkeypatch, first):
-    """Both orders of the dense tiers' launch and the span's (programmatic dependent launch): the
-    same output as the reference, the sink padded."""
-    from oscar_hf.kernels import decode_attention as kernels
-
-    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
-    monkeypatch.setattr(kernels, "_dense_tiers_first", lambda *args: first)
-    args, options = _decode_inputs(2, 32, 8, 128, 64, 3000, 40, 1, torch.bfloat16, 2, 2, pads=[0, 3], seed=7)
-    args = [a.cuda() for a in args]
-    options["key_mask"] = options["key_mask"].cuda()
-    want = kernels.decode_attention_reference(*args, sm_scale=0.088, **options)
-    got = kernels.decode_attention(*args, sm_scale=0.088, **options)
-    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
-
-
-@GPU
 @pytest.mark.parametrize("history", [1000, 100], ids=["long", "short-history-many-empty-splits"])
 def test_static_lengths_reach_the_span(monkeypatch, history):
     """Static decoding: the span reads the history length from the device tensor, as the Triton kernel

@@ -417,6 +417,18 @@ def test_decode_attention_splits_do_not_change_the_result():
     torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
 
+def test_the_gluon_span_fills_its_wave_and_the_triton_history_is_capped(monkeypatch):
+    """History splits on an H200 (132 SMs) at the kernel benchmark's 100K (99,679 rows) and 8 KV heads:
+    the span's 16 programs an SM give 260 splits of 6 tiles (the old cap of 256 left 223 of 7); the
+    Triton stage 1 stays within ``_MAX_SPLITS``."""
+    monkeypatch.setattr(_decode, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert _decode._splits(99_679, 0, 8, cuda, 64, 16, None) == (260, 384)
+    assert _decode._splits(99_679, 0, 8, cuda, 64, 16, 256) == (223, 448)
+    assert _decode._splits(10**6, 0, 1, cuda, 64, 8, _decode._MAX_SPLITS)[0] <= _decode._MAX_SPLITS
+    assert _decode._splits(10**6, 0, 1, cuda, 64, 8, None)[0] > _decode._MAX_SPLITS  # a wave of 1,056
+
+
 def test_decode_attention_merges_more_than_256_slots():
     """Beyond 256 slots the merge narrows its block of dims (its tile stays 8,192 floats); still exact."""
     args, options = _decode_inputs(1, 2, 1, 64, 4, 16 * 270, 6, 1, torch.float32)
@@ -453,41 +465,6 @@ def test_decode_attention_dispatcher_and_masked_rows():
     (33, 33, 8, 11, 0, [2, 0]),  # history at capacity, ring full (with the new row)
 ])  # fmt: skip
 def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads, dtype):
-    _check_static_lengths(history, capacity, ring_start, ring_rows, splits, pads, dtype)
-
-
-@pytest.mark.parametrize("name", ["several-splits-gqa4-padded-sink", "no-sink-no-recent", "empty-history-mha"])
-def test_dense_tiers_in_one_program_match_the_reference(monkeypatch, name):
-    """As the launcher runs them before the Gluon span (``_dense_tiers_first``): one slot a head block
-    over the sink, the recent window and the new rows."""
-    monkeypatch.setattr(_decode, "_dense_tiers_first", lambda *args: True)
-    got, want = _run_decode_case(DECODE_CASES[name], torch.bfloat16)
-    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
-
-
-def test_the_dense_tiers_go_first_where_they_fit_beside_the_span(monkeypatch):
-    """The launcher's choice on an H200 (132 SMs, 16 span programs an SM) for Qwen3-8B's 8 KV heads."""
-    pytest.importorskip("triton.experimental.gluon")
-    monkeypatch.setattr(_decode, "_multiprocessors", lambda device: 132)
-    cuda = torch.device("cuda")
-
-    def first(batch: int, history: int, dense_rows: int = 321) -> bool:
-        splits, chunk = _decode._splits(history, 0, batch * 8, cuda, 64, 16, None)
-        return _decode._dense_tiers_first(True, batch * 8, batch * 8 * splits, dense_rows, chunk, cuda)
-
-    assert _decode._splits(100_000, 0, 8, cuda, 64, 16, None) == (261, 384)  # 24 of 2,112 slots free
-    assert first(1, 100_000) and first(1, 128_000)
-    assert not first(8, 100_000)  # the span's 33 splits a head fill the wave
-    assert not first(1, 64_000)  # 256 rows a span program: the 321 dense rows would end after it
-    assert not _decode._dense_tiers_first(False, 8, 8, 10, 384, cuda)  # without programmatic launch
-
-
-def test_dense_tiers_in_one_program_read_static_lengths(monkeypatch):
-    monkeypatch.setattr(_decode, "_dense_tiers_first", lambda *args: True)
-    _check_static_lengths(40, 72, 5, 9, 3, [0, 3], torch.bfloat16)
-
-
-def _check_static_lengths(history, capacity, ring_start, ring_rows, splits, pads, dtype):
     """Static decoding: history allocated at capacity, recent rows in a ring, lengths in a device tensor.
 
     The same keys laid out plainly give the reference; garbage fills every slot past the lengths and
