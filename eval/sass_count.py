@@ -92,7 +92,8 @@ def sass_of(compiled) -> str:
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        return subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        done = subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True)
+        return done.stdout
 
 
 def history_loop(sass: str) -> collections.Counter:

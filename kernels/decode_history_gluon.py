@@ -574,8 +574,8 @@ def compile_for_sm90() -> None:
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))
-        print(f"ring={ring} pipeline={pipeline}: {sass_count.resource_usage(compiled)}; shared {compiled.metadata.shared} B; "
-              f"{sum(ops.values())} instructions per 64-key tile")  # fmt: skip
+        print(f"ring={ring} pipeline={pipeline}: {sass_count.resource_usage(compiled)}; "
+              f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile")  # fmt: skip
         print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
 
 
