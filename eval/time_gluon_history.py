@@ -1,7 +1,7 @@
 """Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
-                                      [--dense-split-tokens 16,32]
+                                      [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -15,6 +15,9 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   (sink, history, recent window, new row), the latter for each size of the dense tiers' splits, with
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
   one after another.
+
+``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
+it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
 
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
@@ -34,11 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
-def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace) -> list[dict]:
+def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, baseline: bool) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
-    stage 1 throughout, then the span with the dense tiers in splits of each size."""
+    stage 1 throughout (``baseline``), then the span with the dense tiers in splits of each size."""
 
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
@@ -50,13 +54,15 @@ def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace) 
         return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
-    rows = [row("triton, all tiers")]
+    rows = [row("triton, all tiers")] if baseline else []
     defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens, pdl in itertools.product(numbers(options.dense_split_tokens), (True, False)):
-        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launcher's constant
+    for tokens, pdl in itertools.product(numbers(options.dense_split_tokens), numbers(options.pdl)):
+        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launchers' constants
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
-        rows.append(row("gluon, all tiers" + ("" if pdl else ", no PDL"), dense_split_tokens=tokens))
+        kernel = "gluon, all tiers" + ("" if pdl else ", no PDL")
+        rows.append(row(kernel, dense_split_tokens=tokens,
+                        registers=f"{span.REGISTERS}{', q shared' if span.Q_SHARED else ''}"))
         print(rows[-1], flush=True)
     kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
@@ -71,11 +77,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--programs-per-sm", default="16")  # 10-14 were slower (session 10 and 11 runs)
+    parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16 (sessions 10-11)
+                        help="programs an SM for the span alone (default: as many as its registers fit)")
+    parser.add_argument("--registers", default=str(REGISTERS), help="register caps of the span to time")
+    parser.add_argument("--q-shared", default="0", help="q held in registers (0) or reread from shared memory (1)")
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
+    parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     options = parser.parse_args()
-    from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
+    from oscar_hf.kernels import decode_history_gluon as span
 
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"  # the baselines; full_call_rows switches to the span and back
 
@@ -96,25 +106,33 @@ def main() -> None:
 
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
-        for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm), (False, True)):
-            splits = tune.splits_for(per_sm, batch)
+        caps = list(itertools.product(numbers(options.registers), numbers(options.q_shared)))
+        for registers, q_shared in caps:
+            span.REGISTERS, span.PROGRAMS_PER_SM, span.Q_SHARED = registers, span.programs_per_sm(registers), q_shared
+            for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.PROGRAMS_PER_SM)),
+                                                      (False, True)):  # fmt: skip
+                splits = tune.splits_for(per_sm, batch)
 
-            def gluon_run():
-                return history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
+                def gluon_run():
+                    return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
 
-            error = (merge_partials(*gluon_run()) - want).abs().max().item()
-            rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "programs_per_sm": per_sm,
-                         "splits": splits, "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
-            print(rows[-1], flush=True)
-        rows += full_call_rows(kernels, x, scale, options)
+                error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
+                rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon",
+                             "registers": f"{registers}{', q shared' if q_shared else ''}",
+                             "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
+                             "max_abs_error": error})  # fmt: skip
+                print(rows[-1], flush=True)
+            rows += full_call_rows(kernels, span, x, scale, options, baseline=(registers, q_shared) == caps[0])
+        span.REGISTERS, span.PROGRAMS_PER_SM, span.Q_SHARED = REGISTERS, span.programs_per_sm(REGISTERS), False
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | programs an SM | splits | dense split tokens | us | max abs error |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | registers | programs an SM | splits | dense split tokens | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('registers', '')} | {r.get('programs_per_sm', '')} | "
+                     f"{r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
