@@ -2,6 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
+                                      [--merge-tiles 8192]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -12,7 +13,8 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   of splits (programs an SM x SMs / (batch x KV heads)); ``gluon, staged``: the same with the next
   tile copied into shared memory while the current one computes (``pipeline=True``);
 * ``triton, all tiers`` and ``gluon, all tiers``: the whole call as the kernel benchmark times it
-  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits, with
+  (sink, history, recent window, new row), the latter for each size of the dense tiers' splits and of
+  the merge's tile (``--merge-tiles``), with
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
   one after another.
 
@@ -37,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
+from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
@@ -55,16 +58,16 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")] if baseline else []
-    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch
+    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens, pdl in itertools.product(numbers(options.dense_split_tokens), numbers(options.pdl)):
-        kernels._SPAN_DENSE_SPLIT_TOKENS = tokens  # the launchers' constants
+    for tokens, pdl, merge_tile in itertools.product(numbers(options.dense_split_tokens), numbers(options.pdl),
+                                                     numbers(options.merge_tiles)):  # fmt: skip
+        kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE = tokens, merge_tile  # the launcher's constants
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL")
-        rows.append(row(kernel, dense_split_tokens=tokens,
-                        registers=f"{span.REGISTERS}{', q shared' if span.Q_SHARED else ''}"))
+        rows.append(row(kernel, dense_split_tokens=tokens, merge_tile=merge_tile, registers=span.REGISTERS))
         print(rows[-1], flush=True)
-    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch = defaults
+    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -80,7 +83,8 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16 (sessions 10-11)
                         help="programs an SM for the span alone (default: as many as its registers fit)")
     parser.add_argument("--registers", default=str(REGISTERS), help="register caps of the span to time")
-    parser.add_argument("--q-shared", default="0", help="q held in registers (0) or reread from shared memory (1)")
+    parser.add_argument("--merge-tiles", default=str(MERGE_TILE),
+                        help="floats of a merge program's [slots, dims] tile, for the whole call")
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
@@ -106,9 +110,9 @@ def main() -> None:
 
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
-        caps = list(itertools.product(numbers(options.registers), numbers(options.q_shared)))
-        for registers, q_shared in caps:
-            span.REGISTERS, span.PROGRAMS_PER_SM, span.Q_SHARED = registers, span.programs_per_sm(registers), q_shared
+        caps = numbers(options.registers)
+        for registers in caps:
+            span.REGISTERS, span.PROGRAMS_PER_SM = registers, span.programs_per_sm(registers)
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.PROGRAMS_PER_SM)),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
@@ -118,22 +122,22 @@ def main() -> None:
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
                 rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon",
-                             "registers": f"{registers}{', q shared' if q_shared else ''}",
+                             "registers": registers,
                              "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
                              "max_abs_error": error})  # fmt: skip
                 print(rows[-1], flush=True)
-            rows += full_call_rows(kernels, span, x, scale, options, baseline=(registers, q_shared) == caps[0])
-        span.REGISTERS, span.PROGRAMS_PER_SM, span.Q_SHARED = REGISTERS, span.programs_per_sm(REGISTERS), False
+            rows += full_call_rows(kernels, span, x, scale, options, baseline=registers == caps[0])
+        span.REGISTERS, span.PROGRAMS_PER_SM = REGISTERS, span.programs_per_sm(REGISTERS)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | registers | programs an SM | splits | dense split tokens | us | max abs error |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | registers | programs an SM | splits | dense split tokens | merge tile | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('registers', '')} | {r.get('programs_per_sm', '')} | "
                      f"{r.get('splits', '')} | "
-                     f"{r.get('dense_split_tokens', '')} | {r['us']:.1f} | "
+                     f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

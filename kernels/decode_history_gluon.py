@@ -44,7 +44,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 D = gl.constexpr(128)
 # Registers a thread, capped: uncapped, ptxas takes 138 (158 reading the length on the device), which
 # fits 14 (12) one-warp programs an SM, not 16. Capped (Triton 3.6), the loop gains 6-14 instructions,
-# and only the device-length variant spills: one local load and store a tile.
+# and only the device-length variant spills: one local load and store a tile. Lower caps are slower
+# (H200, 100K, eval/results/gluon_history_registers.md): 17-19 programs an SM give one of the SM's 4
+# schedulers a fifth warp, and its warps then set the pace (batch 8: 194-216 us against 174); 20 need
+# 96 registers, whose spills cost more than the fifth warp buys.
 REGISTERS = 128
 
 
@@ -54,7 +57,6 @@ def programs_per_sm(registers: int) -> int:
 
 
 PROGRAMS_PER_SM = programs_per_sm(REGISTERS)
-Q_SHARED = False
 
 # m16n8k16: lane 4g+t holds accumulator rows g (+8, +16, ...) and columns 2t, 2t+1.
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -87,7 +89,6 @@ V_STAGES: gl.constexpr = gl.SharedLinearLayout(
     offset_bases=[[8, 0], [1, 0], [16, 0], [32, 0], [0, 1], [0, 2], [0, 4], [2, 0], [4, 0]],
 )  # fmt: skip
 META_STAGES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-Q_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=1, order=[0, 1])
 META_COPY: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0])
 # Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later versions async_load and barrier.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -333,7 +334,7 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, Q_SHARED: gl.constexpr = False,
+    LAUNCH_DEPENDENTS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -361,7 +362,7 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE, Q_SHARED,
+        score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE,
     )  # fmt: skip
 
 
@@ -369,7 +370,6 @@ def history_kernel(
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr,
-    Q_SHARED: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter the MMAs as ``OFFSET + 4**j * c`` for
@@ -385,12 +385,6 @@ def _history_span(
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
     q = (_q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP))
-    q_in = q
-    if Q_SHARED:
-        q_in = (gl.allocate_shared_memory(q[0].dtype, [32, 8], Q_SMEM, q[0]),
-                gl.allocate_shared_memory(q[1].dtype, [32, 8], Q_SMEM, q[1]),
-                gl.allocate_shared_memory(q[2].dtype, [32, 8], Q_SMEM, q[2]),
-                gl.allocate_shared_memory(q[3].dtype, [32, 8], Q_SMEM, q[3]))
     # Per head, from the operands as the MMAs see them: what the codes' offsets add to the dots, and
     # sum(q) for the zero points; negated, so that a tile's dots start from one FMA a score.
     s0, s1, s2, s3 = _head_sum(q[0]), _head_sum(q[1]), _head_sum(q[2]), _head_sum(q[3])
@@ -409,14 +403,14 @@ def _history_span(
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             tile = _staged_tile(buffers, stage)
-            state = _tile_step(state, tile, q_in, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False, Q_SHARED)
+            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False)
     else:
         for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
-            state = _tile_step(state, tile, q_in, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False, Q_SHARED)
+            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False)
     if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
-        state = _tile_step(state, tile, q_in, neg_q_sum, neg_bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True, Q_SHARED)
+        state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP)  # fmt: skip
@@ -424,7 +418,7 @@ def _history_span(
 
 @gluon.jit
 def _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK: gl.constexpr,
-               V_UNPACK: gl.constexpr, MASKED: gl.constexpr, Q_SHARED: gl.constexpr):  # fmt: skip
+               V_UNPACK: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
     """The online softmax over one 64-key tile: ``state`` (m, three lane-partial sums, four
     accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
@@ -433,8 +427,6 @@ def _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNP
     # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
     dots = _key_vector(k_zero)[:, None] * neg_q_sum[None, :] + neg_bias[None, :]
     c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
-    if Q_SHARED:
-        q = (q[0].load(B_OP), q[1].load(B_OP), q[2].load(B_OP), q[3].load(B_OP))
     dots = mma_v2(_k_operand(c0), q[0], dots)
     dots = mma_v2(_k_operand(c1), q[1], dots)
     dots = mma_v2(_k_operand(c2), q[2], dots)
@@ -526,7 +518,7 @@ def history_into(
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
-        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, Q_SHARED=Q_SHARED, num_warps=1,
+        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, num_warps=1,
         maxnreg=REGISTERS,
     )  # fmt: skip
 
@@ -588,7 +580,7 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
-            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, Q_SHARED=Q_SHARED, grid=(1,),
+            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))
