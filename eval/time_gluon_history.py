@@ -2,7 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--dense-registers 128]
+                                      [--merge-tiles 8192]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -14,7 +14,7 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   tile copied into shared memory while the current one computes (``pipeline=True``);
 * ``triton, all tiers`` and ``gluon, all tiers``: the whole call as the kernel benchmark times it
   (sink, history, recent window, new row), the latter for each size of the dense tiers' splits and of
-  the merge's tile (``--merge-tiles``) and the dense launch's register cap (``--dense-registers``), with
+  the merge's tile (``--merge-tiles``), with
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
   one after another.
 
@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_attention import _SPAN_DENSE_REGISTERS as DENSE_REGISTERS  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
@@ -59,22 +58,16 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")] if baseline else []
-    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, \
-        kernels._SPAN_DENSE_REGISTERS
+    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens, pdl, merge_tile, dense_registers in itertools.product(
-        numbers(options.dense_split_tokens), numbers(options.pdl), numbers(options.merge_tiles),
-        numbers(options.dense_registers),
-    ):  # the launcher's constants; a register cap of 0 is none
-        kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE = tokens, merge_tile
-        kernels._SPAN_DENSE_REGISTERS = dense_registers or None
+    for tokens, pdl, merge_tile in itertools.product(numbers(options.dense_split_tokens), numbers(options.pdl),
+                                                     numbers(options.merge_tiles)):  # fmt: skip
+        kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE = tokens, merge_tile  # the launcher's constants
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL")
-        rows.append(row(kernel, dense_split_tokens=tokens, merge_tile=merge_tile, registers=span.REGISTERS,
-                        dense_registers=dense_registers))
+        rows.append(row(kernel, dense_split_tokens=tokens, merge_tile=merge_tile, registers=span.REGISTERS))
         print(rows[-1], flush=True)
-    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, \
-        kernels._SPAN_DENSE_REGISTERS = defaults
+    kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -90,8 +83,6 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16 (sessions 10-11)
                         help="programs an SM for the span alone (default: as many as its registers fit)")
     parser.add_argument("--registers", default=str(REGISTERS), help="register caps of the span to time")
-    parser.add_argument("--dense-registers", default=str(DENSE_REGISTERS),
-                        help="register caps of the dense tiers' launch beside the span, 0 for none")
     parser.add_argument("--merge-tiles", default=str(MERGE_TILE),
                         help="floats of a merge program's [slots, dims] tile, for the whole call")
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
@@ -130,8 +121,7 @@ def main() -> None:
                     return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
-                rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon",
-                             "registers": registers,
+                rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "registers": registers,
                              "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
                              "max_abs_error": error})  # fmt: skip
                 print(rows[-1], flush=True)
@@ -141,13 +131,12 @@ def main() -> None:
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | registers | programs an SM | splits | dense split tokens | dense registers | merge tile "
-             "| us | max abs error |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | registers | programs an SM | splits | dense split tokens | merge tile | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('registers', '')} | {r.get('programs_per_sm', '')} | "
                      f"{r.get('splits', '')} | "
-                     f"{r.get('dense_split_tokens', '')} | {r.get('dense_registers', '')} | {r.get('merge_tile', '')} | "
-                     f"{r['us']:.1f} | "
+                     f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -54,10 +54,6 @@ _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a c
 # short splits keep it near one tile's latency (one split of the recent window, 16 tiles in a row,
 # took 11 us a layer on an H200).
 _SPAN_DENSE_SPLIT_TOKENS = 32
-# Registers a thread of that launch's one-warp programs (136 uncapped, the history's code compiled
-# out): at 128 a program takes what one of the span's programs does, so it fits where the span's
-# wave leaves a slot free or a short split ends early, and runs beside it.
-_SPAN_DENSE_REGISTERS = 128
 # Dense tiles stay small: the kernel's shared memory is sized by its largest branch, and wide dense
 # tiles (pipelined) would cap how many history programs fit on a multiprocessor.
 _DENSE_BLOCK_N = 16
@@ -434,10 +430,7 @@ def _decode_stage1_kernel(
         ring_start, ring_rows = tl.load(LENGTHS + 1).to(tl.int32), tl.load(LENGTHS + 2).to(tl.int32)
         ring_rows -= n_new  # the ring's newest rows are the new rows' slots: attended as new rows, stored here
     TIER_MASK: tl.constexpr = HAS_MASK and not RING
-    # Beside the Gluon span this launch holds the dense tiers only: without the history's code it
-    # needs fewer registers and no staging buffers, so its programs fit beside the span's wave.
-    history_slot = False if AFTER_SPAN else slot < hist_splits
-    if history_slot:
+    if slot < hist_splits:
         start = slot * chunk_hist
         # Sums of q as the dots see it (rounded to the K dtype), for the zero-point corrections.
         s0, s1 = tl.sum(q0.to(tl.float32), axis=1), tl.sum(q1.to(tl.float32), axis=1)
@@ -677,7 +670,6 @@ def decode_attention_triton(
         V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
         HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
-        **({"maxnreg": _SPAN_DENSE_REGISTERS} if overlap else {}),
     )  # fmt: skip
     # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
     # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us. Narrower beyond 256 slots.
