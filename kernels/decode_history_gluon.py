@@ -44,10 +44,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 D = gl.constexpr(128)
 # Registers a thread, capped: uncapped, ptxas takes 138 (158 reading the length on the device), which
 # fits 14 (12) one-warp programs an SM, not 16. Capped (Triton 3.6), the loop gains 6-14 instructions,
-# and only the device-length variant spills: one local load and store a tile. Lower caps are slower
-# (H200, 100K, eval/results/gluon_history_registers.md): 17-19 programs an SM give one of the SM's 4
-# schedulers a fifth warp, and its warps then set the pace (batch 8: 194-216 us against 174); 20 need
-# 96 registers, whose spills cost more than the fifth warp buys.
+# and only the device-length variant spills: one local load and store a tile. Lower caps, at the
+# 17-21 programs an SM they fit, are slower (H200, 100K, eval/results/gluon_history_registers.md:
+# the span alone at batch 8 194-263 us against 171-174), likely because 17-19 programs give some of
+# an SM's 4 schedulers a fifth warp that then sets the pace, and 20 need 96 registers, which spill.
 REGISTERS = 128
 
 
