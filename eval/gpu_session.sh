@@ -87,10 +87,10 @@ for step in "$@"; do
             run kernel_b1 200 python3 eval/time_gluon_history.py --out "$work" --batches 1 --programs-per-sm 16,32,48 \
                 --dense-split-tokens 32 ;;
         registers)  # the span's register cap (programs an SM follow): its SASS, then batches 1 and 8 timed
-            run registers_sass 200 bash -c 'for r in 128 120 112; do echo "== maxnreg $r, q shared"
-                python3 -c "import kernels.decode_history_gluon as g; g.REGISTERS, g.Q_SHARED = $r, True; g.compile_for_sm90()"; done'
-            run registers 420 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --registers 128,120,112 \
-                --q-shared 0,1 --dense-split-tokens 32 --pdl 1 ;;
+            run registers_sass 200 bash -c 'for r in 128 120 112 104 96; do echo "== maxnreg $r"
+                python3 -c "import kernels.decode_history_gluon as g; g.REGISTERS = $r; g.compile_for_sm90()"; done'
+            run registers 420 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --registers 128,120,112,104,96 \
+                --dense-split-tokens 32 --pdl 1 ;;
         ncu)  # the history span's occupancy and stall reasons, direct and staged, batches 1 and 8
             for batch in 1 8; do
                 for variant in direct staged; do
