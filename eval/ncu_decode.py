@@ -45,10 +45,10 @@ def main() -> None:
     knobs = (options.splits, options.block_n, options.warps, options.stages)
     for _ in range(3):
         if options.staged:
-            from oscar_hf.kernels.decode_history_gluon import PROGRAMS_PER_SM, history_partials
+            from oscar_hf.kernels.decode_history_gluon import history_partials, programs_per_sm
 
             packed = [inputs[name] for name in bench.TIER_NAMES[2:8]]
-            splits = tune.splits_for(PROGRAMS_PER_SM, options.batch)
+            splits = tune.splits_for(programs_per_sm(), options.batch)
             history_partials(inputs["q"], *packed, scale, splits, pipeline=True)
         else:
             kernels.decode_attention_triton(*args, None, 2, 2, scale, *knobs)

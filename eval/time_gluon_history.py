@@ -112,8 +112,8 @@ def main() -> None:
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
         for registers in caps:
-            span.REGISTERS, span.PROGRAMS_PER_SM = registers, span.programs_per_sm(registers)
-            for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.PROGRAMS_PER_SM)),
+            span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
+            for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
 
@@ -126,7 +126,7 @@ def main() -> None:
                              "max_abs_error": error})  # fmt: skip
                 print(rows[-1], flush=True)
             rows += full_call_rows(kernels, span, x, scale, options, baseline=registers == caps[0])
-        span.REGISTERS, span.PROGRAMS_PER_SM = REGISTERS, span.programs_per_sm(REGISTERS)
+        span.REGISTERS = REGISTERS
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",

@@ -51,12 +51,9 @@ D = gl.constexpr(128)
 REGISTERS = 128
 
 
-def programs_per_sm(registers: int) -> int:
-    """One-warp programs an SM holds at ``registers`` a thread (65536 registers an SM)."""
-    return 65536 // (32 * registers)
-
-
-PROGRAMS_PER_SM = programs_per_sm(REGISTERS)
+def programs_per_sm() -> int:
+    """One-warp programs an SM holds at :data:`REGISTERS` a thread (65536 registers an SM)."""
+    return 65536 // (32 * REGISTERS)
 
 # m16n8k16: lane 4g+t holds accumulator rows g (+8, +16, ...) and columns 2t, 2t+1.
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
