@@ -50,6 +50,33 @@ def v_codes(words: torch.Tensor, block: int) -> torch.Tensor:
     return codes.reshape(4, 2, 8, 8, 4).permute(4, 3, 2, 0, 1).reshape(32, 64)
 
 
+INT8_FACTORS, Q_RANGE = (1, 4, 16, 16), 32000.0  # INT8_SCORES: block j's int8 codes are f_j * code
+
+
+def k_codes8(words: torch.Tensor, block: int) -> torch.Tensor:
+    """``_unpack_k8`` then ``_k_operand8``: the int8 scores' A operand ``[64 rows m, 32 k]``."""
+    shift = 2 * block - (2 if block == 3 else 0)  # block 3 shifted down by 2 before its mask
+    codes = torch.stack([((words >> (8 * b + 2 * block)) & 3) << shift for b in range(4)], -1).reshape(64, 32)
+    return codes.reshape(8, 8, 4, 2, 4).permute(1, 0, 3, 2, 4).reshape(64, 32).long()
+
+
+def q_int8(q: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``_q_int8``: per column block the fixed point ``256 hi + lo`` ``[32 k, 8 heads]`` (as int64),
+    per head ``-sum(q)`` in fixed-point units and the unit."""
+    k = torch.arange(32)
+    byte = 8 * ((k // 4) % 4) + 4 * (k // 16) + k % 4
+    padded = torch.zeros(8, 128)
+    padded[:GROUP] = q
+    blocks = [padded[:, 32 * j + byte].T for j in range(4)]
+    amax = torch.stack([b.abs().amax(0) for b in blocks]).amax(0).clamp(min=1e-30)
+    scale = Q_RANGE / amax
+    fixed = [torch.floor(b * (scale / f)[None, :] + 0.5) for b, f in zip(blocks, INT8_FACTORS)]
+    hi = [torch.floor((x + 128) / 256) for x in fixed]
+    assert all(h.abs().max() <= 127 for h in hi) and all((x - 256 * h).abs().max() <= 128 for x, h in zip(fixed, hi))
+    neg_q_sum = -sum(f * x.sum(0) for f, x in zip(INT8_FACTORS, fixed))
+    return [x.long() for x in fixed], neg_q_sum, amax / Q_RANGE
+
+
 def key_vector(values: torch.Tensor) -> torch.Tensor:
     """Key ``8g + i`` -> score row ``8i + g``."""
     return values.reshape(8, 8).permute(1, 0).reshape(64)
@@ -79,13 +106,15 @@ def q_blocks(q: torch.Tensor) -> list[torch.Tensor]:
     return [padded[:, 32 * j + byte].T for j in range(4)]
 
 
-def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) -> torch.Tensor:
-    """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``."""
+def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero, int8: bool = False) -> torch.Tensor:
+    """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``.
+    ``int8``: K's scores as ``INT8_SCORES`` computes them."""
     rows_total = words_k.shape[0]
     scaled = [(b / f).to(dtype).float() for b, f, dtype in zip(q_blocks(q), K_FACTORS, Q_DTYPES)]
     sums = [b.sum(0) for b in scaled]
     q_sum = sum(f * s for f, s in zip(K_FACTORS, sums))
     bias = sum(o * s for o, s in zip(K_OFFSETS, sums))
+    fixed, neg_q_sum, unit = q_int8(q)
     m_i = torch.full((8,), float("-inf"))
     l_part, w_part, wz_part = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
     acc = [torch.zeros(32, 8) for _ in range(4)]
@@ -96,8 +125,12 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) ->
         wk = torch.where(ok[:, None], words_k[safe], 0)
         wv = torch.where(ok[:, None], words_v[safe], 0)
         meta = [torch.where(ok, t[safe], 0.0) for t in (k_scale, k_zero, v_scale, v_zero)]
-        dots = -(key_vector(meta[1])[:, None] * q_sum[None, :] + bias[None, :])
-        dots = dots + sum(k_codes(wk, j) @ scaled[j] for j in range(4))
+        if int8:
+            dots = sum(k_codes8(wk, j) @ fixed[j] for j in range(4)).float()  # exact: int64 here, int32 there
+            dots = (dots + key_vector(meta[1])[:, None] * neg_q_sum[None, :]) * unit[None, :]
+        else:
+            dots = -(key_vector(meta[1])[:, None] * q_sum[None, :] + bias[None, :])
+            dots = dots + sum(k_codes(wk, j) @ scaled[j] for j in range(4))
         scores = dots * (key_vector(meta[0]) * SM_SCALE * 1.4426950408889634)[:, None]
         scores = torch.where(key_vector(ok)[:, None], scores, float("-inf"))
         m_new = torch.maximum(m_i, scores.amax(0))
@@ -127,8 +160,10 @@ def main() -> None:
                                       **options)[0].float()  # fmt: skip
     words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
     meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
-    got = span(q[0].float(), words[0], words[1], *meta)
-    print(f"max abs difference {(got - want).abs().max().item():.2e} at outputs up to {want.abs().max().item():.2f}")
+    for int8 in (False, True):
+        got = span(q[0].float(), words[0], words[1], *meta, int8=int8)
+        print(f"{'int8' if int8 else 'bf16'} scores: max abs difference {(got - want).abs().max().item():.2e} "
+              f"at outputs up to {want.abs().max().item():.2f}")
 
 
 if __name__ == "__main__":

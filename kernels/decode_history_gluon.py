@@ -49,6 +49,9 @@ D = gl.constexpr(128)
 # the span alone at batch 8 194-263 us against 171-174), likely because 17-19 programs give some of
 # an SM's 4 schedulers a fifth warp that then sets the pace, and 20 need 96 registers, which spill.
 REGISTERS = 128
+# K's scores through int8 MMAs (q as two int8 halves of a 16-bit fixed point): 4 LOP3 and one SHF a
+# K word instead of 8 and one, on the half-rate ALU pipe. Read at launch, so a benchmark can compare.
+INT8_SCORES = True
 
 
 def programs_per_sm() -> int:
@@ -59,6 +62,9 @@ def programs_per_sm() -> int:
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+# int8 operands of m16n8k32 (``INT8_SCORES``): a register holds 4 consecutive k.
+A_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+B_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
 KEY_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)  # a per-key vector of the scores (score row m = g + 8i)
 HEAD_COLS: gl.constexpr = gl.SliceLayout(0, MMA)  # a per-head vector (scores' and outputs' columns)
 # Codes travel as 32-bit words (4 bytes of a row; bytes would be carried one register each).
@@ -231,6 +237,78 @@ def _unpack_k(words, UNPACK: gl.constexpr):
     return (_word_bytes(o[0], o[1]), _word_bytes(o[2], o[3]), _word_bytes(o[4], o[5]), _word_bytes(o[6], o[7]))
 
 
+# Block j of each byte of a K word as int8 ``f_j * code``, f = 1, 4, 16 by masks alone and 16 for block 3
+# (shifted down by 2, so that it stays below int8's 128).
+K_INT8_UNPACK = gl.constexpr(
+    "{ .reg .b32 t; lop3.b32 $0, $4, 0x03030303, 0, 0xEA; lop3.b32 $1, $4, 0x0C0C0C0C, 0, 0xEA; "
+    "lop3.b32 $2, $4, 0x30303030, 0, 0xEA; shr.b32 t, $4, 2; lop3.b32 $3, t, 0x30303030, 0, 0xEA; }"
+)
+INT8_FACTORS = (1.0, 4.0, 16.0, 16.0)
+# q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
+# fits int8 (hi <= 125).
+Q_RANGE = gl.constexpr(32000.0)
+
+
+@gluon.jit
+def _unpack_k8(words):
+    """Per column block j the int8 codes ``f_j * c`` ``[keys, bytes]`` (byte ``4w + b``) of K's ``[keys, words]``."""
+    twice = gl.join(words, words)
+    four = gl.reshape(gl.join(twice, twice), [64, 8, 4])
+    o = gl.inline_asm_elementwise(K_INT8_UNPACK, "=r,=r,=r,=r,r,r,r,r", [four], dtype=(gl.int8,) * 4,
+                                  is_pure=True, pack=4)  # fmt: skip
+    return (gl.reshape(o[0], [64, 32]), gl.reshape(o[1], [64, 32]), gl.reshape(o[2], [64, 32]),
+            gl.reshape(o[3], [64, 32]))  # fmt: skip
+
+
+@gluon.jit
+def _k_operand8(codes):
+    """int8 K codes ``[keys, bytes]`` as the scores' A operand ``[rows m, k]`` of m16n8k32, for free.
+
+    Key ``8g + i`` becomes row ``m = 8i + g``; byte ``8t + 4e + b`` (thread t's word 2t + e, byte b)
+    becomes ``k = 16e + 4t + b`` (see :func:`_q_block8`)."""
+    codes = gl.permute(gl.reshape(codes, [8, 8, 4, 2, 4]), (1, 0, 3, 2, 4))
+    return gl.convert_layout(gl.reshape(codes, [64, 32]), A_OP8, assert_trivial=True)
+
+
+@gluon.jit
+def _q_dims8(Q, J: gl.constexpr, GROUP: gl.constexpr):
+    """q's dims ``32J + byte(k)`` in float32 as ``[32 k, 8 heads]`` of the int8 B operand's layout
+    (heads >= GROUP are 0); ``byte(k)`` inverts :func:`_k_operand8`'s relabelling."""
+    k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP8))
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP8))
+    byte = 8 * ((k // 4) % 4) + 4 * (k // 16) + k % 4
+    block = gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0)
+    return block.to(gl.float32)
+
+
+@gluon.jit
+def _q_halves(block, scale, FACTOR: gl.constexpr):
+    """A q block as the integers ``Q = round(q * scale / FACTOR)``, split ``Q = 256 hi + lo`` into two int8
+    B operands, and ``FACTOR * sum(Q)`` per head (what the codes' zero points multiply)."""
+    fixed = gl.floor(block * (scale / FACTOR)[None, :] + 0.5)
+    hi = gl.floor((fixed + 128.0) * (1.0 / 256.0))
+    lo = fixed - 256.0 * hi
+    return hi.to(gl.int8), lo.to(gl.int8), FACTOR * gl.sum(fixed, axis=0)
+
+
+@gluon.jit
+def _q_int8(Q, GROUP: gl.constexpr):
+    """q for the int8 scores: per column block the two int8 halves of its fixed point, per head
+    ``-sum(q)`` in fixed-point units and the unit (``1 / scale``), as HEAD_COLS vectors."""
+    d0, d1, d2, d3 = _q_dims8(Q, 0, GROUP), _q_dims8(Q, 1, GROUP), _q_dims8(Q, 2, GROUP), _q_dims8(Q, 3, GROUP)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(d0), axis=0), gl.max(gl.abs(d1), axis=0)),
+                      gl.maximum(gl.max(gl.abs(d2), axis=0), gl.max(gl.abs(d3), axis=0)))  # fmt: skip
+    amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
+    scale = Q_RANGE / amax
+    h0, l0, s0 = _q_halves(d0, scale, 1.0)
+    h1, l1, s1 = _q_halves(d1, scale, 4.0)
+    h2, l2, s2 = _q_halves(d2, scale, 16.0)
+    h3, l3, s3 = _q_halves(d3, scale, 16.0)
+    neg_q_sum = gl.convert_layout(-(s0 + s1 + s2 + s3), HEAD_COLS)
+    unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
+    return (h0, h1, h2, h3), (l0, l1, l2, l3), neg_q_sum, unit
+
+
 @gluon.jit
 def _unpack_v(words, UNPACK: gl.constexpr):
     """Per column block j the ``[keys, bytes]`` codes of V's ``[keys, words]`` (``word_unpack_asm(True)``)."""
@@ -331,7 +409,7 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr, INT8: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -359,14 +437,14 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE,
+        score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE, INT8,
     )  # fmt: skip
 
 
 @gluon.jit
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
-    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr,
+    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, INT8: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter the MMAs as ``OFFSET + 4**j * c`` for
@@ -381,12 +459,17 @@ def _history_span(
         if start < whole_end:
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
-    q = (_q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP))
-    # Per head, from the operands as the MMAs see them: what the codes' offsets add to the dots, and
-    # sum(q) for the zero points; negated, so that a tile's dots start from one FMA a score.
-    s0, s1, s2, s3 = _head_sum(q[0]), _head_sum(q[1]), _head_sum(q[2]), _head_sum(q[3])
-    neg_q_sum = -(s0 + 4.0 * s1 + 16.0 * s2 + 64.0 * s3)
-    neg_bias = -(OFFSET * (s0 + s1 + s2) + K3_OFFSET * s3)
+    if INT8:
+        q_hi, q_lo, neg_q_sum, unit = _q_int8(Q, GROUP)
+        q = (q_hi, q_lo)
+        neg_bias = unit  # what the int8 scores' units are (1 / q's scale), per head
+    else:
+        q = (_q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP))
+        # Per head, from the operands as the MMAs see them: what the codes' offsets add to the dots, and
+        # sum(q) for the zero points; negated, so that a tile's dots start from one FMA a score.
+        s0, s1, s2, s3 = _head_sum(q[0]), _head_sum(q[1]), _head_sum(q[2]), _head_sum(q[3])
+        neg_q_sum = -(s0 + 4.0 * s1 + 16.0 * s2 + 64.0 * s3)
+        neg_bias = -(OFFSET * (s0 + s1 + s2) + K3_OFFSET * s3)
     # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
     lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
@@ -400,14 +483,17 @@ def _history_span(
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             tile = _staged_tile(buffers, stage)
-            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale,
+                               block, end, UNPACK, V_UNPACK, False, INT8)
     else:
         for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
-            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK, V_UNPACK, False)
+            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale,
+                               block, end, UNPACK, V_UNPACK, False, INT8)
     if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
-        state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, whole_end, end, UNPACK, V_UNPACK, True)
+        state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale,
+                           whole_end, end, UNPACK, V_UNPACK, True, INT8)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP)  # fmt: skip
@@ -415,30 +501,50 @@ def _history_span(
 
 @gluon.jit
 def _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK: gl.constexpr,
-               V_UNPACK: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+               V_UNPACK: gl.constexpr, MASKED: gl.constexpr, INT8: gl.constexpr):  # fmt: skip
     """The online softmax over one 64-key tile: ``state`` (m, three lane-partial sums, four
     accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     raw_k, raw_v, meta = tile
     k_scale, k_zero, v_scale, v_zero = _widen(meta[0]), _widen(meta[1]), _widen(meta[2]), _widen(meta[3])
-    # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
-    dots = _key_vector(k_zero)[:, None] * neg_q_sum[None, :] + neg_bias[None, :]
-    c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
-    dots = mma_v2(_k_operand(c0), q[0], dots)
-    dots = mma_v2(_k_operand(c1), q[1], dots)
-    dots = mma_v2(_k_operand(c2), q[2], dots)
-    dots = mma_v2(_k_operand(c3), q[3], dots)
+    if INT8:  # scores in units of neg_bias (1 / q's scale) per head
+        c0, c1, c2, c3 = _unpack_k8(raw_k)
+        hi = gl.full([64, 8], 0, gl.int32, MMA)
+        lo = hi
+        a = _k_operand8(c0)
+        hi, lo = mma_v2(a, q[0][0], hi), mma_v2(a, q[1][0], lo)
+        a = _k_operand8(c1)
+        hi, lo = mma_v2(a, q[0][1], hi), mma_v2(a, q[1][1], lo)
+        a = _k_operand8(c2)
+        hi, lo = mma_v2(a, q[0][2], hi), mma_v2(a, q[1][2], lo)
+        a = _k_operand8(c3)
+        hi, lo = mma_v2(a, q[0][3], hi), mma_v2(a, q[1][3], lo)
+        dots = (hi * 256 + lo).to(gl.float32) + _key_vector(k_zero)[:, None] * neg_q_sum[None, :]
+    else:
+        # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
+        dots = _key_vector(k_zero)[:, None] * neg_q_sum[None, :] + neg_bias[None, :]
+        c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
+        dots = mma_v2(_k_operand(c0), q[0], dots)
+        dots = mma_v2(_k_operand(c1), q[1], dots)
+        dots = mma_v2(_k_operand(c2), q[2], dots)
+        dots = mma_v2(_k_operand(c3), q[3], dots)
     scores = dots * (_key_vector(k_scale) * score_scale)[:, None]
     if MASKED:
         keys = block + gl.arange(0, 64, layout=META)
         scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+    if INT8:
+        m_new = gl.maximum(m_i, gl.max(scores, axis=0) * neg_bias)
+    else:
+        m_new = gl.maximum(m_i, gl.max(scores, axis=0))
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_new)
     m_i = m_new
     alpha_lanes = _per_lane(alpha, l_part)
     l_part, w_part, wz_part = l_part * alpha_lanes, w_part * alpha_lanes, wz_part * alpha_lanes
-    p = gl.exp2(scores - m_new[None, :])
+    if INT8:
+        p = gl.exp2(scores * neg_bias[None, :] - m_new[None, :])
+    else:
+        p = gl.exp2(scores - m_new[None, :])
     weights = _narrow(p * _key_vector(v_scale)[:, None])
     w = _widen(weights)
     l_part = l_part + _lane_sum(p)
@@ -515,8 +621,8 @@ def history_into(
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
-        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, num_warps=1,
-        maxnreg=REGISTERS,
+        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, INT8=INT8_SCORES,
+        num_warps=1, maxnreg=REGISTERS,
     )  # fmt: skip
 
 
@@ -577,7 +683,8 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
-            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, grid=(1,),
+            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, INT8=INT8_SCORES,
+            grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

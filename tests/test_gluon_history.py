@@ -77,6 +77,21 @@ def test_the_span_unpacks_words_as_offset_plus_factor_times_code(pair):
                     assert _halves(registers[f"${2 * j + h}"], dtype) == want, (j, h, first)
 
 
+def test_the_int8_scores_unpack_words_as_factor_times_code():
+    """``K_INT8_UNPACK`` executed on the CPU over every byte value: output j's byte b is the int8
+    ``f_j * c`` of byte b's block j, f = 1, 4, 16, 16 (all below 128)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from oscar_hf.kernels.decode_history_gluon import INT8_FACTORS, K_INT8_UNPACK
+    from tests.test_kernels import run_ptx
+
+    for first in range(0, 256, 4):
+        word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
+        registers = run_ptx(K_INT8_UNPACK.value, {"$4": word})
+        for j, factor in enumerate(INT8_FACTORS):
+            want = bytes(int(factor) * _code(word, b, j) for b in range(4))
+            assert registers[f"${j}"].to_bytes(4, "little") == want, (j, first)
+
+
 def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
     """``eval/diagnose_gluon_history.py`` judges the span by torch's per-split partials: they must be right."""
     sys.path.insert(0, str(SPAN.parents[1] / "eval"))
