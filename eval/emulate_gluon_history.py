@@ -4,7 +4,8 @@
 
 Every layout conversion of ``kernels/decode_history_gluon.py`` is an identity and its reshape /
 permute / join are logical operations, so its program can be replayed with torch tensors: the same
-unpacked code values (``word_unpack_asm``'s elementwise meaning), relabellings, q gather, scores,
+unpacked code values (``K_UNPACK``'s and ``value_unpack_asm``'s elementwise meaning), relabellings,
+q's fixed point, scores,
 online softmax with lane-partial sums, value corrections and output scatter, for one KV head and
 one split. The one non-elementwise step, ``movmatrix``, is replayed by where its values land: the
 register that held ``W[8i + g, 2t + e]`` of the scores' accumulator holds ``W[8i + 2t + e, g]``.
@@ -22,24 +23,13 @@ from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa
 from tests.test_kernels import _decode_inputs  # noqa: E402
 
 GROUP, OFFSET, SM_SCALE = 4, 128.0, 0.088
-# code factor f_j and offset of column block j: K's block 3 is fp16 (1024 + 64 c), V's a shifted bf16
-K_FACTORS, K_OFFSETS = (1.0, 4.0, 16.0, 64.0), (OFFSET, OFFSET, OFFSET, 1024.0)
-V_FACTORS = (1.0, 4.0, 16.0, 1.0)
-Q_DTYPES = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float16)  # q's blocks as the MMAs take them
+V_FACTORS = (1.0, 4.0, 16.0, 1.0)  # V's column block j as bf16 OFFSET + f_j * code (block 3 shifted)
+K_FACTORS, Q_RANGE = (1, 4, 16, 16), 32000.0  # K's block j as int8 f_j * code; q's fixed-point range
 
 
 def code_values(words: torch.Tensor, byte: int, block: int, offset: float, factor: float) -> torch.Tensor:
     """``offset + f_j * code`` of one byte and column block of every word, as the asm makes them."""
     return offset + factor * ((words >> (8 * byte + 2 * block)) & 3).float()
-
-
-def k_codes(words: torch.Tensor, block: int) -> torch.Tensor:
-    """``_unpack_k`` then ``_k_operand``: the scores' A operand ``[64 rows m, 32 k]``."""
-    offset, factor = K_OFFSETS[block], K_FACTORS[block]
-    even = torch.stack([code_values(words, 2 * e, block, offset, factor) for e in (0, 1)], -1)  # output 2j: bytes 0, 2
-    odd = torch.stack([code_values(words, 2 * e + 1, block, offset, factor) for e in (0, 1)], -1)  # 2j + 1: 1, 3
-    codes = torch.stack([even, odd], -1).reshape(64, 32)  # _word_bytes
-    return codes.reshape(8, 8, 4, 2, 2, 2).permute(1, 0, 3, 5, 2, 4).reshape(64, 32)
 
 
 def v_codes(words: torch.Tensor, block: int) -> torch.Tensor:
@@ -50,11 +40,8 @@ def v_codes(words: torch.Tensor, block: int) -> torch.Tensor:
     return codes.reshape(4, 2, 8, 8, 4).permute(4, 3, 2, 0, 1).reshape(32, 64)
 
 
-INT8_FACTORS, Q_RANGE = (1, 4, 16, 16), 32000.0  # INT8_SCORES: block j's int8 codes are f_j * code
-
-
-def k_codes8(words: torch.Tensor, block: int) -> torch.Tensor:
-    """``_unpack_k8`` then ``_k_operand8``: the int8 scores' A operand ``[64 rows m, 32 k]``."""
+def k_codes(words: torch.Tensor, block: int) -> torch.Tensor:
+    """``_unpack_k`` then ``_k_operand``: the scores' int8 A operand ``[64 rows m, 32 k]``."""
     shift = 2 * block - (2 if block == 3 else 0)  # block 3 shifted down by 2 before its mask
     codes = torch.stack([((words >> (8 * b + 2 * block)) & 3) << shift for b in range(4)], -1).reshape(64, 32)
     return codes.reshape(8, 8, 4, 2, 4).permute(1, 0, 3, 2, 4).reshape(64, 32).long()
@@ -70,10 +57,10 @@ def q_int8(q: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Ten
     blocks = [padded[:, 32 * j + byte].T for j in range(4)]
     amax = torch.stack([b.abs().amax(0) for b in blocks]).amax(0).clamp(min=1e-30)
     scale = Q_RANGE / amax
-    fixed = [torch.floor(b * (scale / f)[None, :] + 0.5) for b, f in zip(blocks, INT8_FACTORS)]
+    fixed = [torch.floor(b * (scale / f)[None, :] + 0.5) for b, f in zip(blocks, K_FACTORS)]
     hi = [torch.floor((x + 128) / 256) for x in fixed]
     assert all(h.abs().max() <= 127 for h in hi) and all((x - 256 * h).abs().max() <= 128 for x, h in zip(fixed, hi))
-    neg_q_sum = -sum(f * x.sum(0) for f, x in zip(INT8_FACTORS, fixed))
+    neg_q_sum = -sum(f * x.sum(0) for f, x in zip(K_FACTORS, fixed))
     return [x.long() for x in fixed], neg_q_sum, amax / Q_RANGE
 
 
@@ -97,23 +84,9 @@ def lane_sum(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(8, 8, 8).sum(0)
 
 
-def q_blocks(q: torch.Tensor) -> list[torch.Tensor]:
-    """``_q_block``: ``[32 k, 8 heads]`` per column block, unscaled."""
-    k = torch.arange(32)
-    byte = 8 * ((k // 2) % 4) + 4 * (k // 16) + 2 * (k % 2) + (k // 8) % 2
-    padded = torch.zeros(8, 128)
-    padded[:GROUP] = q
-    return [padded[:, 32 * j + byte].T for j in range(4)]
-
-
-def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero, int8: bool = False) -> torch.Tensor:
-    """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``.
-    ``int8``: K's scores as ``INT8_SCORES`` computes them."""
+def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) -> torch.Tensor:
+    """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``."""
     rows_total = words_k.shape[0]
-    scaled = [(b / f).to(dtype).float() for b, f, dtype in zip(q_blocks(q), K_FACTORS, Q_DTYPES)]
-    sums = [b.sum(0) for b in scaled]
-    q_sum = sum(f * s for f, s in zip(K_FACTORS, sums))
-    bias = sum(o * s for o, s in zip(K_OFFSETS, sums))
     fixed, neg_q_sum, unit = q_int8(q)
     m_i = torch.full((8,), float("-inf"))
     l_part, w_part, wz_part = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
@@ -125,12 +98,8 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero, in
         wk = torch.where(ok[:, None], words_k[safe], 0)
         wv = torch.where(ok[:, None], words_v[safe], 0)
         meta = [torch.where(ok, t[safe], 0.0) for t in (k_scale, k_zero, v_scale, v_zero)]
-        if int8:
-            dots = sum(k_codes8(wk, j) @ fixed[j] for j in range(4)).float()  # exact: int64 here, int32 there
-            dots = (dots + key_vector(meta[1])[:, None] * neg_q_sum[None, :]) * unit[None, :]
-        else:
-            dots = -(key_vector(meta[1])[:, None] * q_sum[None, :] + bias[None, :])
-            dots = dots + sum(k_codes(wk, j) @ scaled[j] for j in range(4))
+        dots = sum(k_codes(wk, j) @ fixed[j] for j in range(4)).float()  # exact: int64 here, int32 there
+        dots = (dots + key_vector(meta[1])[:, None] * neg_q_sum[None, :]) * unit[None, :]
         scores = dots * (key_vector(meta[0]) * SM_SCALE * 1.4426950408889634)[:, None]
         scores = torch.where(key_vector(ok)[:, None], scores, float("-inf"))
         m_new = torch.maximum(m_i, scores.amax(0))
@@ -160,10 +129,8 @@ def main() -> None:
                                       **options)[0].float()  # fmt: skip
     words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
     meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
-    for int8 in (False, True):
-        got = span(q[0].float(), words[0], words[1], *meta, int8=int8)
-        print(f"{'int8' if int8 else 'bf16'} scores: max abs difference {(got - want).abs().max().item():.2e} "
-              f"at outputs up to {want.abs().max().item():.2f}")
+    got = span(q[0].float(), words[0], words[1], *meta)
+    print(f"max abs difference {(got - want).abs().max().item():.2e} at outputs up to {want.abs().max().item():.2f}")
 
 
 if __name__ == "__main__":

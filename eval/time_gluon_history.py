@@ -2,7 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--scores int8,bf16]
+                                      [--merge-tiles 8192]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -19,8 +19,7 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   one after another.
 
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
-it fits (65536 registers an SM), unless ``--programs-per-sm`` is given. ``--scores`` chooses how the span
-computes K's scores: int8 MMAs (``INT8_SCORES``) or bf16 ones.
+it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
 
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import INT8_SCORES, REGISTERS  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
 def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, baseline: bool) -> list[dict]:
@@ -66,8 +65,7 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
         kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE = tokens, merge_tile  # the launcher's constants
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL")
-        rows.append(row(kernel, dense_split_tokens=tokens, merge_tile=merge_tile, registers=span.REGISTERS,
-                        scores="int8" if span.INT8_SCORES else "bf16"))
+        rows.append(row(kernel, dense_split_tokens=tokens, merge_tile=merge_tile, registers=span.REGISTERS))
         print(rows[-1], flush=True)
     kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
@@ -90,7 +88,6 @@ def main() -> None:
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
-    parser.add_argument("--scores", default="int8" if INT8_SCORES else "bf16", help="K's scores: int8,bf16")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
@@ -113,10 +110,9 @@ def main() -> None:
 
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
-        variants = itertools.product(numbers(options.registers), options.scores.split(","))
-        for variant, (registers, scores) in enumerate(variants):
+        caps = numbers(options.registers)
+        for registers in caps:
             span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
-            span.INT8_SCORES = {"int8": True, "bf16": False}[scores]
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
@@ -126,20 +122,19 @@ def main() -> None:
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
                 rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "registers": registers,
-                             "scores": scores, "programs_per_sm": per_sm, "splits": splits,
-                             "us": tune.time_graph(gluon_run), "max_abs_error": error})  # fmt: skip
+                             "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
+                             "max_abs_error": error})  # fmt: skip
                 print(rows[-1], flush=True)
-            rows += full_call_rows(kernels, span, x, scale, options, baseline=variant == 0)
-        span.REGISTERS, span.INT8_SCORES = REGISTERS, INT8_SCORES
+            rows += full_call_rows(kernels, span, x, scale, options, baseline=registers == caps[0])
+        span.REGISTERS = REGISTERS
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | scores | registers | programs an SM | splits | dense split tokens | merge tile | us | "
-             "max abs error |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | registers | programs an SM | splits | dense split tokens | merge tile | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('scores', '')} | {r.get('registers', '')} | "
-                     f"{r.get('programs_per_sm', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('registers', '')} | {r.get('programs_per_sm', '')} | "
                      f"{r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip

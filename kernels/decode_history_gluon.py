@@ -1,18 +1,18 @@
 """The packed-history span of decode attention with explicit layouts (Gluon), for INT2 K and V, one
 (scale, zero) per row, bf16, head_dim 128, up to 8 query heads per KV head, 64-key tiles on one
 warp. On a GPU the decode kernel takes its history slots from here for the shapes it covers
-(``OSCAR_DECODE_HISTORY=triton`` opts out): on an H200 at 100K, 26.7-26.9 us instead of 41.0 at
-batch 1, and 170.0 (the next tile staged) or 174.0 (direct) instead of 282.6 at batch 8
-(``eval/results/gluon_history_timing.md``). The dense tiers (a Triton launch) and the merge follow
-it as programmatic dependent launches on Hopper, so they start in the span's tail.
+(``OSCAR_DECODE_HISTORY=triton`` opts out): on an H200 at 100K, 25.8 us instead of 40.7 at batch 1,
+and 167.4 instead of 281.7 at batch 8 (``eval/results/gluon_history_int8_scores.md``). The dense
+tiers (a Triton launch) and the merge follow it as programmatic dependent launches on Hopper, so they
+start in the span's tail.
 
 Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
 costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
 memory, and ``p`` converted through shared memory. Here every layout is stated, and keys are the
 MMA's rows, so heads pad nothing (they are the MMA's 8 columns):
 
-* scores ``S^T [64 keys, 8 heads] = K · q^T``: K's codes are the A operand, q the B operand
-  (32 tensor-core instructions a tile, not 64 with half of them on padding);
+* scores ``S^T [64 keys, 8 heads] = K · q^T``: K's codes are the A operand (int8), q the B operand
+  (two int8 halves of its fixed point: 32 tensor-core instructions a tile);
 * values ``out^T [128 dims, 8 heads] = V^T · P^T``: dims are the MMA's rows; ``P^T``, the scores'
   accumulator in bf16, becomes the B operand through one ``movmatrix`` (an 8x8 transpose within the
   warp's registers) per 8 keys, not shared memory;
@@ -24,9 +24,9 @@ MMA's rows, so heads pad nothing (they are the MMA's 8 columns):
 * per-head sums over keys (l, and the two value corrections) stay per lane inside the loop and are
   reduced across lanes once at the end; only the running max crosses lanes each tile;
 * the tile is bound by the integer (ALU) pipe, which runs at half rate: unpacking is nearly all of
-  it, so K's last column block enters its MMA as fp16 (``1024 + 64 c`` needs no shift), and the
-  bf16 conversions are single asm instructions (735 instructions a tile, was 819; Nsight Compute:
-  ALU 51% busy, issue 48%, at 4 warps a scheduler).
+  it, so K's codes become int8 operands by masks alone (4 codes an instruction, bf16 took 2), and
+  the bf16 conversions are single asm instructions (Triton 3.6: 819, then 735 instructions a tile
+  with bf16 scores; Nsight Compute then: ALU 51% busy, issue 48%, at 4 warps a scheduler).
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers and the instructions of its loop (``eval/sass_count.py``'s compile without a GPU).
@@ -49,9 +49,6 @@ D = gl.constexpr(128)
 # the span alone at batch 8 194-263 us against 171-174), likely because 17-19 programs give some of
 # an SM's 4 schedulers a fifth warp that then sets the pace, and 20 need 96 registers, which spill.
 REGISTERS = 128
-# K's scores through int8 MMAs (q as two int8 halves of a 16-bit fixed point): 4 LOP3 and one SHF a
-# K word instead of 8 and one, on the half-rate ALU pipe. Read at launch, so a benchmark can compare.
-INT8_SCORES = True
 
 
 def programs_per_sm() -> int:
@@ -62,7 +59,7 @@ def programs_per_sm() -> int:
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-# int8 operands of m16n8k32 (``INT8_SCORES``): a register holds 4 consecutive k.
+# int8 operands of m16n8k32 (K's scores): a register holds 4 consecutive k.
 A_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
 B_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
 KEY_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)  # a per-key vector of the scores (score row m = g + 8i)
@@ -99,9 +96,8 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # movmatrix.trans on each 8x8 bf16 block of a [64, 8] accumulator-shaped tensor (pack=2: a register
 # holds row g, columns 2t, 2t+1 of a block; afterwards, of the block's transpose).
 TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-# What the codes' magic exponents add (see word_unpack_asm): 0x4300 is bf16 128, 0x6400 fp16 1024.
+# What V's codes' magic exponent adds (see value_unpack_asm): 0x4300 is bf16 128.
 OFFSET = gl.constexpr(128.0)
-K3_OFFSET = gl.constexpr(1024.0)
 
 
 @gluon.jit
@@ -109,24 +105,6 @@ def _bytes_of(b0, b1, b2, b3):
     """Four ``[keys, words]`` tensors of a word's bytes as one ``[keys, bytes]`` (byte ``4w + b``)."""
     codes = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [keys, words, b & 1, b >> 1]
     return gl.reshape(gl.permute(codes, (0, 1, 3, 2)), [64, 32])
-
-
-@gluon.jit
-def _word_bytes(even, odd):
-    """Codes ``[keys, words, e]`` of bytes ``2e`` (``even``) and ``2e + 1`` (``odd``) as ``[keys, bytes]``."""
-    return gl.reshape(gl.join(even, odd), [64, 32])
-
-
-@gluon.jit
-def _k_operand(codes):
-    """K codes ``[keys, bytes]`` as the scores' A operand ``[rows m, dims k]``, for free.
-
-    Key ``8g + i`` becomes row ``m = 8i + g``; byte ``8t + 4w + 2e + h`` (thread t's word w; a
-    register holds e = 0, 1) becomes dim ``k = 16w + 8h + 2t + e`` (see :func:`_q_block`).
-    """
-    codes = gl.reshape(codes, [8, 8, 4, 2, 2, 2])
-    codes = gl.permute(codes, (1, 0, 3, 5, 2, 4))
-    return gl.convert_layout(gl.reshape(codes, [64, 32]), A_OP, assert_trivial=True)
 
 
 @gluon.jit
@@ -178,34 +156,24 @@ def _per_lane(per_head, like):
 
 
 @functools.cache
-def word_unpack_asm(pair: bool) -> str:
-    """PTX: 2-bit codes of 32-bit words as 16-bit floats ``OFFSET + f_j * code``, two codes a 32-bit output.
+def value_unpack_asm() -> str:
+    """PTX: V's 2-bit codes as bf16 ``OFFSET + f_j * code``, two codes a 32-bit output.
 
-    bf16 blocks j < 3 are ``128 + 4**j * code`` (they lie inside bf16's 7-bit mantissa); block 3 is
-    ``1024 + 64 * code`` in fp16 (10-bit mantissa) for K and ``128 + code`` in bf16, after a shift, for V
-    (whose weights stay bf16: fp16 could overflow on large value scales). Masks read the low byte of
-    each 16-bit half, so bytes 0 and 2 need no shift and bytes 1 and 3 one (no byte permutes).
-
-    One word (K, ``pair=False``; its two inputs are the same word): output ``2j + h`` holds block j
-    of bytes ``h`` (low half) and ``h + 2`` (high half).
-    Two words of two keys (V, ``pair=True``): output ``4j + b`` holds block j of byte b of both keys,
-    the pair the value MMA's A operand wants.
+    Blocks j < 3 are ``128 + 4**j * code`` (they lie inside bf16's 7-bit mantissa); block 3 is
+    ``128 + code`` after a shift (fp16, whose mantissa would hold it, would make the weights fp16, which
+    could overflow on large value scales). Two words of two keys in, output ``4j + b`` holds block j of
+    byte b of both keys (one key a 16-bit half, masked in its low byte), the pair the value MMA's A
+    operand wants.
     """
     lines = [".reg .b32 t, u;"]
-    if pair:  # t: per 16-bit half, byte b of one key in its low byte
-        steps = [(4, b, f"prmt.b32 t, $16, $17, {b | b << 4 | (4 + b) << 8 | (4 + b) << 12:#x};") for b in range(4)]
-    else:
-        steps = [(2, 0, "mov.b32 t, $8;"), (2, 1, "shr.b32 t, $8, 8;")]
-    for per_block, b, gather in steps:
-        lines.append(gather)
+    for b in range(4):  # t: per 16-bit half, byte b of one key in its low byte
+        lines.append(f"prmt.b32 t, $16, $17, {b | b << 4 | (4 + b) << 8 | (4 + b) << 12:#x};")
         for j in range(4):
-            source, mask, magic = "t", 0x00030003 << (2 * j), 0x43004300
-            if j == 3 and pair:
+            source, mask = "t", 0x00030003 << (2 * j)
+            if j == 3:
                 lines.append("shr.b32 u, t, 6;")
                 source, mask = "u", 0x00030003
-            elif j == 3:
-                magic = 0x64006400
-            lines.append(f"lop3.b32 ${per_block * j + b}, {source}, {mask:#x}, {magic:#x}, 0xEA;")
+            lines.append(f"lop3.b32 ${4 * j + b}, {source}, {mask:#x}, 0x43004300, 0xEA;")
     return "{ " + " ".join(lines) + " }"
 
 
@@ -227,53 +195,47 @@ def _narrow(values):
     return gl.inline_asm_elementwise(NARROW_BF16, "=r,r,r", [values], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
-@gluon.jit
-def _unpack_k(words, UNPACK: gl.constexpr):
-    """Per column block j the ``[keys, bytes]`` codes of K's ``[keys, words]`` (``word_unpack_asm(False)``;
-    block 3 in fp16)."""
-    # the word twice along a new last dim: each 32-bit output then holds that dim's two elements
-    o = gl.inline_asm_elementwise(UNPACK, "=r," * 8 + "r,r", [gl.join(words, words)],
-                                  dtype=(gl.bfloat16,) * 6 + (gl.float16,) * 2, is_pure=True, pack=2)  # fmt: skip
-    return (_word_bytes(o[0], o[1]), _word_bytes(o[2], o[3]), _word_bytes(o[4], o[5]), _word_bytes(o[6], o[7]))
-
-
-# Block j of each byte of a K word as int8 ``f_j * code``, f = 1, 4, 16 by masks alone and 16 for block 3
-# (shifted down by 2, so that it stays below int8's 128).
-K_INT8_UNPACK = gl.constexpr(
+# K's scores run on int8 MMAs, q as two int8 halves of a 16-bit fixed point (``_q_int8``): a mask makes
+# 4 codes an int8 operand register, where bf16 operands took 8 masks a word for its 16 codes, on the
+# ALU pipe that bounds the tile (H200, 100K: the whole call 28.8 against 30.1 us at batch 1, 171.1
+# against 180.1 at batch 8; eval/results/gluon_history_int8_scores.md). The sums are exact int32.
+# Block j of each byte of a K word as int8 ``f_j * code``: f = 1, 4, 16 by masks alone, and 16 for
+# block 3, shifted down by 2 so that it stays below int8's 128.
+K_UNPACK = gl.constexpr(
     "{ .reg .b32 t; lop3.b32 $0, $4, 0x03030303, 0, 0xEA; lop3.b32 $1, $4, 0x0C0C0C0C, 0, 0xEA; "
     "lop3.b32 $2, $4, 0x30303030, 0, 0xEA; shr.b32 t, $4, 2; lop3.b32 $3, t, 0x30303030, 0, 0xEA; }"
 )
-INT8_FACTORS = (1.0, 4.0, 16.0, 16.0)
+K_FACTORS = (1.0, 4.0, 16.0, 16.0)
 # q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
 # fits int8 (hi <= 125).
 Q_RANGE = gl.constexpr(32000.0)
 
 
 @gluon.jit
-def _unpack_k8(words):
+def _unpack_k(words):
     """Per column block j the int8 codes ``f_j * c`` ``[keys, bytes]`` (byte ``4w + b``) of K's ``[keys, words]``."""
     twice = gl.join(words, words)
     four = gl.reshape(gl.join(twice, twice), [64, 8, 4])
-    o = gl.inline_asm_elementwise(K_INT8_UNPACK, "=r,=r,=r,=r,r,r,r,r", [four], dtype=(gl.int8,) * 4,
+    o = gl.inline_asm_elementwise(K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [four], dtype=(gl.int8,) * 4,
                                   is_pure=True, pack=4)  # fmt: skip
     return (gl.reshape(o[0], [64, 32]), gl.reshape(o[1], [64, 32]), gl.reshape(o[2], [64, 32]),
             gl.reshape(o[3], [64, 32]))  # fmt: skip
 
 
 @gluon.jit
-def _k_operand8(codes):
+def _k_operand(codes):
     """int8 K codes ``[keys, bytes]`` as the scores' A operand ``[rows m, k]`` of m16n8k32, for free.
 
     Key ``8g + i`` becomes row ``m = 8i + g``; byte ``8t + 4e + b`` (thread t's word 2t + e, byte b)
-    becomes ``k = 16e + 4t + b`` (see :func:`_q_block8`)."""
+    becomes ``k = 16e + 4t + b`` (see :func:`_q_dims`)."""
     codes = gl.permute(gl.reshape(codes, [8, 8, 4, 2, 4]), (1, 0, 3, 2, 4))
     return gl.convert_layout(gl.reshape(codes, [64, 32]), A_OP8, assert_trivial=True)
 
 
 @gluon.jit
-def _q_dims8(Q, J: gl.constexpr, GROUP: gl.constexpr):
+def _q_dims(Q, J: gl.constexpr, GROUP: gl.constexpr):
     """q's dims ``32J + byte(k)`` in float32 as ``[32 k, 8 heads]`` of the int8 B operand's layout
-    (heads >= GROUP are 0); ``byte(k)`` inverts :func:`_k_operand8`'s relabelling."""
+    (heads >= GROUP are 0); ``byte(k)`` inverts :func:`_k_operand`'s relabelling."""
     k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP8))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP8))
     byte = 8 * ((k // 4) % 4) + 4 * (k // 16) + k % 4
@@ -295,7 +257,7 @@ def _q_halves(block, scale, FACTOR: gl.constexpr):
 def _q_int8(Q, GROUP: gl.constexpr):
     """q for the int8 scores: per column block the two int8 halves of its fixed point, per head
     ``-sum(q)`` in fixed-point units and the unit (``1 / scale``), as HEAD_COLS vectors."""
-    d0, d1, d2, d3 = _q_dims8(Q, 0, GROUP), _q_dims8(Q, 1, GROUP), _q_dims8(Q, 2, GROUP), _q_dims8(Q, 3, GROUP)
+    d0, d1, d2, d3 = _q_dims(Q, 0, GROUP), _q_dims(Q, 1, GROUP), _q_dims(Q, 2, GROUP), _q_dims(Q, 3, GROUP)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(d0), axis=0), gl.max(gl.abs(d1), axis=0)),
                       gl.maximum(gl.max(gl.abs(d2), axis=0), gl.max(gl.abs(d3), axis=0)))  # fmt: skip
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
@@ -311,7 +273,7 @@ def _q_int8(Q, GROUP: gl.constexpr):
 
 @gluon.jit
 def _unpack_v(words, UNPACK: gl.constexpr):
-    """Per column block j the ``[keys, bytes]`` codes of V's ``[keys, words]`` (``word_unpack_asm(True)``)."""
+    """Per column block j the ``[keys, bytes]`` codes of V's ``[keys, words]`` (``value_unpack_asm()``)."""
     o = gl.inline_asm_elementwise(UNPACK, "=r," * 16 + "r,r", [words], dtype=(gl.bfloat16,) * 16, is_pure=True,
                                   pack=2)  # fmt: skip
     return (_bytes_of(o[0], o[1], o[2], o[3]), _bytes_of(o[4], o[5], o[6], o[7]),
@@ -384,32 +346,11 @@ def _staged_tile(buffers, stage):
 
 
 @gluon.jit
-def _q_block(Q, J: gl.constexpr, GROUP: gl.constexpr):
-    """q's dims ``32J + byte(k)`` divided by block J's code factor ``4**J``, as the scores' B operand
-    ``[32 k, 8 heads]`` (heads >= GROUP are 0): bf16 for J < 3, fp16 for J = 3 (exact while |q| < 4e6).
-    ``byte(k)`` inverts :func:`_k_operand`'s relabelling."""
-    k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP))
-    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
-    byte = 8 * ((k // 2) % 4) + 4 * (k // 16) + 2 * (k % 2) + (k // 8) % 2
-    block = gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0)
-    if J == 0:
-        return block
-    divided = block.to(gl.float32) * (1.0 / 4**J)
-    return divided.to(gl.float16) if J == 3 else divided.to(gl.bfloat16)
-
-
-@gluon.jit
-def _head_sum(q_block):
-    """Per head, the float32 sum of a q block's 32 dims (HEAD_COLS)."""
-    return gl.convert_layout(gl.sum(q_block.to(gl.float32), axis=0), HEAD_COLS)
-
-
-@gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
-    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, INT8: gl.constexpr,
+    GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -437,39 +378,29 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, UNPACK, V_UNPACK, PIPELINE, INT8,
+        score_scale, GROUP, V_UNPACK, PIPELINE,
     )  # fmt: skip
 
 
 @gluon.jit
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
-    GROUP: gl.constexpr, UNPACK: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, INT8: gl.constexpr,
+    GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
-    sum and unnormalised accumulator (float32). K's codes enter the MMAs as ``OFFSET + 4**j * c`` for
-    blocks j = 0..2 and ``K3_OFFSET + 64 * c`` for j = 3 (q divided by the same factors), V's as
-    ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see :func:`word_unpack_asm`). Whole tiles run
-    without masks; a last partial tile runs masked. ``PIPELINE``: each whole tile is copied into
-    shared memory (``cp.async``) while the one before computes, so that its loads' latency is hidden
-    without registers to hold them (a register prefetch took 204 registers a thread)."""
+    sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
+    fixed point (:func:`_q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see
+    :func:`value_unpack_asm`). Whole tiles run without masks; a last partial tile runs masked.
+    ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
+    computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
+    took 204 registers a thread)."""
     whole_end = start + (end - start) // 64 * 64
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
         if start < whole_end:
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
-    if INT8:
-        q_hi, q_lo, neg_q_sum, unit = _q_int8(Q, GROUP)
-        q = (q_hi, q_lo)
-        neg_bias = unit  # what the int8 scores' units are (1 / q's scale), per head
-    else:
-        q = (_q_block(Q, 0, GROUP), _q_block(Q, 1, GROUP), _q_block(Q, 2, GROUP), _q_block(Q, 3, GROUP))
-        # Per head, from the operands as the MMAs see them: what the codes' offsets add to the dots, and
-        # sum(q) for the zero points; negated, so that a tile's dots start from one FMA a score.
-        s0, s1, s2, s3 = _head_sum(q[0]), _head_sum(q[1]), _head_sum(q[2]), _head_sum(q[3])
-        neg_q_sum = -(s0 + 4.0 * s1 + 16.0 * s2 + 64.0 * s3)
-        neg_bias = -(OFFSET * (s0 + s1 + s2) + K3_OFFSET * s3)
+    q = _q_int8(Q, GROUP)
     # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
     lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
@@ -482,69 +413,58 @@ def _history_span(
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
-            tile = _staged_tile(buffers, stage)
-            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale,
-                               block, end, UNPACK, V_UNPACK, False, INT8)
+            state = _tile_step(state, _staged_tile(buffers, stage), q, score_scale, block, end, V_UNPACK, False)
     else:
         for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
-            state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale,
-                               block, end, UNPACK, V_UNPACK, False, INT8)
+            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False)
     if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
-        state = _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale,
-                           whole_end, end, UNPACK, V_UNPACK, True, INT8)
+        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP)  # fmt: skip
 
 
 @gluon.jit
-def _tile_step(state, tile, q, neg_q_sum, neg_bias, score_scale, block, end, UNPACK: gl.constexpr,
-               V_UNPACK: gl.constexpr, MASKED: gl.constexpr, INT8: gl.constexpr):  # fmt: skip
+def _fixed_point_dots(raw_k, k_zero, q):
+    """``[64 rows m, 8 heads]`` of ``q . (c - zero)`` in q's fixed-point units (float32): two int8 MMAs a
+    column block (q's high and low halves, exact int32 sums), joined as ``256 hi + lo``."""
+    q_hi, q_lo, neg_q_sum, unit = q
+    c0, c1, c2, c3 = _unpack_k(raw_k)
+    hi = gl.full([64, 8], 0, gl.int32, MMA)
+    lo = hi
+    a = _k_operand(c0)
+    hi, lo = mma_v2(a, q_hi[0], hi), mma_v2(a, q_lo[0], lo)
+    a = _k_operand(c1)
+    hi, lo = mma_v2(a, q_hi[1], hi), mma_v2(a, q_lo[1], lo)
+    a = _k_operand(c2)
+    hi, lo = mma_v2(a, q_hi[2], hi), mma_v2(a, q_lo[2], lo)
+    a = _k_operand(c3)
+    hi, lo = mma_v2(a, q_hi[3], hi), mma_v2(a, q_lo[3], lo)
+    return (hi * 256 + lo).to(gl.float32) + _key_vector(k_zero)[:, None] * neg_q_sum[None, :]
+
+
+@gluon.jit
+def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr):
     """The online softmax over one 64-key tile: ``state`` (m, three lane-partial sums, four
     accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     raw_k, raw_v, meta = tile
     k_scale, k_zero, v_scale, v_zero = _widen(meta[0]), _widen(meta[1]), _widen(meta[2]), _widen(meta[3])
-    if INT8:  # scores in units of neg_bias (1 / q's scale) per head
-        c0, c1, c2, c3 = _unpack_k8(raw_k)
-        hi = gl.full([64, 8], 0, gl.int32, MMA)
-        lo = hi
-        a = _k_operand8(c0)
-        hi, lo = mma_v2(a, q[0][0], hi), mma_v2(a, q[1][0], lo)
-        a = _k_operand8(c1)
-        hi, lo = mma_v2(a, q[0][1], hi), mma_v2(a, q[1][1], lo)
-        a = _k_operand8(c2)
-        hi, lo = mma_v2(a, q[0][2], hi), mma_v2(a, q[1][2], lo)
-        a = _k_operand8(c3)
-        hi, lo = mma_v2(a, q[0][3], hi), mma_v2(a, q[1][3], lo)
-        dots = (hi * 256 + lo).to(gl.float32) + _key_vector(k_zero)[:, None] * neg_q_sum[None, :]
-    else:
-        # the MMAs start from what the codes' offsets and zeros add: scores = scale * dots
-        dots = _key_vector(k_zero)[:, None] * neg_q_sum[None, :] + neg_bias[None, :]
-        c0, c1, c2, c3 = _unpack_k(raw_k, UNPACK)
-        dots = mma_v2(_k_operand(c0), q[0], dots)
-        dots = mma_v2(_k_operand(c1), q[1], dots)
-        dots = mma_v2(_k_operand(c2), q[2], dots)
-        dots = mma_v2(_k_operand(c3), q[3], dots)
-    scores = dots * (_key_vector(k_scale) * score_scale)[:, None]
+    unit = q[3]
+    # scores in q's fixed-point units; the unit (a head's factor > 0) enters the max and the exponent
+    scores = _fixed_point_dots(raw_k, k_zero, q) * (_key_vector(k_scale) * score_scale)[:, None]
     if MASKED:
         keys = block + gl.arange(0, 64, layout=META)
         scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
-    if INT8:
-        m_new = gl.maximum(m_i, gl.max(scores, axis=0) * neg_bias)
-    else:
-        m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=0) * unit)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_new)
     m_i = m_new
     alpha_lanes = _per_lane(alpha, l_part)
     l_part, w_part, wz_part = l_part * alpha_lanes, w_part * alpha_lanes, wz_part * alpha_lanes
-    if INT8:
-        p = gl.exp2(scores * neg_bias[None, :] - m_new[None, :])
-    else:
-        p = gl.exp2(scores - m_new[None, :])
+    p = gl.exp2(scores * unit[None, :] - m_new[None, :])
     weights = _narrow(p * _key_vector(v_scale)[:, None])
     w = _widen(weights)
     l_part = l_part + _lane_sum(p)
@@ -620,9 +540,8 @@ def history_into(
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
-        GROUP=group, UNPACK=word_unpack_asm(False), V_UNPACK=word_unpack_asm(True),
-        RING=lengths is not None, PIPELINE=pipeline, LAUNCH_DEPENDENTS=launch_dependents, INT8=INT8_SCORES,
-        num_warps=1, maxnreg=REGISTERS,
+        GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
+        LAUNCH_DEPENDENTS=launch_dependents, num_warps=1, maxnreg=REGISTERS,
     )  # fmt: skip
 
 
@@ -682,9 +601,8 @@ def compile_for_sm90() -> None:
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, UNPACK=word_unpack_asm(False),
-            V_UNPACK=word_unpack_asm(True), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, INT8=INT8_SCORES,
-            grid=(1,),
+            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
+            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

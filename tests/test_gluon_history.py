@@ -28,7 +28,8 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     """``python kernels/decode_history_gluon.py`` in its own process (it swaps Triton's driver for a
     fake sm_90 one). Measured with Triton 3.6: 735 / 749 instructions a tile (the length as an
     argument / on the device), 757 / 772 with the next tile staged in shared memory (3.9: 749 / 752,
-    770 / 781); 819 / 831 before K's block 3 went fp16 and the conversions went to asm."""
+    770 / 781); 819 / 831 before K's block 3 went fp16 and the conversions went to asm. With K's scores on
+    int8 MMAs (Triton 3.9): 713 / 716, staged 733 / 748."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SPAN)], capture_output=True, text=True, env=env, timeout=600)
@@ -38,7 +39,7 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     assert [(ring, pipeline) for ring, pipeline, *_ in rows] == [
         ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True")], done.stdout  # fmt: skip
     for _, _, registers, local, instructions in rows:
-        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 800, done.stdout
+        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 760, done.stdout
 
 
 def _halves(register: int, dtype: torch.dtype) -> list[float]:
@@ -50,44 +51,34 @@ def _code(word: int, byte: int, block: int) -> int:
     return (word >> (8 * byte + 2 * block)) & 3
 
 
-@pytest.mark.parametrize("pair", [False, True], ids=["k-word", "v-word-pair"])
-def test_the_span_unpacks_words_as_offset_plus_factor_times_code(pair):
-    """``word_unpack_asm`` executed on the CPU over every byte value, against its docstring: K's blocks
-    j < 3 are bf16 ``128 + 4**j c`` and block 3 fp16 ``1024 + 64 c``; V's blocks are bf16 ``128 + 4**j c``,
-    block 3 ``128 + c``."""
+def test_the_span_unpacks_value_words_as_offset_plus_factor_times_code():
+    """``value_unpack_asm`` executed on the CPU over every byte value, against its docstring: blocks
+    j < 3 of both keys' byte b are bf16 ``128 + 4**j c``, block 3 ``128 + c``."""
     pytest.importorskip("triton.experimental.gluon")
-    from oscar_hf.kernels.decode_history_gluon import word_unpack_asm
+    from oscar_hf.kernels.decode_history_gluon import value_unpack_asm
     from tests.test_kernels import run_ptx
 
-    ptx = word_unpack_asm(pair)
     for first in range(0, 256, 4):
         word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
-        other = word ^ 0xA5C3_3C5A  # V: the second key's word
-        inputs = {"$16": word, "$17": other} if pair else {"$8": word, "$9": word}
-        registers = run_ptx(ptx, inputs)
+        other = word ^ 0xA5C3_3C5A  # the second key's word
+        registers = run_ptx(value_unpack_asm(), {"$16": word, "$17": other})
         for j in range(4):
-            if pair:
-                for b in range(4):
-                    want = [128.0 + (4**j if j < 3 else 1) * _code(w, b, j) for w in (word, other)]
-                    assert _halves(registers[f"${4 * j + b}"], torch.bfloat16) == want, (j, b, first)
-            else:
-                dtype, offset, factor = (torch.bfloat16, 128.0, 4**j) if j < 3 else (torch.float16, 1024.0, 64)
-                for h in range(2):
-                    want = [offset + factor * _code(word, byte, j) for byte in (h, h + 2)]
-                    assert _halves(registers[f"${2 * j + h}"], dtype) == want, (j, h, first)
+            for b in range(4):
+                want = [128.0 + (4**j if j < 3 else 1) * _code(w, b, j) for w in (word, other)]
+                assert _halves(registers[f"${4 * j + b}"], torch.bfloat16) == want, (j, b, first)
 
 
-def test_the_int8_scores_unpack_words_as_factor_times_code():
-    """``K_INT8_UNPACK`` executed on the CPU over every byte value: output j's byte b is the int8
+def test_the_span_unpacks_key_words_as_int8_factor_times_code():
+    """``K_UNPACK`` executed on the CPU over every byte value: output j's byte b is the int8
     ``f_j * c`` of byte b's block j, f = 1, 4, 16, 16 (all below 128)."""
     pytest.importorskip("triton.experimental.gluon")
-    from oscar_hf.kernels.decode_history_gluon import INT8_FACTORS, K_INT8_UNPACK
+    from oscar_hf.kernels.decode_history_gluon import K_FACTORS, K_UNPACK
     from tests.test_kernels import run_ptx
 
     for first in range(0, 256, 4):
         word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
-        registers = run_ptx(K_INT8_UNPACK.value, {"$4": word})
-        for j, factor in enumerate(INT8_FACTORS):
+        registers = run_ptx(K_UNPACK.value, {"$4": word})
+        for j, factor in enumerate(K_FACTORS):
             want = bytes(int(factor) * _code(word, b, j) for b in range(4))
             assert registers[f"${j}"].to_bytes(4, "little") == want, (j, first)
 
