@@ -670,10 +670,13 @@ def decode_kernels():
 
 
 def oscar_triton(x: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
-    """Our split-K kernel, reading the packed history directly (the launcher, not the dispatcher)."""
+    """Our split-K kernel, reading the packed history directly (the launcher, not the dispatcher). The
+    history was written before the kernel ahead of each call, as in a decode step (``history_settled``):
+    on Hopper a call's span then starts copying it while that kernel, the call before's merge, runs."""
     tiers = [x[name] for name in TIER_NAMES]
     scale = x["q"].shape[-1] ** -0.5
-    return decode_kernels().decode_attention_triton(x["q"], *tiers, None, config["k_bits"], config["v_bits"], scale)
+    return decode_kernels().decode_attention_triton(x["q"], *tiers, None, config["k_bits"], config["v_bits"], scale,
+                                                    history_settled=True)  # fmt: skip
 
 
 KERNEL_METHODS: dict[str, tuple[Callable, Callable]] = {

@@ -2,7 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192]
+                                      [--merge-tiles 8192] [--settled 1,0]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -16,7 +16,8 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   (sink, history, recent window, new row), the latter for each size of the dense tiers' splits and of
   the merge's tile (``--merge-tiles``), with
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
-  one after another.
+  one after another; ``settled``: with ``history_settled=True`` (each call's span starts copying the
+  history while the call before's merge runs, as a decode step's span does while q is rotated).
 
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
@@ -50,22 +51,27 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
 
-    def run():
-        return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale)
+    def row(kernel: str, settled: bool = False, **extra) -> dict:
+        def run():
+            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=settled)
 
-    def row(kernel: str, **extra) -> dict:
         return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")] if baseline else []
     defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens, pdl, merge_tile in itertools.product(numbers(options.dense_split_tokens), numbers(options.pdl),
-                                                     numbers(options.merge_tiles)):  # fmt: skip
+    for tokens, pdl, merge_tile, settled in itertools.product(
+        numbers(options.dense_split_tokens), numbers(options.pdl), numbers(options.merge_tiles),
+        numbers(options.settled),
+    ):  # fmt: skip
+        if settled and not pdl:
+            continue  # a settled history changes nothing without programmatic launches
         kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE = tokens, merge_tile  # the launcher's constants
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
-        kernel = "gluon, all tiers" + ("" if pdl else ", no PDL")
-        rows.append(row(kernel, dense_split_tokens=tokens, merge_tile=merge_tile, registers=span.REGISTERS))
+        kernel = "gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
+        rows.append(row(kernel, bool(settled), dense_split_tokens=tokens, merge_tile=merge_tile,
+                        registers=span.REGISTERS))  # fmt: skip
         print(rows[-1], flush=True)
     kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
@@ -88,6 +94,7 @@ def main() -> None:
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
+    parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 

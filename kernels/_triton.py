@@ -25,6 +25,7 @@ when a kernel is *decorated*, i.e. when these modules are imported, so it is cap
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -83,6 +84,17 @@ def runs_triton(tensor: torch.Tensor) -> bool:
         return False
     # The interpreter copies CUDA arguments to the host and back, so it also serves CUDA tensors (slowly).
     return tensor.is_cuda or (INTERPRET and tensor.device.type == "cpu")
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may launch before the one before them ends (Hopper and later,
+    compiled, with a Triton that has grid dependency control)."""
+    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    from triton.language.extra import cuda
+
+    return hasattr(cuda, "gdc_wait")
 
 
 def define_op(qualname: str, implementation, fake, mutates: tuple[str, ...] = ()) -> None:

@@ -42,8 +42,8 @@ from oscar_hf.log import get_logger
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
 from ._triton import (
-    INTERPRET, cdiv, define_op, dot, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher, runs_triton,
-    tl, to_dtype, triton,
+    INTERPRET, cdiv, define_op, dot, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher,
+    programmatic_launch, runs_triton, tl, to_dtype, triton,
 )  # fmt: skip
 
 logger = get_logger(__name__)
@@ -508,6 +508,8 @@ def _decode_stage2_kernel(
     """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits.
     ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it."""
     if DEPENDENT:
+        # the next call's span may start now: it copies only settled history before it waits on this grid
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -614,6 +616,7 @@ def decode_attention_triton(
     num_warps: int = 0,
     num_stages: int = 0,
     lengths: torch.Tensor | None = None,
+    history_settled: bool = False,
 ) -> torch.Tensor:
     """Launch stage 1 and stage 2 (arguments as :func:`decode_attention`).
 
@@ -654,7 +657,8 @@ def decode_attention_triton(
     overlap = gluon and programmatic_launch(q.device)
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
-                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap)  # fmt: skip
+                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
+                     early=overlap and history_settled)  # fmt: skip
     launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
         *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
@@ -708,17 +712,6 @@ def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: tor
     if reuse:
         _PARTIALS[where] = (shape, buffers)
     return buffers
-
-
-@functools.cache
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may launch before the one before them ends (Hopper and later,
-    compiled, with a Triton that has grid dependency control)."""
-    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from triton.language.extra import cuda
-
-    return hasattr(cuda, "gdc_wait")
 
 
 HISTORY_KERNELS = ("gluon", "triton")
@@ -910,11 +903,13 @@ def _decode_attention_op(
     num_warps: int,
     num_stages: int,
     lengths: torch.Tensor | None = None,
+    history_settled: bool = False,
 ) -> torch.Tensor:
     launch = sys.modules[__name__].decode_attention_triton  # see quantize._quantize_pack_op
     return launch(
         q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v,
         new_k, new_v, key_mask, k_bits, v_bits, sm_scale, num_splits, block_n, num_warps, num_stages, lengths,
+        history_settled,
     )  # fmt: skip
 
 
@@ -984,6 +979,7 @@ def decode_attention(
     key_mask: torch.Tensor | None = None,
     num_splits: int = 0,
     lengths: torch.Tensor | None = None,
+    history_settled: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over ``[sink | history | recent | new]``, rotated basis.
 
@@ -1005,6 +1001,9 @@ def decode_attention(
             ``new_k.shape[2]`` of those ring rows are the new rows' slots: the call stores ``new_k`` and
             ``new_v`` there (a decode step's one write) and attends them as new rows. Nothing is read
             on the host, so one launch can be captured and replayed as the lengths change.
+        history_settled: the kernel launched just before this call wrote neither the history nor
+            ``lengths`` (as in a decode step, where that kernel rotates q, K and V). On Hopper the
+            history's first tiles are then copied while it still runs. False is always correct.
 
     Returns:
         ``[B, Hq, D]`` in the dtype of ``q`` and in the rotated V basis (the caller applies ``·R_V^T``).
@@ -1023,6 +1022,6 @@ def decode_attention(
     launch = op_or_launcher(torch.ops.oscar.decode_attention, decode_attention_triton)
     return launch(
         q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
-        key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths,
+        key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths, history_settled,
     )  # fmt: skip
 

@@ -346,11 +346,25 @@ def _staged_tile(buffers, stage):
 
 
 @gluon.jit
+def _launch_dependents():
+    """Let the next kernel in the stream, if launched programmatically, start now."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _wait_for_inputs():
+    """Wait until the kernel before this one (it launched this one programmatically) has ended and its
+    writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -358,10 +372,12 @@ def history_kernel(
     ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
     are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
-    it writes other slots and waits for this grid before it ends."""
-    if LAUNCH_DEPENDENTS:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
+    it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
+    launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
+    written before that kernel, so the first tile's copy starts at once, and q (which that kernel may
+    write) is read, the slots written and the dense tiers let start, only after it has ended."""
+    if LAUNCH_DEPENDENTS and not EARLY:
+        _launch_dependents()
     b = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -378,14 +394,15 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, V_UNPACK, PIPELINE,
+        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY,
     )  # fmt: skip
 
 
 @gluon.jit
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
-    GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr,
+    GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
+    EARLY: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
@@ -393,13 +410,17 @@ def _history_span(
     :func:`value_unpack_asm`). Whole tiles run without masks; a last partial tile runs masked.
     ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
     computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
-    took 204 registers a thread)."""
+    took 204 registers a thread). ``EARLY``: see :func:`history_kernel`."""
     whole_end = start + (end - start) // 64 * 64
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
         if start < whole_end:
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
+    if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
+        _wait_for_inputs()
+        if LAUNCH_DEPENDENTS:
+            _launch_dependents()
     q = _q_int8(Q, GROUP)
     # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
     lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
@@ -501,7 +522,7 @@ def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
     partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
-    pipeline: bool | None = None, launch_dependents: bool = False,
+    pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
@@ -511,7 +532,9 @@ def history_into(
     cache's buffers are (H200, 100K: 170.0-175.5 us at batch 8 against 174.0-175.7 direct, a tie at
     batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
     and later): the next kernel may start before this one ends, and must not read what it writes
-    without waiting (``griddepcontrol.wait``)."""
+    without waiting (``griddepcontrol.wait``). ``early`` (Hopper and later, staged): this launch may
+    start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
+    (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q."""
     from oscar_hf.kernels._triton import launch_kernel
     from oscar_hf.kernels.decode_attention import _LOG2E
 
@@ -536,12 +559,16 @@ def history_into(
     elif pipeline and not aligned:
         raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
                          "16-row aligned (storage.ROW_ALIGNMENT)")
+    originals = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero)
+    # a copy made here is the kernel just before the span: its rows are not settled
+    in_place = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
+    early = early and pipeline and in_place
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, num_warps=1, maxnreg=REGISTERS,
+        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
 
@@ -602,7 +629,7 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
-            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, grid=(1,),
+            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

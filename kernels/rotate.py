@@ -20,7 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ._triton import INTERPRET, cdiv, dot, is_power_of_two, launch_kernel, runs_triton, tl, to_dtype, triton
+from ._triton import (
+    INTERPRET, cdiv, dot, is_power_of_two, launch_kernel, programmatic_launch, runs_triton, tl, to_dtype, triton,
+)  # fmt: skip
 
 RotateJob = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, rotation [D, D], out)
 
@@ -52,8 +54,13 @@ def _rotate_kernel(
     X1, x1_strides, Y1, y1_strides, R1, r1_strides, shape1, blocks1,
     X2, x2_strides, Y2, y2_strides, R2, r2_strides, shape2,
     D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(row block, column block)``; the row blocks of job 0 come first, then job 1's, then job 2's."""
+    """Program ``(row block, column block)``; the row blocks of job 0 come first, then job 1's, then job 2's.
+    ``LAUNCH_DEPENDENTS`` (Hopper): a next kernel launched programmatically (decode attention's history
+    span) may start now; it waits for this grid before it reads what this one writes."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     block, column = tl.program_id(0), tl.program_id(1)
     if block < blocks0:
         _rotate_block(X0, x0_strides, Y0, y0_strides, R0, r0_strides, shape0, block, column,
@@ -94,7 +101,8 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
     del arguments[-1]  # the last job's block count is implied
     columns = min(head_dim, _BLOCK_COLUMNS)
     launch_kernel(_rotate_kernel, (blocks, head_dim // columns), *arguments, D=head_dim, BLOCK_ROWS=_BLOCK_ROWS,
-                  BLOCK_COLUMNS=columns, INTERPRETED=INTERPRET)  # fmt: skip
+                  BLOCK_COLUMNS=columns, INTERPRETED=INTERPRET,
+                  LAUNCH_DEPENDENTS=programmatic_launch(jobs[0][0].device))  # fmt: skip
 
 
 def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:

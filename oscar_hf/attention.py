@@ -103,6 +103,7 @@ def _decode(
         history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
         layer.recent_keys.view(), layer.recent_values.view(), new_keys, new_values,
         k_bits=layer.config.key.bits, v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=key_mask,
+        history_settled=True,  # it last changed in an earlier finish_step; kernels since write no history
     )  # fmt: skip
     layer.finish_step(new_keys, new_values, plan)
     return layer.unrotate_output(output)

@@ -262,6 +262,7 @@ class StaticDecoding:
             history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
             ring_k, ring_v, keys, values, k_bits=layer.config.key.bits,
             v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=self.sink_mask, lengths=self.lengths,
+            history_settled=True,  # the step's advance wrote history and lengths; rotate_step ran since
         )  # fmt: skip
         return layer.unrotate_output(output)
 

@@ -187,6 +187,26 @@ def test_decode_attention_takes_its_history_slots_from_the_span(monkeypatch, pad
 
 
 @GPU
+def test_a_settled_history_is_read_while_the_kernel_before_writes_q(monkeypatch):
+    """``history_settled=True``: on Hopper the span starts while the kernel before it (here a matmul that
+    writes q, as a decode step's rotation does) still runs, copying history rows meanwhile; it must read
+    q only after that kernel ends. Several calls in a row, each after a new q, against the reference."""
+    from oscar_hf.kernels.decode_attention import decode_attention
+
+    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
+    args, options = _decode_inputs(1, 32, 8, 128, 64, 20_000, 260, 1, torch.bfloat16, 2, 2, seed=5)
+    q, *tiers = [a.cuda() for a in args]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    features = torch.randn(32, 16384, device="cuda", dtype=torch.bfloat16, generator=generator)
+    for step in range(4):
+        projection = torch.randn(16384, 128, device="cuda", dtype=torch.bfloat16, generator=generator) / 128
+        torch.mm(features, projection, out=q.view(32, 128))  # the kernel just before the span writes q
+        got = decode_attention(q, *tiers, sm_scale=0.088, history_settled=True, **options)
+        want = decode_attention_reference(q, *tiers, sm_scale=0.088, **options)
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16], msg=f"call {step}")
+
+
+@GPU
 @pytest.mark.parametrize("history", [1000, 100], ids=["long", "short-history-many-empty-splits"])
 def test_static_lengths_reach_the_span(monkeypatch, history):
     """Static decoding: the span reads the history length from the device tensor, as the Triton kernel
