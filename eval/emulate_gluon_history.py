@@ -57,7 +57,7 @@ def q_int8(q: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Ten
     blocks = [padded[:, 32 * j + byte].T for j in range(4)]
     amax = torch.stack([b.abs().amax(0) for b in blocks]).amax(0).clamp(min=1e-30)
     scale = Q_RANGE / amax
-    fixed = [torch.floor(b * (scale / f)[None, :] + 0.5) for b, f in zip(blocks, K_FACTORS)]
+    fixed = [torch.round(b * (scale / f)[None, :]) for b, f in zip(blocks, K_FACTORS)]  # to nearest even, as cvt.rni
     hi = [torch.floor((x + 128) / 256) for x in fixed]
     assert all(h.abs().max() <= 127 for h in hi) and all((x - 256 * h).abs().max() <= 128 for x, h in zip(fixed, hi))
     neg_q_sum = -sum(f * x.sum(0) for f, x in zip(K_FACTORS, fixed))

@@ -245,28 +245,30 @@ def _q_dims(Q, J: gl.constexpr, GROUP: gl.constexpr):
 
 @gluon.jit
 def _q_halves(block, scale, FACTOR: gl.constexpr):
-    """A q block as the integers ``Q = round(q * scale / FACTOR)``, split ``Q = 256 hi + lo`` into two int8
-    B operands, and ``FACTOR * sum(Q)`` per head (what the codes' zero points multiply)."""
-    fixed = gl.floor(block * (scale / FACTOR)[None, :] + 0.5)
-    hi = gl.floor((fixed + 128.0) * (1.0 / 256.0))
-    lo = fixed - 256.0 * hi
-    return hi.to(gl.int8), lo.to(gl.int8), FACTOR * gl.sum(fixed, axis=0)
+    """A q block as the integers ``Q = round(q * scale / FACTOR)`` (to nearest, one instruction), split
+    ``Q = 256 hi + lo`` into two int8 B operands, and ``FACTOR * Q`` (what the codes' zero points multiply,
+    summed over dims)."""
+    fixed = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [block * (scale / FACTOR)[None, :]],
+                                      dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+    hi = (fixed + 128) >> 8
+    lo = fixed - (hi << 8)
+    return hi.to(gl.int8), lo.to(gl.int8), fixed * int(FACTOR)
 
 
 @gluon.jit
 def _q_int8(Q, GROUP: gl.constexpr):
     """q for the int8 scores: per column block the two int8 halves of its fixed point, per head
-    ``-sum(q)`` in fixed-point units and the unit (``1 / scale``), as HEAD_COLS vectors."""
+    ``-sum(q)`` in fixed-point units and the unit (``1 / scale``), as HEAD_COLS vectors. Blocks are
+    combined elementwise first, so that each per-head value takes one cross-lane reduction."""
     d0, d1, d2, d3 = _q_dims(Q, 0, GROUP), _q_dims(Q, 1, GROUP), _q_dims(Q, 2, GROUP), _q_dims(Q, 3, GROUP)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(d0), axis=0), gl.max(gl.abs(d1), axis=0)),
-                      gl.maximum(gl.max(gl.abs(d2), axis=0), gl.max(gl.abs(d3), axis=0)))  # fmt: skip
+    amax = gl.max(gl.maximum(gl.maximum(gl.abs(d0), gl.abs(d1)), gl.maximum(gl.abs(d2), gl.abs(d3))), axis=0)
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
     scale = Q_RANGE / amax
     h0, l0, s0 = _q_halves(d0, scale, 1.0)
     h1, l1, s1 = _q_halves(d1, scale, 4.0)
     h2, l2, s2 = _q_halves(d2, scale, 16.0)
     h3, l3, s3 = _q_halves(d3, scale, 16.0)
-    neg_q_sum = gl.convert_layout(-(s0 + s1 + s2 + s3), HEAD_COLS)
+    neg_q_sum = gl.convert_layout(-gl.sum(s0 + s1 + s2 + s3, axis=0).to(gl.float32), HEAD_COLS)
     unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
     return (h0, h1, h2, h3), (l0, l1, l2, l3), neg_q_sum, unit
 
