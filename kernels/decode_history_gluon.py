@@ -264,6 +264,7 @@ def _q_int8(Q, GROUP: gl.constexpr):
     amax = gl.max(gl.maximum(gl.maximum(gl.abs(d0), gl.abs(d1)), gl.maximum(gl.abs(d2), gl.abs(d3))), axis=0)
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
     scale = Q_RANGE / amax
+    # the factors are K_FACTORS (K_UNPACK's), written out: a jitted function reads only constexpr globals
     h0, l0, s0 = _q_halves(d0, scale, 1.0)
     h1, l1, s1 = _q_halves(d1, scale, 4.0)
     h2, l2, s2 = _q_halves(d2, scale, 16.0)
@@ -561,10 +562,11 @@ def history_into(
     elif pipeline and not aligned:
         raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
                          "16-row aligned (storage.ROW_ALIGNMENT)")
-    originals = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero)
-    # a copy made here is the kernel just before the span: its rows are not settled
-    in_place = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
-    early = early and pipeline and in_place
+    if early and pipeline:  # a copy made here is the kernel just before the span: its rows are not settled
+        originals = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero)
+        early = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
+    else:
+        early = False
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
