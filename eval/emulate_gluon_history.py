@@ -6,7 +6,7 @@ Every layout conversion of ``kernels/decode_history_gluon.py`` is an identity an
 permute / join are logical operations, so its program can be replayed with torch tensors: the same
 unpacked code values (``K_UNPACK``'s and ``value_unpack_asm``'s elementwise meaning), relabellings,
 q's fixed point, scores,
-online softmax with lane-partial sums, value corrections and output scatter, for one KV head and
+online softmax with lane-partial sums and its lazily moved max, value corrections and output scatter, for one KV head and
 one split. The one non-elementwise step, ``movmatrix``, is replayed by where its values land: the
 register that held ``W[8i + g, 2t + e]`` of the scores' accumulator holds ``W[8i + 2t + e, g]``.
 The result is compared with ``decode_attention_reference`` in float32. A GPU failure of
@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402
 
-GROUP, OFFSET, SM_SCALE = 4, 128.0, 0.088
+OFFSET, SM_SCALE = 128.0, 0.088
 V_FACTORS = (1.0, 4.0, 16.0, 1.0)  # V's column block j as bf16 OFFSET + f_j * code (block 3 shifted)
 K_FACTORS, Q_RANGE = (1, 4, 16, 16), 32000.0  # K's block j as int8 f_j * code; q's fixed-point range
+RESCALE_SLACK = 8.0  # base 2: the running max moves only where a tile's max passes it by more
 
 
 def code_values(words: torch.Tensor, byte: int, block: int, offset: float, factor: float) -> torch.Tensor:
@@ -32,28 +33,31 @@ def code_values(words: torch.Tensor, byte: int, block: int, offset: float, facto
     return offset + factor * ((words >> (8 * byte + 2 * block)) & 3).float()
 
 
-def v_codes(words: torch.Tensor, block: int) -> torch.Tensor:
-    """``_unpack_v`` then ``_v_operand``: the value MMA's A operand ``[32 dims m, 64 K]``."""
+def v_codes(words: torch.Tensor, block: int, pack: int) -> list[torch.Tensor]:
+    """``_unpack_v`` then ``_v_operands``: the value MMA's A operands ``[32 dims m, 64 // pack K]``, one a half."""
     b0, b1, b2, b3 = (code_values(words, b, block, OFFSET, V_FACTORS[block]) for b in range(4))
     codes = torch.stack([torch.stack([b0, b1], -1), torch.stack([b2, b3], -1)], -1)  # _bytes_of
-    codes = codes.permute(0, 1, 3, 2).reshape(64, 32)
-    return codes.reshape(4, 2, 8, 8, 4).permute(4, 3, 2, 0, 1).reshape(32, 64)
+    codes = codes.permute(0, 1, 3, 2).reshape(64, 32).reshape(4, 2, pack, 8 // pack, 8, 4)  # [t, e, h, c, g, b]
+    halves = codes.permute(0, 1, 3, 4, 5, 2).unbind(-1)
+    return [half.permute(4, 3, 2, 0, 1).reshape(32, 64 // pack) for half in halves]  # _v_rows
 
 
-def k_codes(words: torch.Tensor, block: int) -> torch.Tensor:
-    """``_unpack_k`` then ``_k_operand``: the scores' int8 A operand ``[64 rows m, 32 k]``."""
+def k_codes(words: torch.Tensor, block: int, pack: int) -> list[torch.Tensor]:
+    """``_unpack_k`` then ``_k_operands``: the scores' int8 A operands ``[64 // pack rows m, 32 k]``, one a half."""
     shift = 2 * block - (2 if block == 3 else 0)  # block 3 shifted down by 2 before its mask
     codes = torch.stack([((words >> (8 * b + 2 * block)) & 3) << shift for b in range(4)], -1).reshape(64, 32)
-    return codes.reshape(8, 8, 4, 2, 4).permute(1, 0, 3, 2, 4).reshape(64, 32).long()
+    halves = codes.reshape(8, pack, 8 // pack, 4, 2, 4).permute(0, 2, 3, 4, 5, 1).unbind(-1)  # [g, i, t, e, b]
+    return [half.permute(1, 0, 3, 2, 4).reshape(64 // pack, 32).long() for half in halves]  # _k_rows
 
 
-def q_int8(q: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``_q_int8``: per column block the fixed point ``256 hi + lo`` ``[32 k, 8 heads]`` (as int64),
-    per head ``-sum(q)`` in fixed-point units and the unit."""
+def q_int8(q: torch.Tensor, pack: int) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """``_q_int8``: per column block the fixed point ``256 hi + lo`` ``[32 k, 8 columns]`` (as int64), one
+    operand a half (half 1's: half 0's with columns n and n ^ 4 swapped), and per head ``-sum(q)`` in
+    fixed-point units and the unit."""
     k = torch.arange(32)
     byte = 8 * ((k // 4) % 4) + 4 * (k // 16) + k % 4
     padded = torch.zeros(8, 128)
-    padded[:GROUP] = q
+    padded[: q.shape[0]] = q
     blocks = [padded[:, 32 * j + byte].T for j in range(4)]
     amax = torch.stack([b.abs().amax(0) for b in blocks]).amax(0).clamp(min=1e-30)
     scale = Q_RANGE / amax
@@ -61,76 +65,98 @@ def q_int8(q: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Ten
     hi = [torch.floor((x + 128) / 256) for x in fixed]
     assert all(h.abs().max() <= 127 for h in hi) and all((x - 256 * h).abs().max() <= 128 for x, h in zip(fixed, hi))
     neg_q_sum = -sum(f * x.sum(0) for f, x in zip(K_FACTORS, fixed))
-    return [x.long() for x in fixed], neg_q_sum, amax / Q_RANGE
+    swapped = torch.arange(8) ^ 4
+    operands = [[x.long()] + ([x[:, swapped].long()] if pack == 2 else []) for x in fixed]  # _halves_of
+    # _per_head: columns past the group hold 0 and a unit of 1e-30 / Q_RANGE
+    return operands, neg_q_sum.reshape(pack, -1).sum(0), (amax / Q_RANGE).reshape(pack, -1).amax(0)
 
 
-def key_vector(values: torch.Tensor) -> torch.Tensor:
-    """Key ``8g + i`` -> score row ``8i + g``."""
-    return values.reshape(8, 8).permute(1, 0).reshape(64)
+def key_rows(values: torch.Tensor, pack: int) -> torch.Tensor:
+    """``_key_rows``: key ``8g + (8 // pack) h + i`` -> row ``8i + g`` of half h, ``[64 // pack, pack]``."""
+    return values.reshape(8, pack, 8 // pack).permute(2, 0, 1).reshape(64 // pack, pack)
 
 
 def weights_operand(weights: torch.Tensor) -> torch.Tensor:
     """movmatrix by where its values land, then ``_weights_operand``'s relabelling."""
+    rows = weights.shape[0]
     moved = torch.empty_like(weights)
-    for i in range(8):
+    for i in range(rows // 8):
         for g in range(8):
             for t in range(4):
                 for e in range(2):
                     moved[8 * i + g, 2 * t + e] = weights[8 * i + 2 * t + e, g]
-    return moved.reshape(8, 8, 4, 2).permute(0, 2, 3, 1).reshape(64, 8)
+    return moved.reshape(rows // 8, 8, 4, 2).permute(0, 2, 3, 1).reshape(rows, 8)
+
+
+def half_columns(operand: torch.Tensor, half: int, pack: int) -> torch.Tensor:
+    """``_half_columns``: the other half's columns zeroed (with one half, all columns)."""
+    if pack == 1:
+        return operand
+    return torch.where((torch.arange(8) // 4 == half)[None, :], operand, 0.0)
 
 
 def lane_sum(values: torch.Tensor) -> torch.Tensor:
-    return values.reshape(8, 8, 8).sum(0)
+    """``[rows, halves, heads]`` summed over the rows a lane holds."""
+    return values.reshape(values.shape[0] // 8, 8, *values.shape[1:]).sum(0)
 
 
 def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) -> torch.Tensor:
-    """The kernel's program for one KV head over its whole history; returns ``[GROUP, 128]``."""
+    """The kernel's program for one KV head over its whole history; returns ``[group, 128]``."""
+    group = q.shape[0]
+    pack = 2 if group <= 4 else 1
+    heads, rows = 8 // pack, 64 // pack
     rows_total = words_k.shape[0]
-    fixed, neg_q_sum, unit = q_int8(q)
-    m_i = torch.full((8,), float("-inf"))
-    l_part, w_part, wz_part = torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(8, 8)
+    fixed, neg_q_sum, unit = q_int8(q, pack)
+    m_i = torch.full((heads,), float("-inf"))
+    l_part = w_part = wz_part = torch.zeros(8, pack, heads)
     acc = [torch.zeros(32, 8) for _ in range(4)]
     for block in range(0, rows_total, 64):
-        rows = block + torch.arange(64)
-        ok = rows < rows_total
-        safe = rows.clamp(max=rows_total - 1)
+        keys = block + torch.arange(64)
+        ok = keys < rows_total
+        safe = keys.clamp(max=rows_total - 1)
         wk = torch.where(ok[:, None], words_k[safe], 0)
         wv = torch.where(ok[:, None], words_v[safe], 0)
-        meta = [torch.where(ok, t[safe], 0.0) for t in (k_scale, k_zero, v_scale, v_zero)]
-        dots = sum(k_codes(wk, j) @ fixed[j] for j in range(4)).float()  # exact: int64 here, int32 there
-        dots = (dots + key_vector(meta[1])[:, None] * neg_q_sum[None, :]) * unit[None, :]
-        scores = dots * (key_vector(meta[0]) * SM_SCALE * 1.4426950408889634)[:, None]
-        scores = torch.where(key_vector(ok)[:, None], scores, float("-inf"))
-        m_new = torch.maximum(m_i, scores.amax(0))
-        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = torch.exp2(m_i - m_safe)
-        p = torch.exp2(scores - m_safe[None, :])
-        m_i = m_new
-        w = (p * key_vector(meta[2])[:, None]).bfloat16().float()
+        meta = [key_rows(torch.where(ok, t[safe], 0.0), pack)[:, :, None] for t in (k_scale, k_zero, v_scale, v_zero)]
+        dots = sum(a @ b for j in range(4) for a, b in zip(k_codes(wk, j, pack), fixed[j])).float()  # exact int
+        dots = (dots.reshape(rows, pack, heads) + meta[1] * neg_q_sum) * unit  # _by_half
+        scores = dots * meta[0] * (SM_SCALE * 1.4426950408889634)
+        scores = torch.where(key_rows(ok, pack)[:, :, None], scores, float("-inf"))
+        tile_max = scores.amax((0, 1))
+        alpha = torch.ones(heads)
+        if (tile_max > m_i + RESCALE_SLACK).any():  # _raise_max: the max moves only past the slack
+            m_new = torch.maximum(m_i, tile_max)
+            m_new = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, m_i = torch.exp2(m_i - m_new), m_new
+        p = torch.exp2(scores - m_i)
+        w = (p * meta[2]).bfloat16().float()
         l_part = l_part * alpha + lane_sum(p)
         w_part = w_part * alpha + lane_sum(w)
-        wz_part = wz_part * alpha + lane_sum(w * key_vector(meta[3])[:, None])
-        w_op = weights_operand(w)
-        acc = [a * alpha[None, :] + v_codes(wv, j) @ w_op for j, a in enumerate(acc)]
-    l_i, w_sum, wz_sum = l_part.sum(0), w_part.sum(0), wz_part.sum(0)
-    out = torch.zeros(8, 128)
+        wz_part = wz_part * alpha + lane_sum(w * meta[3])
+        w_op = weights_operand(w.reshape(rows, 8))  # _columns
+        acc = [(a.reshape(32, pack, heads) * alpha).reshape(32, 8)
+               + sum(codes @ half_columns(w_op, h, pack) for h, codes in enumerate(v_codes(wv, j, pack)))
+               for j, a in enumerate(acc)]  # fmt: skip
+    l_i, w_sum, wz_sum = (x.sum((0, 1)) for x in (l_part, w_part, wz_part))
+    out = torch.zeros(heads, 128)
     m = torch.arange(32)
     for j, f in enumerate(V_FACTORS):
-        out[:, 32 * j + 4 * (m % 8) + m // 8] = (acc[j] / f - wz_sum[None, :] - OFFSET / f * w_sum[None, :]).T
-    return out[:GROUP] / l_i[:GROUP, None]
+        total = acc[j].reshape(32, pack, heads).sum(1)  # _over_halves
+        out[:, 32 * j + 4 * (m % 8) + m // 8] = (total / f - wz_sum[None, :] - OFFSET / f * w_sum[None, :]).T
+    return out[:group] / l_i[:group, None]
 
 
 def main() -> None:
     torch.manual_seed(0)
-    args, options = _decode_inputs(1, GROUP, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
-    q, _, _, kc, ks, kz, vc, vs, vz, *_ = args
-    want = decode_attention_reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=SM_SCALE,
-                                      **options)[0].float()  # fmt: skip
-    words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
-    meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
-    got = span(q[0].float(), words[0], words[1], *meta)
-    print(f"max abs difference {(got - want).abs().max().item():.2e} at outputs up to {want.abs().max().item():.2f}")
+    for group in (4, 8):  # two halves of 32 keys a tile, and one of 64
+        args, options = _decode_inputs(1, group, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
+        q, _, _, kc, ks, kz, vc, vs, vz, *_ = args
+        want = decode_attention_reference(*[a.float() if a.is_floating_point() else a for a in args],
+                                          sm_scale=SM_SCALE, **options)[0].float()  # fmt: skip
+        words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
+        meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
+        got = span(q[0].float(), words[0], words[1], *meta)
+        print(f"{group} query heads: max abs difference {(got - want).abs().max().item():.2e} at outputs up to "
+              f"{want.abs().max().item():.2f}")
 
 
 if __name__ == "__main__":

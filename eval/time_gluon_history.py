@@ -2,7 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--settled 1,0]
+                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0] [--lazy 1,0]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -18,6 +18,10 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
   one after another; ``settled``: with ``history_settled=True`` (each call's span starts copying the
   history while the call before's merge runs, as a decode step's span does while q is rotated).
+
+``--halves``: the span's 64-key tiles as two halves of 32 keys in the MMAs' columns (1, where a KV
+head has at most 4 query heads) or one (0); ``--lazy``: the running max moved only past its slack (1)
+or on every tile (0). Each combination times the span alone and the whole call.
 
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
@@ -44,7 +48,8 @@ from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa:
 from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
-def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, baseline: bool) -> list[dict]:
+def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, variant: dict,
+                   baseline: bool) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
     stage 1 throughout (``baseline``), then the span with the dense tiers in splits of each size."""
 
@@ -70,8 +75,7 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
         kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE = tokens, merge_tile  # the launcher's constants
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
-        rows.append(row(kernel, bool(settled), dense_split_tokens=tokens, merge_tile=merge_tile,
-                        registers=span.REGISTERS))  # fmt: skip
+        rows.append(row(kernel, bool(settled), dense_split_tokens=tokens, merge_tile=merge_tile, **variant))
         print(rows[-1], flush=True)
     kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
@@ -95,6 +99,8 @@ def main() -> None:
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
+    parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
+    parser.add_argument("--lazy", default="1", help="the running max moved only past its slack (1), every tile (0)")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
@@ -118,8 +124,11 @@ def main() -> None:
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
-        for registers in caps:
+        variants = itertools.product(caps, numbers(options.halves), numbers(options.lazy))
+        for index, (registers, halves, lazy) in enumerate(variants):
             span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
+            span.TWO_HALVES, span.LAZY_RESCALE = bool(halves), bool(lazy)
+            variant = {"registers": registers, "halves": 2 if halves else 1, "lazy": bool(lazy)}
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
@@ -128,21 +137,22 @@ def main() -> None:
                     return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
-                rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", "registers": registers,
+                rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", **variant,
                              "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
                              "max_abs_error": error})  # fmt: skip
                 print(rows[-1], flush=True)
-            rows += full_call_rows(kernels, span, x, scale, options, baseline=registers == caps[0])
-        span.REGISTERS = REGISTERS
+            rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
+        span.REGISTERS, span.TWO_HALVES, span.LAZY_RESCALE = REGISTERS, True, True
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | registers | programs an SM | splits | dense split tokens | merge tile | us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | halves | lazy max | registers | programs an SM | splits | dense split tokens | "
+             "merge tile | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('registers', '')} | {r.get('programs_per_sm', '')} | "
-                     f"{r.get('splits', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | {r.get('lazy', '')} | "
+                     f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")

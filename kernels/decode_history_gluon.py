@@ -62,8 +62,30 @@ B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 # int8 operands of m16n8k32 (K's scores): a register holds 4 consecutive k.
 A_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
 B_OP8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-KEY_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)  # a per-key vector of the scores (score row m = g + 8i)
-HEAD_COLS: gl.constexpr = gl.SliceLayout(0, MMA)  # a per-head vector (scores' and outputs' columns)
+HEAD_COLS: gl.constexpr = gl.SliceLayout(0, MMA)  # a per-column vector of the MMAs' [rows, 8] outputs
+
+
+def _by_half_layout(rows: int, pack: int) -> gl.DistributedLinearLayout:
+    """An MMA-shaped ``[rows, 8]`` tensor seen as ``[rows, pack, 8 // pack]``: column ``(8 // pack) h + j``
+    is head j of half h. Lane 4g+t holds rows g + 8i and columns 2t, 2t+1, so with two halves the half
+    is lane bit t // 2."""
+    half = [0, 1, 0] if pack == 2 else [0, 0, 4]  # what column bit 2 is: the half, or a head's bit
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1]] + [[r, 0, 0] for r in (8, 16, 32) if r < rows],
+        lane_bases=[[0, 0, 2], half, [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
+        shape=[rows, pack, 8 // pack],
+    )  # fmt: skip
+
+
+# A KV head with at most 4 query heads would leave 4 of the MMAs' 8 columns idle, and every
+# elementwise step of the online softmax runs on all 8. Instead, each 64-key tile is two halves of 32
+# keys: half h's scores fill columns 4h..4h+3 (q is the B operand of half 0 in columns 0-3, of half 1
+# in columns 4-7, zero elsewhere), and the value MMAs take each half's weights in its own columns.
+# The softmax then runs on [32 rows, 2 halves, 4 heads]: half the instructions a tile for what was
+# [64 rows, 8 heads], half of it idle.
+PAIRS: gl.constexpr = _by_half_layout(32, 2)  # scores and accumulators with two halves
+SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query heads)
+SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
 # Codes travel as 32-bit words (4 bytes of a row; bytes would be carried one register each).
 # K words [64 keys, 8 words]: lane 4g+t holds keys 8g..8g+7 (score rows g + 8i), words 2t, 2t+1.
 WORDS_K: gl.constexpr = gl.DistributedLinearLayout(
@@ -76,9 +98,13 @@ WORDS_V: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[8, 0], [1, 0], [2, 0], [4, 0]],
     lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[], shape=[64, 8],
 )  # fmt: skip
-# Per-key metadata [64]: lane 4g+t holds keys 8g..8g+7 (all t alike): one 16-byte load a vector.
+# Per-key metadata [64]: lane 4g+t holds keys 8g..8g+7 (all t alike): one 16-byte load a vector;
+# with two halves, of those the 4 keys of its half t // 2: one 8-byte load.
 META: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
+)  # fmt: skip
+META_PAIRS: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[1], [2]], lane_bases=[[0], [4], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
 )  # fmt: skip
 # Shared-memory staging of the next tile (PIPELINE), per stage: each thread's 16 K or V words of a
 # tile in 16-byte vectors, the warp's vectors side by side (conflict-free reads).
@@ -93,9 +119,11 @@ META_COPY: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp
 # Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later versions async_load and barrier.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-# movmatrix.trans on each 8x8 bf16 block of a [64, 8] accumulator-shaped tensor (pack=2: a register
+# movmatrix.trans on each 8x8 bf16 block of a [rows, 8] accumulator-shaped tensor (pack=2: a register
 # holds row g, columns 2t, 2t+1 of a block; afterwards, of the block's transpose).
 TRANSPOSE_8X8 = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+# A B operand's column n is lane group g = n: lanes g and g ^ 4 (lane ids 16 apart) swap registers.
+SWAP_HALVES = gl.constexpr("shfl.sync.bfly.b32 $0, $1, 16, 31, -1;")
 # What V's codes' magic exponent adds (see value_unpack_asm): 0x4300 is bf16 128.
 OFFSET = gl.constexpr(128.0)
 
@@ -108,51 +136,111 @@ def _bytes_of(b0, b1, b2, b3):
 
 
 @gluon.jit
-def _v_operand(codes):
-    """V codes ``[keys, bytes]`` as the value MMA's A operand ``[dims m, keys K]``, for free.
+def _v_operands(codes, PACK: gl.constexpr):
+    """V codes ``[keys, bytes]`` as the value MMA's A operands ``[dims m, keys K]``, one a half, for free.
 
-    Byte ``4g + b`` becomes row ``m = 8b + g``; key ``16t + 8e + c`` becomes ``K = 8c + 2t + e``, which is
-    score row ``m = 8i + g`` of key ``8g + i`` (see :func:`_weights_operand`).
+    Byte ``4g + b`` becomes row ``m = 8b + g``; key ``16t + 8e + (8 // PACK) h + c`` becomes ``K = 8c + 2t + e``
+    of half h, which is score row ``m = 8c + g'`` of key ``8g' + (8 // PACK) h + c`` (see :func:`_key_rows`
+    and :func:`_weights_operand`).
     """
-    codes = gl.reshape(codes, [4, 2, 8, 8, 4])
+    codes = gl.reshape(codes, [4, 2, PACK, 8 // PACK, 8, 4])  # [t, e, h, c, g, b]
+    if PACK == 2:
+        first, second = gl.split(gl.permute(codes, (0, 1, 3, 4, 5, 2)))
+        return _v_rows(first), _v_rows(second)
+    else:
+        return (_v_rows(gl.reshape(codes, [4, 2, 8, 8, 4])),)
+
+
+@gluon.jit
+def _v_rows(codes):
+    """``[t, e, c, g, b]`` codes as the A operand ``[8b + g, 8c + 2t + e]``."""
+    keys: gl.constexpr = 8 * codes.shape[2]
     codes = gl.permute(codes, (4, 3, 2, 0, 1))
-    return gl.convert_layout(gl.reshape(codes, [32, 64]), A_OP, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(codes, [32, keys]), A_OP, assert_trivial=True)
 
 
 @gluon.jit
 def _weights_operand(weights):
-    """Scores-shaped bf16 weights ``[64 rows m, 8 heads]`` as the value MMA's B operand ``[64 K = m, 8 heads]``.
+    """Scores-shaped bf16 weights ``[rows m, 8 columns]`` as the value MMA's B operand ``[K = m, 8 columns]``.
 
     After the transposes, the register that held ``W[8i + g, 2t + e]`` holds ``W[8i + 2t + e, g]``: the
     tensor read with its logical indices is ``W^T`` blockwise, and a relabelling makes it ``W``."""
+    rows: gl.constexpr = weights.shape[0]
     moved = gl.inline_asm_elementwise(TRANSPOSE_8X8, "=r,r", [weights], dtype=gl.bfloat16, is_pure=True, pack=2)
-    moved = gl.permute(gl.reshape(moved, [8, 8, 4, 2]), (0, 2, 3, 1))  # [i, g, t, e] -> [i, t, e, g]
-    return gl.convert_layout(gl.reshape(moved, [64, 8]), B_OP, assert_trivial=True)
+    moved = gl.permute(gl.reshape(moved, [rows // 8, 8, 4, 2]), (0, 2, 3, 1))  # [i, g, t, e] -> [i, t, e, g]
+    return gl.convert_layout(gl.reshape(moved, [rows, 8]), B_OP, assert_trivial=True)
 
 
 @gluon.jit
-def _key_vector(values):
-    """A per-key vector (META, key ``8g + i``) in score-row order (KEY_ROWS, row ``8i + g``), for free."""
-    values = gl.reshape(gl.permute(gl.reshape(values, [8, 8]), (1, 0)), [64])
-    return gl.convert_layout(values, KEY_ROWS, assert_trivial=True)
+def _half_columns(operand, HALF: gl.constexpr):
+    """A B operand ``[K, 8 columns]`` with the columns of the other half zeroed: column n is lane group
+    g = n, so lanes of the other half (lane id bit 4) zero their registers, a pair at a time."""
+    keep: gl.constexpr = "ne" if HALF else "eq"
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; and.b32 l, l, 16; setp." + keep.value + ".u32 p, l, 0; "
+        "selp.b32 $0, $1, 0, p; }", "=r,r", [operand], dtype=gl.bfloat16, is_pure=True, pack=2)  # fmt: skip
+
+
+@gluon.jit
+def _by_half(values, PACK: gl.constexpr):
+    """An MMA-shaped ``[rows, 8]`` tensor as ``[rows, PACK, 8 // PACK]`` (column ``(8 // PACK) h + j``), for free."""
+    rows: gl.constexpr = values.shape[0]
+    values = gl.reshape(values, [rows, PACK, 8 // PACK])
+    if PACK == 2:
+        return gl.convert_layout(values, PAIRS, assert_trivial=True)
+    elif rows == 64:
+        return gl.convert_layout(values, SINGLE, assert_trivial=True)
+    else:
+        return gl.convert_layout(values, SINGLE_ACC, assert_trivial=True)
+
+
+@gluon.jit
+def _columns(values):
+    """:func:`_by_half`'s inverse: ``[rows, PACK, heads]`` as the MMA-shaped ``[rows, 8]``, for free."""
+    rows: gl.constexpr = values.shape[0]
+    return gl.convert_layout(gl.reshape(values, [rows, 8]), MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _key_rows(values, PACK: gl.constexpr):
+    """A per-key vector (META or META_PAIRS) as ``[rows, PACK]`` of the scores by half, for free: key
+    ``8g + (8 // PACK) h + i`` is row ``8i + g`` of half h."""
+    rows: gl.constexpr = 64 // PACK
+    values = gl.reshape(gl.permute(gl.reshape(values, [8, PACK, 8 // PACK]), (2, 0, 1)), [rows, PACK])
+    if PACK == 2:
+        return gl.convert_layout(values, gl.SliceLayout(2, PAIRS), assert_trivial=True)
+    else:
+        return gl.convert_layout(values, gl.SliceLayout(2, SINGLE), assert_trivial=True)
 
 
 @gluon.jit
 def _lane_sum(values):
-    """``[64 rows, 8 heads]`` summed over the rows a lane holds (no shuffles): ``[8 lanes g, 8 heads]``."""
-    return gl.sum(gl.reshape(values, [8, 8, 8]), axis=0)
+    """``[rows, halves, heads]`` summed over the rows a lane holds (no shuffles): ``[8 lanes g, halves, heads]``."""
+    rows: gl.constexpr = values.shape[0]
+    return gl.sum(gl.reshape(values, [rows // 8, 8, values.shape[1], values.shape[2]]), axis=0)
 
 
 @gluon.jit
 def _head_total(partial):
-    """A lane-partial ``[8 g, 8 heads]`` summed over lanes, as a HEAD_COLS vector."""
-    return gl.convert_layout(gl.sum(partial, axis=0), HEAD_COLS, assert_trivial=True)
+    """A lane-partial ``[8 g, halves, heads]`` summed over lanes and halves: a per-head vector."""
+    return gl.sum(gl.sum(partial, axis=0), axis=0)
 
 
 @gluon.jit
-def _per_lane(per_head, like):
-    """A HEAD_COLS vector broadcast to ``like``'s ``[8 g, 8 heads]`` layout, for free."""
-    return gl.convert_layout(per_head, gl.SliceLayout(0, like.type.layout), assert_trivial=True)[None, :]
+def _per_head(columns, PACK: gl.constexpr):
+    """A HEAD_COLS vector as ``[PACK, 8 // PACK]`` (half, head), to be reduced over its halves."""
+    values = gl.reshape(columns, [PACK, 8 // PACK])
+    if PACK == 2:
+        return gl.convert_layout(values, gl.SliceLayout(0, PAIRS), assert_trivial=True)
+    else:
+        return gl.convert_layout(values, gl.SliceLayout(0, SINGLE), assert_trivial=True)
+
+
+@gluon.jit
+def _broadcast(per_head, like):
+    """A per-head vector broadcast to ``like``'s ``[rows, halves, heads]`` layout, for free."""
+    layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, like.type.layout))
+    return gl.expand_dims(gl.expand_dims(gl.convert_layout(per_head, layout, assert_trivial=True), 0), 0)
 
 
 @functools.cache
@@ -206,6 +294,17 @@ K_UNPACK = gl.constexpr(
     "lop3.b32 $2, $4, 0x30303030, 0, 0xEA; shr.b32 t, $4, 2; lop3.b32 $3, t, 0x30303030, 0, 0xEA; }"
 )
 K_FACTORS = (1.0, 4.0, 16.0, 16.0)
+# The running max moves only where a tile's max passes it by more than this (base 2), so p stays below
+# 2**8 (bf16 weights and float32 sums hold that) and most tiles skip rescaling the 32 accumulator
+# registers and the lane sums: the first tile sets the max, and later ones seldom pass it by 8.
+RESCALE_SLACK = gl.constexpr(8.0)
+LAZY_RESCALE = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --lazy)
+TWO_HALVES = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --halves)
+
+
+def halves(group: int) -> int:
+    """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS)."""
+    return 2 if group <= 4 and TWO_HALVES else 1
 # q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
 # fits int8 (hi <= 125).
 Q_RANGE = gl.constexpr(32000.0)
@@ -223,19 +322,30 @@ def _unpack_k(words):
 
 
 @gluon.jit
-def _k_operand(codes):
-    """int8 K codes ``[keys, bytes]`` as the scores' A operand ``[rows m, k]`` of m16n8k32, for free.
+def _k_operands(codes, PACK: gl.constexpr):
+    """int8 K codes ``[keys, bytes]`` as the scores' A operands ``[rows m, k]`` of m16n8k32, one a half,
+    for free. Key ``8g + (8 // PACK) h + i`` becomes row ``m = 8i + g`` of half h; byte ``8t + 4e + b``
+    (thread t's word 2t + e, byte b) becomes ``k = 16e + 4t + b`` (see :func:`_q_dims`)."""
+    codes = gl.reshape(codes, [8, PACK, 8 // PACK, 4, 2, 4])  # [g, h, i, t, e, b]
+    if PACK == 2:
+        first, second = gl.split(gl.permute(codes, (0, 2, 3, 4, 5, 1)))
+        return _k_rows(first), _k_rows(second)
+    else:
+        return (_k_rows(gl.reshape(codes, [8, 8, 4, 2, 4])),)
 
-    Key ``8g + i`` becomes row ``m = 8i + g``; byte ``8t + 4e + b`` (thread t's word 2t + e, byte b)
-    becomes ``k = 16e + 4t + b`` (see :func:`_q_dims`)."""
-    codes = gl.permute(gl.reshape(codes, [8, 8, 4, 2, 4]), (1, 0, 3, 2, 4))
-    return gl.convert_layout(gl.reshape(codes, [64, 32]), A_OP8, assert_trivial=True)
+
+@gluon.jit
+def _k_rows(codes):
+    """``[g, i, t, e, b]`` codes as the A operand ``[8i + g, 16e + 4t + b]``."""
+    rows: gl.constexpr = 8 * codes.shape[1]
+    codes = gl.permute(codes, (1, 0, 3, 2, 4))
+    return gl.convert_layout(gl.reshape(codes, [rows, 32]), A_OP8, assert_trivial=True)
 
 
 @gluon.jit
 def _q_dims(Q, J: gl.constexpr, GROUP: gl.constexpr):
     """q's dims ``32J + byte(k)`` in float32 as ``[32 k, 8 heads]`` of the int8 B operand's layout
-    (heads >= GROUP are 0); ``byte(k)`` inverts :func:`_k_operand`'s relabelling."""
+    (heads >= GROUP are 0); ``byte(k)`` inverts :func:`_k_operands`' relabelling."""
     k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP8))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP8))
     byte = 8 * ((k // 4) % 4) + 4 * (k // 16) + k % 4
@@ -256,10 +366,11 @@ def _q_halves(block, scale, FACTOR: gl.constexpr):
 
 
 @gluon.jit
-def _q_int8(Q, GROUP: gl.constexpr):
-    """q for the int8 scores: per column block the two int8 halves of its fixed point, per head
-    ``-sum(q)`` in fixed-point units and the unit (``1 / scale``), as HEAD_COLS vectors. Blocks are
-    combined elementwise first, so that each per-head value takes one cross-lane reduction."""
+def _q_int8(Q, GROUP: gl.constexpr, PACK: gl.constexpr):
+    """q for the int8 scores: per column block the two int8 halves of its fixed point, each as one B
+    operand a half (:func:`_halves_of`), and per head ``-sum(q)`` in fixed-point units and the unit
+    (``1 / scale``). Blocks are combined elementwise first, so that each per-head value takes one
+    cross-lane reduction."""
     d0, d1, d2, d3 = _q_dims(Q, 0, GROUP), _q_dims(Q, 1, GROUP), _q_dims(Q, 2, GROUP), _q_dims(Q, 3, GROUP)
     amax = gl.max(gl.maximum(gl.maximum(gl.abs(d0), gl.abs(d1)), gl.maximum(gl.abs(d2), gl.abs(d3))), axis=0)
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
@@ -271,7 +382,21 @@ def _q_int8(Q, GROUP: gl.constexpr):
     h3, l3, s3 = _q_halves(d3, scale, 16.0)
     neg_q_sum = gl.convert_layout(-gl.sum(s0 + s1 + s2 + s3, axis=0).to(gl.float32), HEAD_COLS)
     unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
-    return (h0, h1, h2, h3), (l0, l1, l2, l3), neg_q_sum, unit
+    # columns past GROUP hold 0 and a unit of 1e-30 / Q_RANGE: a half's sum and max are its heads'
+    return ((_halves_of(h0, PACK), _halves_of(h1, PACK), _halves_of(h2, PACK), _halves_of(h3, PACK)),
+            (_halves_of(l0, PACK), _halves_of(l1, PACK), _halves_of(l2, PACK), _halves_of(l3, PACK)),
+            gl.sum(_per_head(neg_q_sum, PACK), axis=0), gl.max(_per_head(unit, PACK), axis=0))  # fmt: skip
+
+
+@gluon.jit
+def _halves_of(operand, PACK: gl.constexpr):
+    """A q B operand (its heads in columns 0-3 with two halves) as one operand a half: half 1's has the
+    heads in columns 4-7 and zeros in 0-3, which is the operand with lanes g and g ^ 4 swapped."""
+    if PACK == 2:
+        moved = gl.inline_asm_elementwise(SWAP_HALVES, "=r,r", [operand], dtype=gl.int8, is_pure=False, pack=4)
+        return operand, moved
+    else:
+        return (operand,)
 
 
 @gluon.jit
@@ -284,7 +409,7 @@ def _unpack_v(words, UNPACK: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, MASKED: gl.constexpr):
+def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, MASKED: gl.constexpr, PACK: gl.constexpr):
     """One tile's K and V code words and its four metadata vectors; ``MASKED``: rows from ``end`` on
     read as 0. Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and
     16 bytes wide, which a mask allows only where it is known constant over 8 rows (not for a length
@@ -294,7 +419,7 @@ def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, MASKED: gl.constexpr):
     k_offsets = k_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
     v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
     v_offsets = v_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
-    rows = gl.arange(0, 64, layout=META)
+    rows = gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
     KC, VC, KS, KZ, VS, VZ = KC + block * 8, VC + block * 8, KS + block, KZ + block, VS + block, VZ + block
     if MASKED:
         n = end - block
@@ -340,11 +465,12 @@ def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block):
 
 
 @gluon.jit
-def _staged_tile(buffers, stage):
+def _staged_tile(buffers, stage, PACK: gl.constexpr):
     """A copied tile read back from ``stage`` in the layouts :func:`_load_tile` gives."""
     k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
-    meta = (ks_buf.index(stage).load(META), kz_buf.index(stage).load(META), vs_buf.index(stage).load(META),
-            vz_buf.index(stage).load(META))  # fmt: skip
+    layout: gl.constexpr = META_PAIRS if PACK == 2 else META
+    meta = (ks_buf.index(stage).load(layout), kz_buf.index(stage).load(layout), vs_buf.index(stage).load(layout),
+            vz_buf.index(stage).load(layout))  # fmt: skip
     return k_buf.index(stage).load(WORDS_K), v_buf.index(stage).load(WORDS_V), meta
 
 
@@ -367,7 +493,7 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -397,7 +523,7 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY,
+        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, LAZY, PACK,
     )  # fmt: skip
 
 
@@ -405,7 +531,7 @@ def history_kernel(
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr,
+    EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
@@ -424,11 +550,12 @@ def _history_span(
         _wait_for_inputs()
         if LAUNCH_DEPENDENTS:
             _launch_dependents()
-    q = _q_int8(Q, GROUP)
-    # per lane and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
-    lane_sums = _lane_sum(gl.full([64, 8], 0.0, gl.float32, MMA))
+    q = _q_int8(Q, GROUP, PACK)
+    # per lane, half and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
+    lane_sums = _lane_sum(_by_half(gl.full([64 // PACK, 8], 0.0, gl.float32, MMA), PACK))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
-    state = (gl.full([8], float("-inf"), gl.float32, HEAD_COLS), lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
+    m_i = gl.max(_per_head(gl.full([8], float("-inf"), gl.float32, HEAD_COLS), PACK), axis=0)
+    state = (m_i, lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
     if PIPELINE:  # tile i + 1 is copied into shared memory while tile i computes
         for block in range(start, whole_end, 64):
             stage = (block - start) // 64 % 2
@@ -437,88 +564,142 @@ def _history_span(
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
-            state = _tile_step(state, _staged_tile(buffers, stage), q, score_scale, block, end, V_UNPACK, False)
+            state = _tile_step(state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False,
+                               LAZY, PACK)
     else:
         for block in range(start, whole_end, 64):
-            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False)
-            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False)
+            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False, PACK)
+            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, LAZY, PACK)
     if whole_end < end:
-        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True)
-        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True)
+        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True, PACK)
+        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, LAZY, PACK)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
-                    acc0, acc1, acc2, acc3, GROUP)  # fmt: skip
+                    acc0, acc1, acc2, acc3, GROUP, PACK)  # fmt: skip
 
 
 @gluon.jit
-def _fixed_point_dots(raw_k, k_zero, q):
-    """``[64 rows m, 8 heads]`` of ``q . (c - zero)`` in q's fixed-point units (float32): two int8 MMAs a
-    column block (q's high and low halves, exact int32 sums), joined as ``256 hi + lo``."""
+def _fixed_point_dots(raw_k, k_zero, q, PACK: gl.constexpr):
+    """``[rows m, PACK, heads]`` of ``q . (c - zero)`` in q's fixed-point units (float32): per column
+    block two int8 MMAs a half (q's high and low halves, exact int32 sums), joined as ``256 hi + lo``."""
     q_hi, q_lo, neg_q_sum, unit = q
     c0, c1, c2, c3 = _unpack_k(raw_k)
-    hi = gl.full([64, 8], 0, gl.int32, MMA)
-    lo = hi
-    a = _k_operand(c0)
-    hi, lo = mma_v2(a, q_hi[0], hi), mma_v2(a, q_lo[0], lo)
-    a = _k_operand(c1)
-    hi, lo = mma_v2(a, q_hi[1], hi), mma_v2(a, q_lo[1], lo)
-    a = _k_operand(c2)
-    hi, lo = mma_v2(a, q_hi[2], hi), mma_v2(a, q_lo[2], lo)
-    a = _k_operand(c3)
-    hi, lo = mma_v2(a, q_hi[3], hi), mma_v2(a, q_lo[3], lo)
-    return (hi * 256 + lo).to(gl.float32) + _key_vector(k_zero)[:, None] * neg_q_sum[None, :]
+    hi = gl.full([64 // PACK, 8], 0, gl.int32, MMA)
+    hi, lo = _block_dots(c0, q_hi[0], q_lo[0], hi, hi, PACK)
+    hi, lo = _block_dots(c1, q_hi[1], q_lo[1], hi, lo, PACK)
+    hi, lo = _block_dots(c2, q_hi[2], q_lo[2], hi, lo, PACK)
+    hi, lo = _block_dots(c3, q_hi[3], q_lo[3], hi, lo, PACK)
+    dots = _by_half((hi * 256 + lo).to(gl.float32), PACK)
+    return dots + _key_rows(k_zero, PACK)[:, :, None] * _broadcast(neg_q_sum, dots)
 
 
 @gluon.jit
-def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr):
-    """The online softmax over one 64-key tile: ``state`` (m, three lane-partial sums, four
-    accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
+def _block_dots(codes, q_hi, q_lo, hi, lo, PACK: gl.constexpr):
+    """One column block's MMAs into ``hi`` and ``lo``: each half's keys against its q operand."""
+    a = _k_operands(codes, PACK)
+    hi, lo = mma_v2(a[0], q_hi[0], hi), mma_v2(a[0], q_lo[0], lo)
+    if PACK == 2:
+        hi, lo = mma_v2(a[1], q_hi[1], hi), mma_v2(a[1], q_lo[1], lo)
+    return hi, lo
+
+
+@gluon.jit
+def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr,
+               LAZY: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
+    """The online softmax over one 64-key tile, as ``[64 // PACK rows, PACK halves, heads]``: ``state``
+    (m, three lane-partial sums, four accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     raw_k, raw_v, meta = tile
     k_scale, k_zero, v_scale, v_zero = _widen(meta[0]), _widen(meta[1]), _widen(meta[2]), _widen(meta[3])
     unit = q[3]
     # scores in q's fixed-point units; the unit (a head's factor > 0) enters the max and the exponent
-    scores = _fixed_point_dots(raw_k, k_zero, q) * (_key_vector(k_scale) * score_scale)[:, None]
+    scores = _fixed_point_dots(raw_k, k_zero, q, PACK) * (_key_rows(k_scale, PACK) * score_scale)[:, :, None]
     if MASKED:
-        keys = block + gl.arange(0, 64, layout=META)
-        scores = gl.where(_key_vector(keys < end)[:, None], scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, axis=0) * unit)
-    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_new)
-    m_i = m_new
-    alpha_lanes = _per_lane(alpha, l_part)
-    l_part, w_part, wz_part = l_part * alpha_lanes, w_part * alpha_lanes, wz_part * alpha_lanes
-    p = gl.exp2(scores * unit[None, :] - m_new[None, :])
-    weights = _narrow(p * _key_vector(v_scale)[:, None])
+        keys = block + gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
+        scores = gl.where(_key_rows(keys < end, PACK)[:, :, None], scores, float("-inf"))
+    tile_max = gl.max(gl.max(scores, axis=0), axis=0) * unit
+    if LAZY:
+        if gl.max((tile_max > m_i + RESCALE_SLACK).to(gl.int32), axis=0) != 0:
+            m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = _raise_max(
+                (m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3), tile_max, PACK)
+    else:
+        m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = _raise_max(
+            (m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3), tile_max, PACK)
+    p = gl.exp2(scores * _broadcast(unit, scores) - _broadcast(m_i, scores))
+    weights = _narrow(p * _key_rows(v_scale, PACK)[:, :, None])
     w = _widen(weights)
     l_part = l_part + _lane_sum(p)
     w_part = w_part + _lane_sum(w)
-    wz_part = wz_part + _lane_sum(w * _key_vector(v_zero)[:, None])
-    w_op = _weights_operand(weights)
+    wz_part = wz_part + _lane_sum(w * _key_rows(v_zero, PACK)[:, :, None])
+    w_op = _weights_operand(_columns(weights))
     v0, v1, v2, v3 = _unpack_v(raw_v, V_UNPACK)
-    acc0 = mma_v2(_v_operand(v0), w_op, acc0 * alpha[None, :])
-    acc1 = mma_v2(_v_operand(v1), w_op, acc1 * alpha[None, :])
-    acc2 = mma_v2(_v_operand(v2), w_op, acc2 * alpha[None, :])
-    acc3 = mma_v2(_v_operand(v3), w_op, acc3 * alpha[None, :])
+    if PACK == 2:
+        first, second = _half_columns(w_op, 0), _half_columns(w_op, 1)
+        acc0 = _value_mmas(_v_operands(v0, PACK), first, second, acc0)
+        acc1 = _value_mmas(_v_operands(v1, PACK), first, second, acc1)
+        acc2 = _value_mmas(_v_operands(v2, PACK), first, second, acc2)
+        acc3 = _value_mmas(_v_operands(v3, PACK), first, second, acc3)
+    else:
+        acc0 = mma_v2(_v_operands(v0, PACK)[0], w_op, acc0)
+        acc1 = mma_v2(_v_operands(v1, PACK)[0], w_op, acc1)
+        acc2 = mma_v2(_v_operands(v2, PACK)[0], w_op, acc2)
+        acc3 = mma_v2(_v_operands(v3, PACK)[0], w_op, acc3)
     return m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
+def _value_mmas(codes, first, second, acc):
+    """Both halves' value MMAs: each half's codes against its weights, zero in the other's columns."""
+    return mma_v2(codes[1], second, mma_v2(codes[0], first, acc))
+
+
+@gluon.jit
+def _raise_max(state, tile_max, PACK: gl.constexpr):
+    """``state`` with its running max raised to ``tile_max`` where that is larger, and the sums and
+    accumulators rescaled to it."""
+    m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
+    m_new = gl.maximum(m_i, tile_max)
+    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_new)
+    lanes = _broadcast(alpha, l_part)
+    return (m_new, l_part * lanes, w_part * lanes, wz_part * lanes, _rescaled(acc0, alpha, PACK),
+            _rescaled(acc1, alpha, PACK), _rescaled(acc2, alpha, PACK), _rescaled(acc3, alpha, PACK))  # fmt: skip
+
+
+@gluon.jit
+def _rescaled(acc, alpha, PACK: gl.constexpr):
+    """An accumulator ``[32 dims, 8 columns]`` times each column's head's ``alpha``."""
+    acc = _by_half(acc, PACK)
+    return _columns(acc * _broadcast(alpha, acc))
+
+
+@gluon.jit
 def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, acc1, acc2, acc3,
-                    GROUP: gl.constexpr):  # fmt: skip
+                    GROUP: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
     """m, l and ``acc[h, dim] = acc_j[m, h] / f_j - sum(w * zero) - OFFSET / f_j * sum(w)`` (``f_j`` the
-    block's code factor; dim ``32j + 4*(m % 8) + m // 8``)."""
-    heads = gl.arange(0, 8, layout=HEAD_COLS)
+    block's code factor; dim ``32j + 4*(m % 8) + m // 8``; ``acc_j`` summed over its halves)."""
+    acc0, acc1, acc2, acc3 = _over_halves(acc0, PACK), _over_halves(acc1, PACK), _over_halves(acc2, PACK), \
+        _over_halves(acc3, PACK)  # fmt: skip
+    heads = gl.arange(0, 8 // PACK, layout=m_i.type.layout)
     gl.store(PM + heads * head_stride, m_i, mask=heads < GROUP)
-    gl.store(PL + heads * head_stride, l_i, mask=heads < GROUP)
-    w_sum, wz_sum = w_sum[None, :], wz_sum[None, :]
-    rows = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
+    gl.store(PL + heads * head_stride, gl.convert_layout(l_i, m_i.type.layout, assert_trivial=True), mask=heads < GROUP)
+    columns: gl.constexpr = gl.SliceLayout(0, acc0.type.layout)
+    heads = gl.arange(0, 8 // PACK, layout=columns)
+    w_sum = gl.convert_layout(w_sum, columns, assert_trivial=True)[None, :]
+    wz_sum = gl.convert_layout(wz_sum, columns, assert_trivial=True)[None, :]
+    rows = gl.arange(0, 32, layout=gl.SliceLayout(1, acc0.type.layout))
     out = PACC + heads[None, :] * (head_stride * D) + (4 * (rows % 8) + rows // 8)[:, None]
     ok = (heads < GROUP)[None, :]
     gl.store(out, acc0 - wz_sum - OFFSET * w_sum, mask=ok)
     gl.store(out + 32, acc1 * 0.25 - wz_sum - (OFFSET * 0.25) * w_sum, mask=ok)
     gl.store(out + 64, acc2 * 0.0625 - wz_sum - (OFFSET * 0.0625) * w_sum, mask=ok)
     gl.store(out + 96, acc3 - wz_sum - OFFSET * w_sum, mask=ok)
+
+
+@gluon.jit
+def _over_halves(acc, PACK: gl.constexpr):
+    """An accumulator ``[32 dims, 8 columns]`` as ``[32 dims, heads]``, its halves summed."""
+    return gl.sum(_by_half(acc, PACK), axis=1)
 
 
 def history_into(
@@ -572,7 +753,8 @@ def history_into(
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
+        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, LAZY=LAZY_RESCALE, PACK=halves(group),
+        num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
 
@@ -633,7 +815,8 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
-            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, grid=(1,),
+            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, LAZY=LAZY_RESCALE, PACK=halves(4),
+            grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

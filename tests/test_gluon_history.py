@@ -29,7 +29,9 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     fake sm_90 one). Measured with Triton 3.6: 735 / 749 instructions a tile (the length as an
     argument / on the device), 757 / 772 with the next tile staged in shared memory (3.9: 749 / 752,
     770 / 781); 819 / 831 before K's block 3 went fp16 and the conversions went to asm. With K's scores on
-    int8 MMAs (Triton 3.9): 713 / 716, staged 733 / 748."""
+    int8 MMAs (Triton 3.9): 713 / 716, staged 733 / 748. With two halves of 32 keys a tile (4 query
+    heads) and the lazily moved max: 659 / 676, staged 663 / 680, each counting the 51 instructions
+    of the rescaling a tile mostly skips."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SPAN)], capture_output=True, text=True, env=env, timeout=600)
@@ -39,7 +41,7 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     assert [(ring, pipeline) for ring, pipeline, *_ in rows] == [
         ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True")], done.stdout  # fmt: skip
     for _, _, registers, local, instructions in rows:
-        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 760, done.stdout
+        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 700, done.stdout
 
 
 def _halves(register: int, dtype: torch.dtype) -> list[float]:
@@ -106,7 +108,9 @@ def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
     (1, 8, 1, 64, 1),  # exactly one whole tile: no masked tile
     (1, 8, 1, 40, 1),  # only a masked tile
     (1, 4, 4, 256, 2),  # GQA 1, whole tiles only
-    (2, 16, 2, 300, 4),  # GQA 8: every column of the MMAs is a head
+    (1, 6, 2, 700, 3),  # GQA 3: two halves of 32 keys a tile, a head idle in each
+    (3, 4, 2, 130, 2),  # GQA 2
+    (2, 16, 2, 300, 4),  # GQA 8: every column of the MMAs is a head (one half of 64 keys a tile)
 ])  # fmt: skip
 @pytest.mark.parametrize("pipeline, stored", [(False, False), (False, True), (True, True)],
                          ids=["direct", "direct-in-buffers", "staged-in-buffers"])  # fmt: skip
@@ -122,6 +126,27 @@ def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, s
     if stored:
         packed = [_in_buffer(t) for t in packed]
     got = merge_partials(*history_partials(q, *packed, sm_scale=0.088, splits=splits, pipeline=pipeline))
+    torch.testing.assert_close(got, want.float(), **TOLERANCE[torch.bfloat16])
+
+
+@GPU
+@pytest.mark.parametrize("q_heads", [4, 8], ids=["two-halves", "one-half"])
+@pytest.mark.parametrize("rising", [True, False], ids=["max-moves-often", "max-set-by-the-first-tile"])
+def test_the_span_moves_its_max_only_past_its_slack(q_heads, rising):
+    """The running max moves only where a tile's max passes it by more than ``RESCALE_SLACK``: key
+    scales growing 30-fold along the history make later tiles pass it again and again; falling, the
+    first tile's max stands and later weights stay below 1. Both against the reference."""
+    from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
+
+    args, options = _decode_inputs(1, q_heads, 1, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=7)
+    args = [a.cuda() for a in args]
+    ramp = torch.linspace(0.2, 6.0, 1000, device="cuda")
+    ramp = ramp if rising else ramp.flip(0)
+    args[4] = (args[4].float() * ramp[None, None, :, None]).to(torch.bfloat16)  # K's scales
+    want = decode_attention_reference(*args, sm_scale=0.088, **options)
+    q, _, _, *packed, _, _, _, _ = args
+    packed = [_in_buffer(t) for t in packed]  # staged, as in a cache
+    got = merge_partials(*history_partials(q, *packed, sm_scale=0.088, splits=2, pipeline=True))
     torch.testing.assert_close(got, want.float(), **TOLERANCE[torch.bfloat16])
 
 
