@@ -300,6 +300,7 @@ K_FACTORS = (1.0, 4.0, 16.0, 16.0)
 RESCALE_SLACK = gl.constexpr(8.0)
 LAZY_RESCALE = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --lazy)
 TWO_HALVES = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --halves)
+PREFETCH_TILES = 2  # staged tiles: tile i + this is asked into L2 while tile i computes (0: none; --prefetch)
 
 
 def halves(group: int) -> int:
@@ -464,6 +465,22 @@ def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block):
     _async_load(vz_buf.index(stage), VZ + block + rows)
 
 
+LANES: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+PREFETCH_L2 = gl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
+
+
+@gluon.jit
+def _prefetch_tile(KC, VC, KS, KZ, VS, VZ, block):
+    """Ask L2 for the tile at row ``block`` (its 16 + 16 lines of K and V words and 4 of metadata), so
+    that its copy into shared memory, issued a few tiles later, finds it there."""
+    lane = gl.arange(0, 32, layout=LANES)
+    words = gl.where(lane < 16, KC + block * 8 + lane * 32, VC + block * 8 + (lane - 16) * 32)
+    gl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [words], dtype=gl.int32, is_pure=False, pack=1)
+    which = lane % 4
+    meta = gl.where(which == 0, KS, gl.where(which == 1, KZ, gl.where(which == 2, VS, VZ))) + block
+    gl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [meta], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _staged_tile(buffers, stage, PACK: gl.constexpr):
     """A copied tile read back from ``stage`` in the layouts :func:`_load_tile` gives."""
@@ -494,6 +511,7 @@ def history_kernel(
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -523,7 +541,7 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, LAZY, PACK,
+        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, LAZY, PACK, PREFETCH,
     )  # fmt: skip
 
 
@@ -531,7 +549,7 @@ def history_kernel(
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr,
+    EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr, PREFETCH: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
@@ -546,6 +564,9 @@ def _history_span(
         if start < whole_end:
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
+        for ahead in gl.static_range(1, PREFETCH):
+            if start + 64 * ahead < whole_end:
+                _prefetch_tile(KC, VC, KS, KZ, VS, VZ, start + 64 * ahead)
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
         if LAUNCH_DEPENDENTS:
@@ -561,6 +582,9 @@ def _history_span(
             stage = (block - start) // 64 % 2
             if block + 64 < whole_end:
                 _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64)
+            if PREFETCH > 0:
+                if block + 64 * PREFETCH < whole_end:
+                    _prefetch_tile(KC, VC, KS, KZ, VS, VZ, block + 64 * PREFETCH)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
@@ -754,7 +778,7 @@ def history_into(
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, LAZY=LAZY_RESCALE, PACK=halves(group),
-        num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
+        PREFETCH=PREFETCH_TILES, num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
 
@@ -816,7 +840,7 @@ def compile_for_sm90() -> None:
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, LAZY=LAZY_RESCALE, PACK=halves(4),
-            grid=(1,),
+            PREFETCH=PREFETCH_TILES, grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

@@ -143,7 +143,9 @@ def test_the_span_moves_its_max_only_past_its_slack(q_heads, rising):
     ramp = torch.linspace(0.2, 6.0, 1000, device="cuda")
     ramp = ramp if rising else ramp.flip(0)
     args[4] = (args[4].float() * ramp[None, None, :, None]).to(torch.bfloat16)  # K's scales
-    want = decode_attention_reference(*args, sm_scale=0.088, **options)
+    # in float32: the bf16 reference itself is off by up to 0.11 at scores this large
+    want = decode_attention_reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=0.088,
+                                      **options)  # fmt: skip
     q, _, _, *packed, _, _, _, _ = args
     packed = [_in_buffer(t) for t in packed]  # staged, as in a cache
     got = merge_partials(*history_partials(q, *packed, sm_scale=0.088, splits=2, pipeline=True))
