@@ -6,7 +6,7 @@ Every layout conversion of ``kernels/decode_history_gluon.py`` is an identity an
 permute / join are logical operations, so its program can be replayed with torch tensors: the same
 unpacked code values (``K_UNPACK``'s and ``value_unpack_asm``'s elementwise meaning), relabellings,
 q's fixed point, scores,
-online softmax with lane-partial sums and its lazily moved max, value corrections and output scatter, for one KV head and
+online softmax with lane-partial sums, value corrections and output scatter, for one KV head and
 one split. The one non-elementwise step, ``movmatrix``, is replayed by where its values land: the
 register that held ``W[8i + g, 2t + e]`` of the scores' accumulator holds ``W[8i + 2t + e, g]``.
 The result is compared with ``decode_attention_reference`` in float32. A GPU failure of
@@ -25,7 +25,6 @@ from tests.test_kernels import _decode_inputs  # noqa: E402
 OFFSET, SM_SCALE = 128.0, 0.088
 V_FACTORS = (1.0, 4.0, 16.0, 1.0)  # V's column block j as bf16 OFFSET + f_j * code (block 3 shifted)
 K_FACTORS, Q_RANGE = (1, 4, 16, 16), 32000.0  # K's block j as int8 f_j * code; q's fixed-point range
-RESCALE_SLACK = 8.0  # base 2: the running max moves only where a tile's max passes it by more
 
 
 def code_values(words: torch.Tensor, byte: int, block: int, offset: float, factor: float) -> torch.Tensor:
@@ -121,12 +120,9 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) ->
         dots = (dots.reshape(rows, pack, heads) + meta[1] * neg_q_sum) * unit  # _by_half
         scores = dots * meta[0] * (SM_SCALE * 1.4426950408889634)
         scores = torch.where(key_rows(ok, pack)[:, :, None], scores, float("-inf"))
-        tile_max = scores.amax((0, 1))
-        alpha = torch.ones(heads)
-        if (tile_max > m_i + RESCALE_SLACK).any():  # _raise_max: the max moves only past the slack
-            m_new = torch.maximum(m_i, tile_max)
-            m_new = torch.where(m_new == float("-inf"), 0.0, m_new)
-            alpha, m_i = torch.exp2(m_i - m_new), m_new
+        m_new = torch.maximum(m_i, scores.amax((0, 1)))
+        m_new = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, m_i = torch.exp2(m_i - m_new), m_new
         p = torch.exp2(scores - m_i)
         w = (p * meta[2]).bfloat16().float()
         l_part = l_part * alpha + lane_sum(p)

@@ -2,8 +2,8 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0] [--lazy 1,0]
-                                      [--prefetch 0,2]
+                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0]
+                                      [--one-metadata-array]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -21,9 +21,10 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   history while the call before's merge runs, as a decode step's span does while q is rotated).
 
 ``--halves``: the span's 64-key tiles as two halves of 32 keys in the MMAs' columns (1, where a KV
-head has at most 4 query heads) or one (0); ``--lazy``: the running max moved only past its slack (1)
-or on every tile (0); ``--prefetch``: staged tiles asked into L2 this many tiles ahead (0: none). Each
-combination times the span alone and the whole call.
+head has at most 4 query heads) or one (0); each times the span alone and the whole call.
+``--one-metadata-array`` also times the staged span alone with its four metadata pointers (K's and V's
+scales and zeros) aimed at one array: one 128-byte stream a tile instead of four, for timing only (its
+results are wrong), to see what the four separate arrays cost in memory traffic.
 
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import PREFETCH_TILES, REGISTERS  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
 def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, variant: dict,
@@ -102,8 +103,8 @@ def main() -> None:
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
-    parser.add_argument("--lazy", default="1", help="the running max moved only past its slack (1), every tile (0)")
-    parser.add_argument("--prefetch", default=str(PREFETCH_TILES), help="tiles ahead asked into L2 (0: none)")
+    parser.add_argument("--one-metadata-array", action="store_true",
+                        help="also time the staged span reading its four metadata vectors from one array")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
@@ -127,11 +128,10 @@ def main() -> None:
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
-        variants = itertools.product(caps, numbers(options.halves), numbers(options.lazy), numbers(options.prefetch))
-        for index, (registers, halves, lazy, prefetch) in enumerate(variants):
+        for index, (registers, halves) in enumerate(itertools.product(caps, numbers(options.halves))):
             span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
-            span.TWO_HALVES, span.LAZY_RESCALE, span.PREFETCH_TILES = bool(halves), bool(lazy), prefetch
-            variant = {"registers": registers, "halves": 2 if halves else 1, "lazy": bool(lazy), "prefetch": prefetch}
+            span.TWO_HALVES = bool(halves)
+            variant = {"registers": registers, "halves": 2 if halves else 1}
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
@@ -144,18 +144,27 @@ def main() -> None:
                              "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
                              "max_abs_error": error})  # fmt: skip
                 print(rows[-1], flush=True)
+            if options.one_metadata_array:
+                aliased = [packed[0], packed[1], packed[1], packed[3], packed[1], packed[1]]  # k_scale four times
+                splits = tune.splits_for(span.programs_per_sm(), batch)
+
+                def aliased_run():
+                    return span.history_partials(q, *aliased, sm_scale=scale, splits=splits, pipeline=True)
+
+                rows.append({"batch": batch, "kernel": "gluon, staged, one metadata array (timing only)", **variant,
+                             "splits": splits, "us": tune.time_graph(aliased_run), "max_abs_error": float("nan")})
+                print(rows[-1], flush=True)
             rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
-        span.REGISTERS, span.TWO_HALVES, span.LAZY_RESCALE, span.PREFETCH_TILES = REGISTERS, True, True, PREFETCH_TILES
+        span.REGISTERS, span.TWO_HALVES = REGISTERS, True
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | halves | lazy max | prefetch | registers | programs an SM | splits | "
-             "dense split tokens | merge tile | us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
+             "us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | {r.get('lazy', '')} | "
-                     f"{r.get('prefetch', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
                      f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip

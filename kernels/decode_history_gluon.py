@@ -294,13 +294,7 @@ K_UNPACK = gl.constexpr(
     "lop3.b32 $2, $4, 0x30303030, 0, 0xEA; shr.b32 t, $4, 2; lop3.b32 $3, t, 0x30303030, 0, 0xEA; }"
 )
 K_FACTORS = (1.0, 4.0, 16.0, 16.0)
-# The running max moves only where a tile's max passes it by more than this (base 2), so p stays below
-# 2**8 (bf16 weights and float32 sums hold that) and most tiles skip rescaling the 32 accumulator
-# registers and the lane sums: the first tile sets the max, and later ones seldom pass it by 8.
-RESCALE_SLACK = gl.constexpr(8.0)
-LAZY_RESCALE = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --lazy)
 TWO_HALVES = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --halves)
-PREFETCH_TILES = 2  # staged tiles: tile i + this is asked into L2 while tile i computes (0: none; --prefetch)
 
 
 def halves(group: int) -> int:
@@ -465,22 +459,6 @@ def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block):
     _async_load(vz_buf.index(stage), VZ + block + rows)
 
 
-LANES: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
-PREFETCH_L2 = gl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
-
-
-@gluon.jit
-def _prefetch_tile(KC, VC, KS, KZ, VS, VZ, block):
-    """Ask L2 for the tile at row ``block`` (its 16 + 16 lines of K and V words and 4 of metadata), so
-    that its copy into shared memory, issued a few tiles later, finds it there."""
-    lane = gl.arange(0, 32, layout=LANES)
-    words = gl.where(lane < 16, KC + block * 8 + lane * 32, VC + block * 8 + (lane - 16) * 32)
-    gl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [words], dtype=gl.int32, is_pure=False, pack=1)
-    which = lane % 4
-    meta = gl.where(which == 0, KS, gl.where(which == 1, KZ, gl.where(which == 2, VS, VZ))) + block
-    gl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [meta], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def _staged_tile(buffers, stage, PACK: gl.constexpr):
     """A copied tile read back from ``stage`` in the layouts :func:`_load_tile` gives."""
@@ -510,8 +488,7 @@ def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -541,7 +518,7 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, LAZY, PACK, PREFETCH,
+        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK,
     )  # fmt: skip
 
 
@@ -549,7 +526,7 @@ def history_kernel(
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, LAZY: gl.constexpr, PACK: gl.constexpr, PREFETCH: gl.constexpr,
+    EARLY: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
@@ -564,9 +541,6 @@ def _history_span(
         if start < whole_end:
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
-        for ahead in gl.static_range(1, PREFETCH):
-            if start + 64 * ahead < whole_end:
-                _prefetch_tile(KC, VC, KS, KZ, VS, VZ, start + 64 * ahead)
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
         if LAUNCH_DEPENDENTS:
@@ -582,21 +556,18 @@ def _history_span(
             stage = (block - start) // 64 % 2
             if block + 64 < whole_end:
                 _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64)
-            if PREFETCH > 0:
-                if block + 64 * PREFETCH < whole_end:
-                    _prefetch_tile(KC, VC, KS, KZ, VS, VZ, block + 64 * PREFETCH)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             state = _tile_step(state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False,
-                               LAZY, PACK)
+                               PACK)
     else:
         for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False, PACK)
-            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, LAZY, PACK)
+            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK)
     if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True, PACK)
-        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, LAZY, PACK)
+        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP, PACK)  # fmt: skip
@@ -629,7 +600,7 @@ def _block_dots(codes, q_hi, q_lo, hi, lo, PACK: gl.constexpr):
 
 @gluon.jit
 def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr,
-               LAZY: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
+               PACK: gl.constexpr):  # fmt: skip
     """The online softmax over one 64-key tile, as ``[64 // PACK rows, PACK halves, heads]``: ``state``
     (m, three lane-partial sums, four accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
@@ -641,14 +612,12 @@ def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, 
     if MASKED:
         keys = block + gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
         scores = gl.where(_key_rows(keys < end, PACK)[:, :, None], scores, float("-inf"))
-    tile_max = gl.max(gl.max(scores, axis=0), axis=0) * unit
-    if LAZY:
-        if gl.max((tile_max > m_i + RESCALE_SLACK).to(gl.int32), axis=0) != 0:
-            m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = _raise_max(
-                (m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3), tile_max, PACK)
-    else:
-        m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = _raise_max(
-            (m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3), tile_max, PACK)
+    m_new = gl.maximum(m_i, gl.max(gl.max(scores, axis=0), axis=0) * unit)
+    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_new)
+    m_i = m_new
+    lanes = _broadcast(alpha, l_part)
+    l_part, w_part, wz_part = l_part * lanes, w_part * lanes, wz_part * lanes
     p = gl.exp2(scores * _broadcast(unit, scores) - _broadcast(m_i, scores))
     weights = _narrow(p * _key_rows(v_scale, PACK)[:, :, None])
     w = _widen(weights)
@@ -659,15 +628,15 @@ def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, 
     v0, v1, v2, v3 = _unpack_v(raw_v, V_UNPACK)
     if PACK == 2:
         first, second = _half_columns(w_op, 0), _half_columns(w_op, 1)
-        acc0 = _value_mmas(_v_operands(v0, PACK), first, second, acc0)
-        acc1 = _value_mmas(_v_operands(v1, PACK), first, second, acc1)
-        acc2 = _value_mmas(_v_operands(v2, PACK), first, second, acc2)
-        acc3 = _value_mmas(_v_operands(v3, PACK), first, second, acc3)
+        acc0 = _value_mmas(_v_operands(v0, PACK), first, second, _rescaled(acc0, alpha, PACK))
+        acc1 = _value_mmas(_v_operands(v1, PACK), first, second, _rescaled(acc1, alpha, PACK))
+        acc2 = _value_mmas(_v_operands(v2, PACK), first, second, _rescaled(acc2, alpha, PACK))
+        acc3 = _value_mmas(_v_operands(v3, PACK), first, second, _rescaled(acc3, alpha, PACK))
     else:
-        acc0 = mma_v2(_v_operands(v0, PACK)[0], w_op, acc0)
-        acc1 = mma_v2(_v_operands(v1, PACK)[0], w_op, acc1)
-        acc2 = mma_v2(_v_operands(v2, PACK)[0], w_op, acc2)
-        acc3 = mma_v2(_v_operands(v3, PACK)[0], w_op, acc3)
+        acc0 = mma_v2(_v_operands(v0, PACK)[0], w_op, _rescaled(acc0, alpha, PACK))
+        acc1 = mma_v2(_v_operands(v1, PACK)[0], w_op, _rescaled(acc1, alpha, PACK))
+        acc2 = mma_v2(_v_operands(v2, PACK)[0], w_op, _rescaled(acc2, alpha, PACK))
+        acc3 = mma_v2(_v_operands(v3, PACK)[0], w_op, _rescaled(acc3, alpha, PACK))
     return m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3
 
 
@@ -675,19 +644,6 @@ def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, 
 def _value_mmas(codes, first, second, acc):
     """Both halves' value MMAs: each half's codes against its weights, zero in the other's columns."""
     return mma_v2(codes[1], second, mma_v2(codes[0], first, acc))
-
-
-@gluon.jit
-def _raise_max(state, tile_max, PACK: gl.constexpr):
-    """``state`` with its running max raised to ``tile_max`` where that is larger, and the sums and
-    accumulators rescaled to it."""
-    m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
-    m_new = gl.maximum(m_i, tile_max)
-    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_new)
-    lanes = _broadcast(alpha, l_part)
-    return (m_new, l_part * lanes, w_part * lanes, wz_part * lanes, _rescaled(acc0, alpha, PACK),
-            _rescaled(acc1, alpha, PACK), _rescaled(acc2, alpha, PACK), _rescaled(acc3, alpha, PACK))  # fmt: skip
 
 
 @gluon.jit
@@ -777,8 +733,8 @@ def history_into(
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, LAZY=LAZY_RESCALE, PACK=halves(group),
-        PREFETCH=PREFETCH_TILES, num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
+        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group),
+        num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
 
@@ -839,8 +795,8 @@ def compile_for_sm90() -> None:
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
-            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, LAZY=LAZY_RESCALE, PACK=halves(4),
-            PREFETCH=PREFETCH_TILES, grid=(1,),
+            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4),
+            grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
         ops = sass_count.history_loop(sass_count.sass_of(compiled))

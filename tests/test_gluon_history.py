@@ -30,8 +30,7 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     argument / on the device), 757 / 772 with the next tile staged in shared memory (3.9: 749 / 752,
     770 / 781); 819 / 831 before K's block 3 went fp16 and the conversions went to asm. With K's scores on
     int8 MMAs (Triton 3.9): 713 / 716, staged 733 / 748. With two halves of 32 keys a tile (4 query
-    heads) and the lazily moved max: 659 / 676, staged 663 / 680, each counting the 51 instructions
-    of the rescaling a tile mostly skips."""
+    heads): 601 / 616, staged 619 / 633 (Triton 3.6: 617 / 629, staged 627 / 641)."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SPAN)], capture_output=True, text=True, env=env, timeout=600)
@@ -41,7 +40,7 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     assert [(ring, pipeline) for ring, pipeline, *_ in rows] == [
         ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True")], done.stdout  # fmt: skip
     for _, _, registers, local, instructions in rows:
-        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 700, done.stdout
+        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 660, done.stdout
 
 
 def _halves(register: int, dtype: torch.dtype) -> list[float]:
@@ -131,11 +130,11 @@ def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, s
 
 @GPU
 @pytest.mark.parametrize("q_heads", [4, 8], ids=["two-halves", "one-half"])
-@pytest.mark.parametrize("rising", [True, False], ids=["max-moves-often", "max-set-by-the-first-tile"])
-def test_the_span_moves_its_max_only_past_its_slack(q_heads, rising):
-    """The running max moves only where a tile's max passes it by more than ``RESCALE_SLACK``: key
-    scales growing 30-fold along the history make later tiles pass it again and again; falling, the
-    first tile's max stands and later weights stay below 1. Both against the reference."""
+@pytest.mark.parametrize("rising", [True, False], ids=["max-moves-every-tile", "max-set-by-the-first-tile"])
+def test_the_span_follows_scores_that_rise_or_fall_far(q_heads, rising):
+    """Key scales growing 30-fold along the history make each tile's max pass the running one by far,
+    so every tile rescales what came before; falling, the first tile's max stands and later weights
+    underflow. Both against the reference."""
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
     args, options = _decode_inputs(1, q_heads, 1, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=7)
