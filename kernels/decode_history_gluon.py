@@ -1,15 +1,16 @@
 """The packed-history span of decode attention with explicit layouts (Gluon), for INT2 K and V, one
 (scale, zero) per row, bf16, head_dim 128, up to 8 query heads per KV head, 64-key tiles on one
 warp. On a GPU the decode kernel takes its history slots from here for the shapes it covers
-(``OSCAR_DECODE_HISTORY=triton`` opts out): on an H200 at 100K, 25.8 us instead of 40.7 at batch 1,
-and 167.4 instead of 281.7 at batch 8 (``eval/results/gluon_history_int8_scores.md``). The dense
+(``OSCAR_DECODE_HISTORY=triton`` opts out): on an H200 at 100K, 25.4 us instead of 40.7 at batch 1,
+and 162.4 instead of 281.7 at batch 8 (``eval/results/gluon_history_halves.md``). The dense
 tiers (a Triton launch) and the merge follow it as programmatic dependent launches on Hopper, so they
 start in the span's tail.
 
 Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
 costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
 memory, and ``p`` converted through shared memory. Here every layout is stated, and keys are the
-MMA's rows, so heads pad nothing (they are the MMA's 8 columns):
+MMA's rows, so heads pad nothing (they are the MMA's 8 columns; with at most 4 query heads a KV
+head, each tile's two halves of 32 keys share them, see PAIRS):
 
 * scores ``S^T [64 keys, 8 heads] = K · q^T``: K's codes are the A operand (int8), q the B operand
   (two int8 halves of its fixed point: 32 tensor-core instructions a tile);
@@ -26,7 +27,9 @@ MMA's rows, so heads pad nothing (they are the MMA's 8 columns):
 * the tile is bound by the integer (ALU) pipe, which runs at half rate: unpacking is nearly all of
   it, so K's codes become int8 operands by masks alone (4 codes an instruction, bf16 took 2), and
   the bf16 conversions are single asm instructions (Triton 3.6: 819, then 735 instructions a tile
-  with bf16 scores; Nsight Compute then: ALU 51% busy, issue 48%, at 4 warps a scheduler).
+  with bf16 scores; Nsight Compute then: ALU 51% busy, issue 48%, at 4 warps a scheduler). Since
+  then the tile's instructions fell to 619 (int8 scores, two halves) with little gain in time
+  (``kernels/NOTES.md``, session 19): what bounds it now is memory traffic more than issue.
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers and the instructions of its loop (``eval/sass_count.py``'s compile without a GPU).
