@@ -89,6 +89,14 @@ def _by_half_layout(rows: int, pack: int) -> gl.DistributedLinearLayout:
 PAIRS: gl.constexpr = _by_half_layout(32, 2)  # scores and accumulators with two halves
 SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query heads)
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
+TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
+
+
+def halves(group: int) -> int:
+    """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS)."""
+    return 2 if group <= 4 and TWO_HALVES else 1
+
+
 # Codes travel as 32-bit words (4 bytes of a row; bytes would be carried one register each).
 # K words [64 keys, 8 words]: lane 4g+t holds keys 8g..8g+7 (score rows g + 8i), words 2t, 2t+1.
 WORDS_K: gl.constexpr = gl.DistributedLinearLayout(
@@ -297,12 +305,6 @@ K_UNPACK = gl.constexpr(
     "lop3.b32 $2, $4, 0x30303030, 0, 0xEA; shr.b32 t, $4, 2; lop3.b32 $3, t, 0x30303030, 0, 0xEA; }"
 )
 K_FACTORS = (1.0, 4.0, 16.0, 16.0)
-TWO_HALVES = True  # A/B switch for the H200 timing (eval/time_gluon_history.py --halves)
-
-
-def halves(group: int) -> int:
-    """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS)."""
-    return 2 if group <= 4 and TWO_HALVES else 1
 # q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
 # fits int8 (hi <= 125).
 Q_RANGE = gl.constexpr(32000.0)
