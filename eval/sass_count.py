@@ -110,6 +110,16 @@ def history_loop(sass: str) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
 
 
+def before_loop(sass: str) -> int:
+    """Instructions ahead of the first backward branch's target (a loop's prologue)."""
+    instructions = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+    for address, text in instructions:
+        branch = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            return sum(1 for other, _ in instructions if other < int(branch.group(1), 16))
+    return len(instructions)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", type=int, default=0, help="default: the launcher's")
