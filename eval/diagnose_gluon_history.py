@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import merge_partials, split_row_indices  # noqa: E402
+from oscar_hf.kernels.decode_attention import decode_attention_reference, split_rows  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import merge_partials  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402
 
@@ -45,15 +45,15 @@ def reference_partials(q: torch.Tensor, packed: list[torch.Tensor], splits: int)
     values = dequantize(QuantizedRows(v_codes, v_scale, v_zero), 2, head_dim, torch.float32)
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    chunk = split_rows(keys.shape[2], splits, 64)[1]  # as history_partials cuts them
     m, l, acc = [], [], []
-    for rows in split_row_indices(keys.shape[2], splits):  # as history_partials cuts them
-        rows = rows.to(keys.device)
-        scores = torch.einsum("bhd,bhtd->bht", q.float(), keys[:, :, rows]) * SM_SCALE * LOG2E
+    for start in range(0, keys.shape[2], chunk):
+        scores = torch.einsum("bhd,bhtd->bht", q.float(), keys[:, :, start : start + chunk]) * SM_SCALE * LOG2E
         top = scores.amax(-1)
         p = torch.exp2(scores - top[..., None])
         m.append(top)
         l.append(p.sum(-1))
-        acc.append(torch.einsum("bht,bhtd->bhd", p, values[:, :, rows]))
+        acc.append(torch.einsum("bht,bhtd->bhd", p, values[:, :, start : start + chunk]))
     return torch.stack(m, -1), torch.stack(l, -1), torch.stack(acc, -2)
 
 

@@ -3,7 +3,7 @@
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--settled 1,0] [--halves 1,0]
-                                      [--interleave 1,0] [--prepared-q 1,0] [--one-metadata-array]
+                                      [--one-metadata-array]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -22,9 +22,6 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
 
 ``--halves``: the span's 64-key tiles as two halves of 32 keys in the MMAs' columns (1, where a KV
 head has at most 4 query heads) or one (0); each times the span alone and the whole call.
-``--interleave``: each split takes every ``splits``-th tile from its index on (1) or its own run of
-rows (0); ``--prepared-q``: q's fixed point made once a KV head by a launch of its own ahead of the span
-(1) or by each of the span's programs (0); each times the span alone and the whole call.
 ``--one-metadata-array`` also times the staged span alone with its four metadata pointers (K's and V's
 scales and zeros) aimed at one array: one 128-byte stream a tile instead of four, for timing only (its
 results are wrong), to see what the four separate arrays cost in memory traffic.
@@ -51,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import INTERLEAVED_TILES, PREPARED_Q, REGISTERS  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
 def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, variant: dict,
@@ -106,8 +103,6 @@ def main() -> None:
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
-    parser.add_argument("--prepared-q", default="1", help="q's fixed point made ahead of the span (1) or in it (0)")
-    parser.add_argument("--interleave", default="1", help="tiles interleaved over the splits (1) or in runs (0)")
     parser.add_argument("--one-metadata-array", action="store_true",
                         help="also time the staged span reading its four metadata vectors from one array")
     options = parser.parse_args()
@@ -133,13 +128,10 @@ def main() -> None:
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
-        for index, (registers, halves, interleave, prepared) in enumerate(
-            itertools.product(caps, numbers(options.halves), numbers(options.interleave), numbers(options.prepared_q))
-        ):  # fmt: skip
+        for index, (registers, halves) in enumerate(itertools.product(caps, numbers(options.halves))):
             span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
-            span.TWO_HALVES, span.INTERLEAVED_TILES, span.PREPARED_Q = bool(halves), bool(interleave), bool(prepared)
-            variant = {"registers": registers, "halves": 2 if halves else 1, "interleaved": bool(interleave),
-                       "prepared_q": bool(prepared)}  # fmt: skip
+            span.TWO_HALVES = bool(halves)
+            variant = {"registers": registers, "halves": 2 if halves else 1}
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
@@ -163,17 +155,16 @@ def main() -> None:
                              "splits": splits, "us": tune.time_graph(aliased_run), "max_abs_error": float("nan")})
                 print(rows[-1], flush=True)
             rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
-        span.REGISTERS, span.TWO_HALVES, span.INTERLEAVED_TILES, span.PREPARED_Q = (
-            REGISTERS, True, INTERLEAVED_TILES, PREPARED_Q)
+        span.REGISTERS, span.TWO_HALVES = REGISTERS, True
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | halves | interleaved | q prepared | registers | programs an SM | splits | dense split tokens | merge tile | "
+             "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
              "us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | {r.get('interleaved', '')} | {r.get('prepared_q', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
                      f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip

@@ -29,7 +29,9 @@ head, each tile's two halves of 32 keys share them, see PAIRS):
   the bf16 conversions are single asm instructions (Triton 3.6: 819, then 735 instructions a tile
   with bf16 scores; Nsight Compute then: ALU 51% busy, issue 48%, at 4 warps a scheduler). Since
   then the tile's instructions fell to 619 (int8 scores, two halves) with little gain in time
-  (``kernels/NOTES.md``, session 19): what bounds it now is memory traffic more than issue.
+  (``kernels/NOTES.md``, sessions 19-20): what bounds it now is dependency latency within each
+  one-warp program (Nsight Compute: Wait and Short Scoreboard stalls, under one eligible warp a
+  scheduler), not memory and not issue.
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers and the instructions of its loop (``eval/sass_count.py``'s compile without a GPU).
@@ -90,15 +92,6 @@ PAIRS: gl.constexpr = _by_half_layout(32, 2)  # scores and accumulators with two
 SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query heads)
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
 TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
-
-
-# Which tiles a split takes: its own run of ``chunk`` rows (False), or every ``splits``-th tile from its
-# index on (True), so that at any moment a KV head's splits read neighbouring tiles, not tiles a chunk
-# apart (the A/B switch of eval/time_gluon_history.py --interleave).
-INTERLEAVED_TILES = True
-# Where q's fixed point is made: once a KV head by its own small launch ahead of the span (True), or by
-# each of the span's programs (False; the A/B switch of eval/time_gluon_history.py --prepared-q).
-PREPARED_Q = True
 
 
 def halves(group: int) -> int:
@@ -303,7 +296,7 @@ def _narrow(values):
     return gl.inline_asm_elementwise(NARROW_BF16, "=r,r,r", [values], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
-# K's scores run on int8 MMAs, q as two int8 halves of a 16-bit fixed point (``_q_fixed``): a mask makes
+# K's scores run on int8 MMAs, q as two int8 halves of a 16-bit fixed point (``_q_int8``): a mask makes
 # 4 codes an int8 operand register, where bf16 operands took 8 masks a word for its 16 codes, on the
 # ALU pipe that bounds the tile (H200, 100K: the whole call 28.8 against 30.1 us at batch 1, 171.1
 # against 180.1 at batch 8; eval/results/gluon_history_int8_scores.md). The sums are exact int32.
@@ -375,10 +368,11 @@ def _q_halves(block, scale, FACTOR: gl.constexpr):
 
 
 @gluon.jit
-def _q_fixed(Q, GROUP: gl.constexpr):
-    """q's fixed point for the int8 scores: per column block the two int8 halves ``[32 k, 8 heads]``, and
-    per head ``-sum(q)`` in fixed-point units and the unit (``1 / scale``). Blocks are combined
-    elementwise first, so that each per-head value takes one cross-lane reduction."""
+def _q_int8(Q, GROUP: gl.constexpr, PACK: gl.constexpr):
+    """q for the int8 scores: per column block the two int8 halves of its fixed point, each as one B
+    operand a half (:func:`_halves_of`), and per head ``-sum(q)`` in fixed-point units and the unit
+    (``1 / scale``). Blocks are combined elementwise first, so that each per-head value takes one
+    cross-lane reduction."""
     d0, d1, d2, d3 = _q_dims(Q, 0, GROUP), _q_dims(Q, 1, GROUP), _q_dims(Q, 2, GROUP), _q_dims(Q, 3, GROUP)
     amax = gl.max(gl.maximum(gl.maximum(gl.abs(d0), gl.abs(d1)), gl.maximum(gl.abs(d2), gl.abs(d3))), axis=0)
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
@@ -390,72 +384,10 @@ def _q_fixed(Q, GROUP: gl.constexpr):
     h3, l3, s3 = _q_halves(d3, scale, 16.0)
     neg_q_sum = gl.convert_layout(-gl.sum(s0 + s1 + s2 + s3, axis=0).to(gl.float32), HEAD_COLS)
     unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
-    return (h0, h1, h2, h3), (l0, l1, l2, l3), neg_q_sum, unit
-
-
-@gluon.jit
-def _q_operands(fixed, PACK: gl.constexpr):
-    """:func:`_q_fixed`'s halves as B operands, one a tile half (:func:`_halves_of`), and its per-head
-    values by half (columns past GROUP hold 0 and a unit of 1e-30 / Q_RANGE: a half's sum and max are
-    its heads')."""
-    his, los, neg_q_sum, unit = fixed  # (Triton 3.6 takes no nested tuples as assignment targets)
-    return ((_halves_of(his[0], PACK), _halves_of(his[1], PACK), _halves_of(his[2], PACK), _halves_of(his[3], PACK)),
-            (_halves_of(los[0], PACK), _halves_of(los[1], PACK), _halves_of(los[2], PACK), _halves_of(los[3], PACK)),
+    # columns past GROUP hold 0 and a unit of 1e-30 / Q_RANGE: a half's sum and max are its heads'
+    return ((_halves_of(h0, PACK), _halves_of(h1, PACK), _halves_of(h2, PACK), _halves_of(h3, PACK)),
+            (_halves_of(l0, PACK), _halves_of(l1, PACK), _halves_of(l2, PACK), _halves_of(l3, PACK)),
             gl.sum(_per_head(neg_q_sum, PACK), axis=0), gl.max(_per_head(unit, PACK), axis=0))  # fmt: skip
-
-
-# A KV head's q record (Q_RECORD bytes, 16-byte aligned): its 8 int8 halves [32 k, 8 heads], each stored
-# column-major (4 consecutive bytes a register of B_OP8), then -sum(q) and the unit of 8 heads (float32).
-Q_RECORD = gl.constexpr(8 * 256 + 2 * 8 * 4)
-
-
-@gluon.jit
-def _q_record_offsets():
-    k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP8))
-    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP8))
-    return heads[None, :] * 32 + k[:, None], gl.arange(0, 8, layout=HEAD_COLS)
-
-
-@gluon.jit
-def _store_q_record(QI, QF, fixed):
-    """:func:`_q_fixed` into a record (``QI`` its int8 view, ``QF`` its float32 view)."""
-    halves, heads = _q_record_offsets()
-    his, los, neg_q_sum, unit = fixed
-    gl.store(QI + halves, his[0])
-    gl.store(QI + 256 + halves, his[1])
-    gl.store(QI + 512 + halves, his[2])
-    gl.store(QI + 768 + halves, his[3])
-    gl.store(QI + 1024 + halves, los[0])
-    gl.store(QI + 1280 + halves, los[1])
-    gl.store(QI + 1536 + halves, los[2])
-    gl.store(QI + 1792 + halves, los[3])
-    gl.store(QF + 512 + heads, neg_q_sum)
-    gl.store(QF + 520 + heads, unit)
-
-
-@gluon.jit
-def _load_q_record(QI, QF):
-    """A record as :func:`_q_fixed` returned it."""
-    halves, heads = _q_record_offsets()
-    his = (gl.load(QI + halves), gl.load(QI + 256 + halves), gl.load(QI + 512 + halves), gl.load(QI + 768 + halves))
-    los = (gl.load(QI + 1024 + halves), gl.load(QI + 1280 + halves), gl.load(QI + 1536 + halves),
-           gl.load(QI + 1792 + halves))  # fmt: skip
-    return his, los, gl.load(QF + 512 + heads), gl.load(QF + 520 + heads)
-
-
-@gluon.jit
-def q_record_kernel(Q, q_b, QI, QF, GROUP: gl.constexpr, PDL: gl.constexpr):
-    """Program ``(b, kv head)``: the q record of its ``GROUP`` query heads, once for all the span's
-    splits (each of them computed it alike: ~550 instructions a program, at batch 1 an eighth of its
-    work). ``PDL`` (Hopper and later): the span, launched programmatically, may start at once; and this
-    grid, if launched so too (a decode step's settled history), waits for q."""
-    if PDL:
-        _launch_dependents()
-        _wait_for_inputs()
-    b = gl.program_id(0).to(gl.int64)
-    record = b * gl.num_programs(1) + gl.program_id(1)
-    fixed = _q_fixed(Q + b * q_b + gl.program_id(1) * GROUP * D, GROUP)
-    _store_q_record(QI + record * Q_RECORD, QF + record * (Q_RECORD // 4), fixed)
 
 
 @gluon.jit
@@ -560,11 +492,10 @@ def _wait_for_inputs():
 
 @gluon.jit
 def history_kernel(
-    Q, q_b, QI, QF, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
+    Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, INTERLEAVE: gl.constexpr,
-    PREPARED_Q: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -584,77 +515,64 @@ def history_kernel(
     if RING:
         n_hist = gl.load(LENGTHS).to(gl.int32)
         chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
-    if INTERLEAVE:  # split s takes tiles s, s + splits, ...: a head's splits read neighbouring tiles at once
-        start, step, end = split * 64, gl.num_programs(2) * 64, n_hist
-        whole_end = n_hist // 64 * 64
-    else:
-        start, step = split * chunk, 64
-        # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
-        # length would floor to a stray masked tile over another split's rows).
-        end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
-        whole_end = start + (end - start) // 64 * 64
+    start = split * chunk
+    # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
+    # length would floor to a stray masked tile over another split's rows).
+    end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
-    record = b * gl.num_programs(1) + kv_head
     _history_span(
-        Q + b * q_b + kv_head * GROUP * D, QI + record * Q_RECORD, QF + record * (Q_RECORD // 4), KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,
+        Q + b * q_b + kv_head * GROUP * D, KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
-        VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, step, whole_end, end,
+        VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, PREPARED_Q,
+        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK,
     )  # fmt: skip
 
 
 @gluon.jit
 def _history_span(
-    Q, QI, QF, KC, VC, KS, KZ, VS, VZ, start, step, whole_end, end, PM, PL, PACC, head_stride, score_scale,
+    Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, PACK: gl.constexpr, PREPARED_Q: gl.constexpr,
+    EARLY: gl.constexpr, PACK: gl.constexpr,
 ):  # fmt: skip
-    """The whole tiles at rows ``start, start + step, ...`` before ``whole_end`` of one KV head's packed
-    history, and the partial tile ``[whole_end, end)`` if this program's tiles lead to it, for its ``GROUP``
-    query heads: running max,
+    """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
-    fixed point (:func:`_q_fixed`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see
+    fixed point (:func:`_q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see
     :func:`value_unpack_asm`). Whole tiles run without masks; a last partial tile runs masked.
     ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
     computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
     took 204 registers a thread). ``EARLY``: see :func:`history_kernel`."""
-    tiles = gl.cdiv(gl.maximum(whole_end - start, 0), step)
+    whole_end = start + (end - start) // 64 * 64
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
-        if tiles > 0:
+        if start < whole_end:
             _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
         async_copy.commit_group()
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
         if LAUNCH_DEPENDENTS:
             _launch_dependents()
-    if PREPARED_Q:
-        q = _q_operands(_load_q_record(QI, QF), PACK)
-    else:
-        q = _q_operands(_q_fixed(Q, GROUP), PACK)
+    q = _q_int8(Q, GROUP, PACK)
     # per lane, half and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
     lane_sums = _lane_sum(_by_half(gl.full([64 // PACK, 8], 0.0, gl.float32, MMA), PACK))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
     m_i = gl.max(_per_head(gl.full([8], float("-inf"), gl.float32, HEAD_COLS), PACK), axis=0)
     state = (m_i, lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
     if PIPELINE:  # tile i + 1 is copied into shared memory while tile i computes
-        for i in range(0, tiles):
-            block = start + i * step
-            stage = i % 2
-            if i + 1 < tiles:
-                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + step)
+        for block in range(start, whole_end, 64):
+            stage = (block - start) // 64 % 2
+            if block + 64 < whole_end:
+                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             state = _tile_step(state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False,
                                PACK)
     else:
-        for i in range(0, tiles):
-            block = start + i * step
+        for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False, PACK)
             state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK)
-    if start + tiles * step == whole_end and whole_end < end:
+    if whole_end < end:
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True, PACK)
         state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
@@ -812,25 +730,18 @@ def history_into(
     elif pipeline and not aligned:
         raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
                          "16-row aligned (storage.ROW_ALIGNMENT)")
-    if early and (pipeline or PREPARED_Q):  # a copy made here is the kernel ahead: its rows are not settled
+    if early and pipeline:  # a copy made here is the kernel just before the span: its rows are not settled
         originals = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero)
         early = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
     else:
         early = False
-    records = torch.empty(batch * kv_heads, Q_RECORD.value // 4, dtype=torch.float32, device=q.device)
-    if PREPARED_Q:
-        # Launched after any copy above: the span, launched programmatically from it, may then read the
-        # history at once (only the records are the span's to wait for), unless this launch starts early too.
-        launch_kernel(q_record_kernel, (batch, kv_heads), q, q.stride(0), records.view(torch.int8), records,
-                      GROUP=group, PDL=launch_dependents, num_warps=1, launch_pdl=early)  # fmt: skip
-        early = launch_dependents
     launch_kernel(history_kernel, (batch, kv_heads, splits),
-        q, q.stride(0), records.view(torch.int8), records, words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
+        q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), INTERLEAVE=INTERLEAVED_TILES,
-        PREPARED_Q=PREPARED_Q, num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
+        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group),
+        num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
 
@@ -866,17 +777,6 @@ def history_partials(
     return m, l, acc
 
 
-def split_row_indices(length: int, splits: int) -> list[torch.Tensor]:
-    """The history rows each of :func:`history_partials`' splits takes (see :data:`INTERLEAVED_TILES`)."""
-    from oscar_hf.kernels.decode_attention import split_rows
-
-    splits, chunk = split_rows(length, splits, 64)
-    rows = torch.arange(length)
-    if not INTERLEAVED_TILES:
-        return list(rows.split(chunk))
-    return [rows[rows // 64 % splits == split] for split in range(splits)]
-
-
 def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Attention output ``[B, Hq, D]`` from partial slots (base-2 log-sum-exp), as stage 2 merges them."""
     weight = torch.exp2(m - m.amax(dim=-1, keepdim=True)).nan_to_num(0.0)
@@ -886,7 +786,6 @@ def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch
 def compile_for_sm90() -> None:
     """Compile the kernel for an H100/H200 without a GPU and print registers and loop instructions."""
     import os
-    import re
     import sys
     from pathlib import Path
 
@@ -901,10 +800,9 @@ def compile_for_sm90() -> None:
     for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
-            bf16, 32 * 128, torch.int8, f32, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
+            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4),
-            INTERLEAVE=INTERLEAVED_TILES, PREPARED_Q=PREPARED_Q,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
@@ -914,9 +812,6 @@ def compile_for_sm90() -> None:
               f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
               f"{sass_count.before_loop(sass)} before the loop")  # fmt: skip
         print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
-    compiled = q_record_kernel.warmup(bf16, 32 * 128, torch.int8, f32, GROUP=4, PDL=True, grid=(1,), num_warps=1)
-    instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass_count.sass_of(compiled)))
-    print(f"q records: {sass_count.resource_usage(compiled)}; {instructions} instructions")
 
 
 if __name__ == "__main__":
