@@ -96,9 +96,14 @@ def sass_of(compiled) -> str:
         return done.stdout
 
 
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, text)`` of each SASS instruction."""
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+
+
 def history_loop(sass: str) -> collections.Counter:
     """Opcode counts of the largest loop with tensor-core instructions (the packed-history loop)."""
-    instructions = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+    instructions = _instructions(sass)
     position = {address: i for i, (address, _) in enumerate(instructions)}
     best: list[str] = []
     for i, (address, text) in enumerate(instructions):
@@ -112,7 +117,7 @@ def history_loop(sass: str) -> collections.Counter:
 
 def before_loop(sass: str) -> int:
     """Instructions ahead of the first backward branch's target (a loop's prologue)."""
-    instructions = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+    instructions = _instructions(sass)
     for address, text in instructions:
         branch = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
