@@ -35,12 +35,13 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SPAN)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = re.findall(r"ring=(\w+) pipeline=(\w+): REG:(\d+) STACK:\d+ LOCAL:(\d+); shared \d+ B; (\d+) instructions",
-                      done.stdout)  # fmt: skip
+    rows = re.findall(r"ring=(\w+) pipeline=(\w+): REG:(\d+) STACK:\d+ LOCAL:(\d+); shared \d+ B; (\d+) instructions"
+                      r" per 64-key tile, (\d+) before the loop", done.stdout)  # fmt: skip
     assert [(ring, pipeline) for ring, pipeline, *_ in rows] == [
         ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True")], done.stdout  # fmt: skip
-    for _, _, registers, local, instructions in rows:
+    for _, _, registers, local, instructions, prologue in rows:
         assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 660, done.stdout
+        assert int(prologue) < 700, done.stdout  # 496-640 (Triton 3.9), the first tile's copy included
 
 
 def _halves(register: int, dtype: torch.dtype) -> list[float]:
