@@ -101,27 +101,31 @@ def _instructions(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
 
 
+def _backward_branches(instructions: list[tuple[int, str]]):
+    """``(index, target address)`` of each branch back to an earlier instruction (a loop's end)."""
+    for i, (address, text) in enumerate(instructions):
+        branch = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            yield i, int(branch.group(1), 16)
+
+
 def history_loop(sass: str) -> collections.Counter:
     """Opcode counts of the largest loop with tensor-core instructions (the packed-history loop)."""
     instructions = _instructions(sass)
     position = {address: i for i, (address, _) in enumerate(instructions)}
     best: list[str] = []
-    for i, (address, text) in enumerate(instructions):
-        branch = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            body = [t for _, t in instructions[position[int(branch.group(1), 16)] : i + 1]]
-            if any("HMMA" in t for t in body) and len(body) > len(best):
-                best = body
+    for i, target in _backward_branches(instructions):
+        body = [t for _, t in instructions[position[target] : i + 1]]
+        if any("HMMA" in t for t in body) and len(body) > len(best):
+            best = body
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
 
 
 def before_loop(sass: str) -> int:
-    """Instructions ahead of the first backward branch's target (a loop's prologue)."""
+    """Instructions ahead of the first loop's start (its prologue)."""
     instructions = _instructions(sass)
-    for address, text in instructions:
-        branch = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            return sum(1 for other, _ in instructions if other < int(branch.group(1), 16))
+    for _, target in _backward_branches(instructions):
+        return sum(1 for address, _ in instructions if address < target)
     return len(instructions)
 
 

@@ -34,7 +34,8 @@ head, each tile's two halves of 32 keys share them, see PAIRS):
   scheduler), not memory and not issue.
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
-registers and the instructions of its loop (``eval/sass_count.py``'s compile without a GPU).
+registers, the instructions of its loop and those before it (``eval/sass_count.py``'s compile
+without a GPU).
 """
 
 from __future__ import annotations
