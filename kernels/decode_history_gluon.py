@@ -491,12 +491,43 @@ def _wait_for_inputs():
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
+# A program's timeline (eval/timeline_decode.py): TIMELINE_FIELDS int64 a program, the SM, the global
+# timer at its start and end (ns, comparable across SMs), and the SM's cycle counter at the start, after
+# the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end. Set
+# TIMELINE to a zeroed buffer of at least ``batch * kv heads * splits * TIMELINE_FIELDS`` to have the
+# span's launches fill it; None (the default) compiles none of it.
+TIMELINE: torch.Tensor | None = None
+TIMELINE_FIELDS = gl.constexpr(8)
+
+
+@gluon.jit
+def _clock(after):
+    """The SM's cycle counter, read once ``after`` (a scalar) is computed."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,f", [after], dtype=gl.int64, is_pure=False,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _cycles():
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _global_time():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _sm_id():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS,
+    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -507,12 +538,20 @@ def history_kernel(
     it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
     launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
     written before that kernel, so the first tile's copy starts at once, and q (which that kernel may
-    write) is read, the slots written and the dense tiers let start, only after it has ended."""
+    write) is read, the slots written and the dense tiers let start, only after it has ended.
+    ``TIMED``: the program's timeline goes to ``TIMES`` (see :data:`TIMELINE`)."""
+    if TIMED:
+        started, started_cycle = _global_time(), _cycles()
     if LAUNCH_DEPENDENTS and not EARLY:
         _launch_dependents()
     b = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
+    if TIMED:
+        TIMES += ((b * gl.num_programs(1) + kv_head) * gl.num_programs(2) + split) * TIMELINE_FIELDS
+        gl.store(TIMES, _sm_id().to(gl.int64))
+        gl.store(TIMES + 1, started)
+        gl.store(TIMES + 3, started_cycle)
     if RING:
         n_hist = gl.load(LENGTHS).to(gl.int32)
         chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
@@ -526,15 +565,18 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK,
+        score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED,
     )  # fmt: skip
+    if TIMED:
+        gl.store(TIMES + 7, _cycles())
+        gl.store(TIMES + 2, _global_time())
 
 
 @gluon.jit
 def _history_span(
-    Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale,
+    Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, PACK: gl.constexpr,
+    EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
@@ -553,7 +595,11 @@ def _history_span(
         _wait_for_inputs()
         if LAUNCH_DEPENDENTS:
             _launch_dependents()
+    if TIMED:
+        gl.store(TIMES + 4, _cycles())
     q = _q_int8(Q, GROUP, PACK)
+    if TIMED:
+        gl.store(TIMES + 5, _clock(gl.max(q[3], axis=0)))
     # per lane, half and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
     lane_sums = _lane_sum(_by_half(gl.full([64 // PACK, 8], 0.0, gl.float32, MMA), PACK))
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
@@ -577,6 +623,8 @@ def _history_span(
         tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True, PACK)
         state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
+    if TIMED:
+        gl.store(TIMES + 6, _clock(gl.max(m_i, axis=0)))
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP, PACK)  # fmt: skip
 
@@ -740,8 +788,9 @@ def history_into(
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
+        q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group),
+        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -802,8 +851,8 @@ def compile_for_sm90() -> None:
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
-            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4),
+            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
+            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip

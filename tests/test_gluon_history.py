@@ -130,6 +130,31 @@ def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, s
 
 
 @GPU
+@pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
+def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatch, pipeline):
+    """``TIMELINE`` (eval/timeline_decode.py): one record a program, its phases in order, and the same
+    partials as untimed (1000 rows in 3 splits: 6, 6 and 4 tiles, the last one masked)."""
+    from oscar_hf.kernels import decode_history_gluon as span
+
+    args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=5)
+    q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
+    packed = [_in_buffer(t) for t in packed]
+    untimed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
+    timeline = torch.zeros(2 * 2 * 3 + 1, int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(span, "TIMELINE", timeline)
+    timed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
+    for a, b in zip(timed, untimed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    records = timeline.cpu()
+    assert not records[-1].any()  # 12 programs, 12 records
+    sm, started, ended, *cycles = records[:-1].T
+    assert (sm < torch.cuda.get_device_properties(0).multi_processor_count).all()
+    assert (started > 0).all() and (ended >= started).all()
+    for earlier, later in zip(cycles, cycles[1:]):
+        assert (later >= earlier).all()
+
+
+@GPU
 @pytest.mark.parametrize("q_heads", [4, 8], ids=["two-halves", "one-half"])
 @pytest.mark.parametrize("rising", [True, False], ids=["max-moves-every-tile", "max-set-by-the-first-tile"])
 def test_the_span_follows_scores_that_rise_or_fall_far(q_heads, rising):
