@@ -3,7 +3,7 @@
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--settled 1,0] [--halves 1,0]
-                                      [--one-metadata-array]
+                                      [--one-metadata-array] [--alternating-rows]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -25,6 +25,9 @@ head has at most 4 query heads) or one (0); each times the span alone and the wh
 ``--one-metadata-array`` also times the staged span alone with its four metadata pointers (K's and V's
 scales and zeros) aimed at one array: one 128-byte stream a tile instead of four, for timing only (its
 results are wrong), to see what the four separate arrays cost in memory traffic.
+
+``--alternating-rows`` also times the staged span alone and the whole call with K's and V's code rows
+side by side in one buffer (64-byte rows: one 4 KB stream a tile instead of two of 2 KB).
 
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
@@ -85,6 +88,39 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
     return rows
 
 
+def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> list[dict]:
+    """The staged span alone and the whole call with K's and V's code rows side by side in one buffer,
+    each beside the same with two buffers, twice in turn (the machine drifts)."""
+    from oscar_hf.storage import RowBuffer
+
+    k_codes, v_codes = x["k_codes"], x["v_codes"]
+    rows = RowBuffer(*k_codes.shape[:2], (64,), torch.uint8, k_codes.device)
+    rows.append(torch.cat([k_codes, v_codes], dim=-1))
+    layouts = {"two buffers": x, "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:])}
+    batch, splits = x["q"].shape[0], tune.splits_for(span.programs_per_sm(), x["q"].shape[0])
+    want = kernels.decode_attention_reference(x["q"], *(x[name] for name in bench.TIER_NAMES), k_bits=2, v_bits=2,
+                                              sm_scale=scale).float()  # fmt: skip
+    os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
+    out = []
+    for _, (name, inputs) in itertools.product(range(2), layouts.items()):
+        packed = [inputs[n] for n in bench.TIER_NAMES[2:8]]
+        tiers = [inputs[n] for n in bench.TIER_NAMES]
+
+        def alone():
+            return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True)
+
+        def call():
+            return kernels.decode_attention_triton(inputs["q"], *tiers, None, 2, 2, scale, history_settled=True)
+
+        out.append({"batch": batch, "kernel": f"gluon, staged, {name}", **variant, "splits": splits,
+                    "us": tune.time_graph(alone), "max_abs_error": float("nan")})  # fmt: skip
+        out.append({"batch": batch, "kernel": f"gluon, all tiers, settled, {name}", **variant,
+                    "us": tune.time_graph(call), "max_abs_error": (call().float() - want).abs().max().item()})  # fmt: skip
+        print(out[-2:], flush=True)
+    os.environ["OSCAR_DECODE_HISTORY"] = "triton"
+    return out
+
+
 def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
@@ -103,6 +139,8 @@ def main() -> None:
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
+    parser.add_argument("--alternating-rows", action="store_true",
+                        help="also time the span and the whole call with K's and V's code rows in one buffer")
     parser.add_argument("--one-metadata-array", action="store_true",
                         help="also time the staged span reading its four metadata vectors from one array")
     options = parser.parse_args()
@@ -154,6 +192,8 @@ def main() -> None:
                 rows.append({"batch": batch, "kernel": "gluon, staged, one metadata array (timing only)", **variant,
                              "splits": splits, "us": tune.time_graph(aliased_run), "max_abs_error": float("nan")})
                 print(rows[-1], flush=True)
+            if options.alternating_rows:
+                rows += alternating_rows(kernels, span, x, scale, variant)
             rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
         span.REGISTERS, span.TWO_HALVES = REGISTERS, True
     options.out.mkdir(parents=True, exist_ok=True)

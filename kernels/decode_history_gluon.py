@@ -412,18 +412,19 @@ def _unpack_v(words, UNPACK: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, MASKED: gl.constexpr, PACK: gl.constexpr):
+def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASKED: gl.constexpr, PACK: gl.constexpr):
     """One tile's K and V code words and its four metadata vectors; ``MASKED``: rows from ``end`` on
     read as 0. Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and
     16 bytes wide, which a mask allows only where it is known constant over 8 rows (not for a length
     read on the device). Offsets are taken from the tile's first row, so each address is a base plus
     a constant."""
     k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
-    k_offsets = k_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
+    k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
     v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
-    v_offsets = v_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
+    v_offsets = v_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
     rows = gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
-    KC, VC, KS, KZ, VS, VZ = KC + block * 8, VC + block * 8, KS + block, KZ + block, VS + block, VZ + block
+    KC, VC = KC + block * ROW_WORDS, VC + block * ROW_WORDS
+    KS, KZ, VS, VZ = KS + block, KZ + block, VS + block, VZ + block
     if MASKED:
         n = end - block
         raw_k = gl.load(KC + k_offsets, mask=(k_rows < n)[:, None], other=0)
@@ -450,17 +451,17 @@ def _stage_buffers(KS):
 
 
 @gluon.jit
-def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block):
+def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block, ROW_WORDS: gl.constexpr):
     """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile):
     each thread copies the K and V words it will read back; the metadata go in the copy's own layout."""
     k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
     k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
-    k_offsets = k_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
+    k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
     v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
-    v_offsets = v_rows[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
+    v_offsets = v_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
     rows = gl.arange(0, 64, layout=META_COPY)
-    _async_load(k_buf.index(stage), KC + block * 8 + k_offsets)
-    _async_load(v_buf.index(stage), VC + block * 8 + v_offsets)
+    _async_load(k_buf.index(stage), KC + block * ROW_WORDS + k_offsets)
+    _async_load(v_buf.index(stage), VC + block * ROW_WORDS + v_offsets)
     _async_load(ks_buf.index(stage), KS + block + rows)
     _async_load(kz_buf.index(stage), KZ + block + rows)
     _async_load(vs_buf.index(stage), VS + block + rows)
@@ -528,11 +529,13 @@ def history_kernel(
     n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
+    ROW_WORDS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
-    ``[B, Hkv, L, 8]``; scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
+    ``[B, Hkv, L, 8]``, rows ``ROW_WORDS`` words apart (8 packed, more where rows of K and V alternate in
+    one buffer); scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
     are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
     it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
@@ -565,7 +568,7 @@ def history_kernel(
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
         VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED,
+        score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS,
     )  # fmt: skip
     if TIMED:
         gl.store(TIMES + 7, _cycles())
@@ -576,7 +579,7 @@ def history_kernel(
 def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
+    EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr, ROW_WORDS: gl.constexpr,
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
@@ -589,7 +592,7 @@ def _history_span(
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
         if start < whole_end:
-            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start)
+            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start, ROW_WORDS)
         async_copy.commit_group()
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
@@ -609,7 +612,7 @@ def _history_span(
         for block in range(start, whole_end, 64):
             stage = (block - start) // 64 % 2
             if block + 64 < whole_end:
-                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64)
+                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64, ROW_WORDS)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
@@ -617,10 +620,10 @@ def _history_span(
                                PACK)
     else:
         for block in range(start, whole_end, 64):
-            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, False, PACK)
+            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS, False, PACK)
             state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK)
     if whole_end < end:
-        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, True, PACK)
+        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, ROW_WORDS, True, PACK)
         state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     if TIMED:
@@ -767,8 +770,10 @@ def history_into(
         raise ValueError(f"the span covers at most 8 query heads per KV head, got {group}")
     q = q.contiguous()
     # Rows are read in place (a cache's buffers hold more rows than are valid): no copies per call.
-    words_k, words_v = _rows_in_place(k_codes, 32).view(torch.int32), _rows_in_place(v_codes, 32).view(torch.int32)
-    meta = [_rows_in_place(t, 1) for t in (k_scale, k_zero, v_scale, v_zero)]
+    words_k, words_v = _code_words(k_codes), _code_words(v_codes)
+    if words_k.stride(2) != words_v.stride(2):  # one row stride for both
+        words_k, words_v = words_k.contiguous(), words_v.contiguous()
+    meta = [_metadata_in_place(t) for t in (k_scale, k_zero, v_scale, v_zero)]
     strides = [t.stride()[:2] for t in meta]
     if strides.count(strides[0]) != 4:  # the kernel takes one pair of strides for all four
         meta = [t.contiguous() for t in meta]
@@ -791,15 +796,24 @@ def history_into(
         q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
+        ROW_WORDS=words_k.stride(2),
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
 
-def _rows_in_place(rows: torch.Tensor, row_elements: int) -> torch.Tensor:
-    """``rows`` ``[B, H, L, row_elements]`` as the kernel reads them (contiguous rows, any stride between
-    them); copied only where a row itself is not contiguous."""
-    strides = rows.stride()
-    if strides[3] != 1 or strides[2] != row_elements:
+def _code_words(codes: torch.Tensor) -> torch.Tensor:
+    """INT2 code rows ``[B, H, L, 32]`` (bytes) as int32 words ``[B, H, L, 8]``, in place where each row is
+    contiguous and rows start 8 bytes aligned (the copies are 8 bytes wide), else copied."""
+    strides = codes.stride()
+    if strides[3] != 1 or strides[2] % 8 or strides[1] % 8 or strides[0] % 8 or codes.data_ptr() % 8:
+        codes = codes.contiguous()
+    return codes.view(torch.int32)
+
+
+def _metadata_in_place(rows: torch.Tensor) -> torch.Tensor:
+    """One group's scales or zeros ``[B, H, L, 1]`` as the kernel reads them (consecutive rows, any stride
+    between heads); copied only where rows are not consecutive."""
+    if rows.stride(2) != 1:
         return rows.contiguous()
     return rows
 
@@ -853,6 +867,7 @@ def compile_for_sm90() -> None:
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
+            ROW_WORDS=8,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip

@@ -131,6 +131,25 @@ def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, s
 
 @GPU
 @pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
+def test_the_span_reads_key_and_value_rows_that_alternate_in_one_buffer(pipeline):
+    """K's and V's code rows side by side in one buffer (rows 64 bytes apart) give the same partials as
+    two packed buffers."""
+    from oscar_hf.kernels.decode_history_gluon import history_partials
+
+    args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=6)
+    q, _, _, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, _, _, _, _ = [a.cuda() for a in args]
+    metadata = [_in_buffer(t) for t in (k_scale, k_zero, v_scale, v_zero)]
+    rows = _in_buffer(torch.cat([k_codes, v_codes], dim=-1))
+    separate = history_partials(q, _in_buffer(k_codes), metadata[0], metadata[1], _in_buffer(v_codes), *metadata[2:],
+                                sm_scale=0.088, splits=3, pipeline=pipeline)  # fmt: skip
+    alternating = history_partials(q, rows[..., :32], metadata[0], metadata[1], rows[..., 32:], *metadata[2:],
+                                   sm_scale=0.088, splits=3, pipeline=pipeline)  # fmt: skip
+    for a, b in zip(alternating, separate):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@GPU
+@pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
 def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatch, pipeline):
     """``TIMELINE`` (eval/timeline_decode.py): one record a program, its phases in order, and the same
     partials as untimed (1000 rows in 3 splits: 6, 6 and 4 tiles, the last one masked)."""
