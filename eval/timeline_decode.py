@@ -97,7 +97,9 @@ def program_timeline(kernels, span, x: dict) -> dict:
         span.TIMELINE = None
     records = timeline.view(-1, int(span.TIMELINE_FIELDS)).cpu()
     records = records[records[:, 1] != 0]
-    sm, started, ended, c_start, c_waited, c_q, c_loop, c_end = records.T.double()
+    # relative to the first start before going to float: the counters' raw values exceed float64's 53 bits
+    relative = torch.cat([records[:, :1], records[:, 1:3] - records[:, 1].min(), records[:, 3:] - records[:, 3:4]], 1)
+    sm, started, ended, c_start, c_waited, c_q, c_loop, c_end = relative.T.double()
     first = started.min()
     ghz = ((c_end - c_start) / (ended - started)).median().item()  # cycles a ns
     tiles = -(-(CONTEXT - DENSE_ROWS) // (64 * (len(records) // (x["q"].shape[0] * 8))))
