@@ -85,7 +85,7 @@ for step in "$@"; do
             run gluon_diagnosis 120 python3 eval/diagnose_gluon_history.py --out "$work"
             run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
         claims)  # tiles claimed from a counter a KV head against fixed runs of tiles
-            run claims 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --claims 1,0 \
+            run claims 420 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --claims 0,50,off \
                 --settled 1 --pdl 1 --dense-split-tokens 32 ;;
         alternating-rows)  # K's and V's code rows side by side in one buffer against two buffers
             run alternating_rows 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --alternating-rows \

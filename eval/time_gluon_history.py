@@ -2,7 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0] [--claims 1,0]
+                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0] [--claims 0,50,off]
                                       [--one-metadata-array] [--alternating-rows]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
@@ -20,8 +20,9 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   one after another; ``settled``: with ``history_settled=True`` (each call's span starts copying the
   history while the call before's merge runs, as a decode step's span does while q is rotated).
 
-``--claims``: the span's programs claim their tiles from a counter a KV head (1) or take fixed runs
-of them (0); each times the span alone and the whole call, twice in turn (the machine drifts).
+``--claims``: the span's programs claim their tiles from a counter a KV head after a run of their own
+of N percent of a fair share (N), or take fixed runs of them (``off``); each times the span alone and
+the whole call, twice in turn where there are several (the machine drifts).
 
 ``--halves``: the span's 64-key tiles as two halves of 32 keys in the MMAs' columns (1, where a KV
 head has at most 4 query heads) or one (0); each times the span alone and the whole call.
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import REGISTERS, RUN_PERCENT  # noqa: E402
 
 
 def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, variant: dict,
@@ -149,7 +150,8 @@ def main() -> None:
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
-    parser.add_argument("--claims", default="1", help="tiles claimed from a counter (1) or in fixed runs (0)")
+    parser.add_argument("--claims", default=str(RUN_PERCENT),
+                        help="tiles claimed after a run of N percent of a fair share (N), or fixed runs (off)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
     parser.add_argument("--alternating-rows", action="store_true",
                         help="also time the span and the whole call with K's and V's code rows in one buffer")
@@ -179,12 +181,13 @@ def main() -> None:
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
-        claim_modes = numbers(options.claims)
+        claim_modes = options.claims.split(",")
         turns = itertools.product(range(2 if len(claim_modes) > 1 else 1), caps, numbers(options.halves), claim_modes)
         for index, (_, registers, halves, claimed) in enumerate(turns):
             span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
-            span.TWO_HALVES, span.CLAIM_TILES = bool(halves), bool(claimed)
-            variant = {"registers": registers, "halves": 2 if halves else 1, "claimed": bool(claimed)}
+            span.TWO_HALVES, span.CLAIM_TILES = bool(halves), claimed != "off"
+            span.RUN_PERCENT = 0 if claimed == "off" else int(claimed)
+            variant = {"registers": registers, "halves": 2 if halves else 1, "claimed": claimed}
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
@@ -211,12 +214,12 @@ def main() -> None:
             if options.alternating_rows:
                 rows += alternating_rows(kernels, span, x, scale, variant)
             rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
-        span.REGISTERS, span.TWO_HALVES, span.CLAIM_TILES = REGISTERS, True, True
+        span.REGISTERS, span.TWO_HALVES, span.CLAIM_TILES, span.RUN_PERCENT = REGISTERS, True, True, RUN_PERCENT
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | claimed | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
+             "| batch | kernel | claims after (% of a share) | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
              "us | max abs error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

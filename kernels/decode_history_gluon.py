@@ -100,6 +100,9 @@ TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_h
 # at batch 8, by its place on the chip), and a fixed share left the call waiting on the slowest
 # (eval/results/timeline_decode.md: the last program ended 5.3 us after the mean at batch 1, 27 us at 8).
 CLAIM_TILES = True
+# Each program's own first run of tiles, in percent of a fair share (at least one tile), before it claims
+# (the A/B switch of eval/time_gluon_history.py --claims): a run reads consecutive rows.
+RUN_PERCENT = 0
 
 
 def halves(group: int) -> int:
@@ -537,7 +540,7 @@ def history_kernel(
     n_hist, CLAIMS, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr, CLAIMED: gl.constexpr,
+    ROW_WORDS: gl.constexpr, CLAIMED: gl.constexpr, RUN_PERCENT: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: its tiles of one KV head's ``n_hist`` history rows (see
     :func:`_history_span`; ``CLAIMS`` ``[B, Hkv, 2]`` int32, zero, and zero again when the grid ends) for
@@ -574,6 +577,7 @@ def history_kernel(
         CLAIMS + 2 * (b * gl.num_programs(1) + kv_head),
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
         score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS, CLAIMED,
+        RUN_PERCENT,
     )  # fmt: skip
     if TIMED:
         gl.store(TIMES + 7, _cycles())
@@ -585,29 +589,34 @@ def _history_span(
     Q, KC, VC, KS, KZ, VS, VZ, n_hist, split, splits, CLAIMS, PM, PL, PACC, head_stride, score_scale, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
     EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr, ROW_WORDS: gl.constexpr, CLAIMED: gl.constexpr,
+    RUN_PERCENT: gl.constexpr,
 ):  # fmt: skip
     """One program's tiles of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
     fixed point (:func:`_q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see
     :func:`value_unpack_asm`). Whole tiles run without masks; a last partial tile runs masked.
 
-    Which tiles: ``CLAIMED``, tile ``split`` first, then each next one claimed from the head's counter
-    (``CLAIMS[0]``, tile ``splits + ticket``) until none is left, so that programs that start late or
-    run slow take fewer (see :data:`CLAIM_TILES`); the partial tile goes to split 0, and the last program
-    of the head to finish sets the counters back to 0 for the next call. Otherwise split ``s`` takes the
-    ``s``-th run of ``cdiv(tiles, splits)`` tiles, as the Triton stage 1 splits rows.
+    Which tiles: ``CLAIMED``, a run of its own first (``RUN_PERCENT`` percent of a fair share, at least
+    one tile), then each next one claimed from the head's counter (``CLAIMS[0]``: tile ``splits * run +
+    ticket``) until none is left, so that programs that start late or run slow take fewer (see
+    :data:`CLAIM_TILES`); the partial tile goes to split 0, and the last program of the head to finish
+    sets the counters back to 0 for the next call. Otherwise split ``s`` takes the ``s``-th run of
+    ``cdiv(tiles, splits)`` tiles, as the Triton stage 1 splits rows.
 
     ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
     computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
     took 204 registers a thread). ``EARLY``: see :func:`history_kernel`."""
     whole = n_hist // 64  # whole tiles; a partial one after them runs masked
     if CLAIMED:
-        tile, last, partial_owner = split, whole, split == 0
+        run = gl.maximum(whole * RUN_PERCENT // (100 * splits), 1)
+        tile, last, partial_owner = split * run, whole, split == 0
+        run_end, claimed_from = tile + run, splits * run
     else:
         per = gl.cdiv(gl.cdiv(n_hist, 64), splits)
         tile = split * per
         last = gl.minimum(tile + per, whole)
         partial_owner = (tile <= whole) & (whole < tile + per)
+        run_end, claimed_from = last, last
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
         if tile < last:
@@ -618,7 +627,7 @@ def _history_span(
         if LAUNCH_DEPENDENTS:
             _launch_dependents()
     # claimed only now: the counter was set back to 0 by the call before, which has ended
-    pending = _claim(CLAIMS, tile < last, CLAIMED)
+    pending = _claim(CLAIMS, (tile + 1 >= run_end) & (tile < last), CLAIMED)
     if TIMED:
         gl.store(TIMES + 4, _cycles())
     q = _q_int8(Q, GROUP, PACK)
@@ -631,12 +640,13 @@ def _history_span(
     state = (m_i, lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
     stage, taken = 0, 0
     while tile < last:
-        following = _following(tile, pending, splits, CLAIMED)
+        following = _following(tile, pending, run_end, claimed_from, CLAIMED)
         if PIPELINE:  # the following tile is copied into shared memory while this one computes
             if following < last:
                 _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, following * 64, ROW_WORDS)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
-        pending = _claim(CLAIMS, following < last, CLAIMED)  # its latency hides behind this tile
+        # the tile after the following one, where it comes from the counter; its latency hides behind this tile
+        pending = _claim(CLAIMS, (following + 1 >= run_end) & (following < last), CLAIMED)
         if PIPELINE:
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
@@ -679,11 +689,11 @@ def _claim(CLAIMS, wanted, CLAIMED: gl.constexpr):
 
 
 @gluon.jit
-def _following(tile, pending, splits, CLAIMED: gl.constexpr):
-    """The tile a program runs after ``tile``: its claimed ticket (tile ``splits + ticket``), or the next."""
+def _following(tile, pending, run_end, claimed_from, CLAIMED: gl.constexpr):
+    """The tile a program runs after ``tile``: the next of its own run, else its claimed ticket's."""
     if CLAIMED:
         lane = gl.arange(0, 32, layout=LANES)
-        return splits + gl.sum(gl.where(lane == 0, pending, 0), axis=0)
+        return gl.where(tile + 1 < run_end, tile + 1, claimed_from + gl.sum(gl.where(lane == 0, pending, 0), axis=0))
     return tile + 1
 
 
@@ -852,7 +862,7 @@ def history_into(
         q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2), CLAIMED=CLAIM_TILES,
+        ROW_WORDS=words_k.stride(2), CLAIMED=CLAIM_TILES, RUN_PERCENT=RUN_PERCENT,
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -927,7 +937,7 @@ def compile_for_sm90() -> None:
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, i32,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
-            ROW_WORDS=8, CLAIMED=CLAIM_TILES,
+            ROW_WORDS=8, CLAIMED=CLAIM_TILES, RUN_PERCENT=RUN_PERCENT,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip

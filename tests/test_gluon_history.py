@@ -114,15 +114,18 @@ def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
 ])  # fmt: skip
 @pytest.mark.parametrize("pipeline, stored", [(False, False), (False, True), (True, True)],
                          ids=["direct", "direct-in-buffers", "staged-in-buffers"])  # fmt: skip
-@pytest.mark.parametrize("claimed", [True, False], ids=["claimed-tiles", "fixed-runs"])
+@pytest.mark.parametrize("claimed, run_percent", [(True, 0), (True, 50), (False, 0)],
+                         ids=["claimed-tiles", "claimed-after-a-run", "fixed-runs"])  # fmt: skip
 def test_history_span_matches_the_reference(monkeypatch, batch, q_heads, kv_heads, history, splits, pipeline, stored,
-                                            claimed):  # fmt: skip
+                                            claimed, run_percent):  # fmt: skip
     """``stored``: the history as a cache holds it, the first rows of buffers of aligned capacity (read
     in place; staging needs that alignment); otherwise plain tensors of ``history`` rows. ``claimed``:
-    programs claim their tiles from a counter (the default), or take fixed runs of them."""
+    programs claim their tiles from a counter (after a run of ``run_percent`` of a fair share of their
+    own), or take fixed runs of them."""
     from oscar_hf.kernels import decode_history_gluon as span
 
     monkeypatch.setattr(span, "CLAIM_TILES", claimed)
+    monkeypatch.setattr(span, "RUN_PERCENT", run_percent)
     args, options = _decode_inputs(batch, q_heads, kv_heads, 128, 0, history, 0, 0, torch.bfloat16, 2, 2, seed=3)
     args = [a.cuda() for a in args]
     want = decode_attention_reference(*args, sm_scale=0.088, **options)
@@ -135,12 +138,15 @@ def test_history_span_matches_the_reference(monkeypatch, batch, q_heads, kv_head
 
 @GPU
 @pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
-def test_claimed_tiles_leave_their_counters_zero_for_the_next_call(pipeline):
+@pytest.mark.parametrize("run_percent", [0, 50])
+def test_claimed_tiles_leave_their_counters_zero_for_the_next_call(monkeypatch, pipeline, run_percent):
     """Calls sharing one set of counters, each right (every tile taken once: a tile taken twice or
     skipped moves l away from the reference's), and the counters back at zero after each; more programs
     than tiles in the second call (the surplus claim nothing)."""
+    from oscar_hf.kernels import decode_history_gluon as span
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
+    monkeypatch.setattr(span, "RUN_PERCENT", run_percent)
     claims = torch.zeros(2, 2, 2, dtype=torch.int32, device="cuda")
     for history, splits in ((4133, 5), (300, 8), (4133, 16)):
         args, options = _decode_inputs(2, 8, 2, 128, 0, history, 0, 0, torch.bfloat16, 2, 2, seed=history)
