@@ -2,7 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0] [--claims 0,50,off]
+                                      [--merge-tiles 8192] [--settled 1,0] [--halves 1,0]
                                       [--one-metadata-array] [--alternating-rows]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
@@ -19,10 +19,6 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
   one after another; ``settled``: with ``history_settled=True`` (each call's span starts copying the
   history while the call before's merge runs, as a decode step's span does while q is rotated).
-
-``--claims``: the span's programs claim their tiles from a counter a KV head after a run of their own
-of N percent of a fair share (N), or take fixed runs of them (``off``); each times the span alone and
-the whole call, twice in turn where there are several (the machine drifts).
 
 ``--halves``: the span's 64-key tiles as two halves of 32 keys in the MMAs' columns (1, where a KV
 head has at most 4 query heads) or one (0); each times the span alone and the whole call.
@@ -55,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import REGISTERS, RUN_PERCENT  # noqa: E402
+from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
 def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, variant: dict,
@@ -102,7 +98,6 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
     rows.append(torch.cat([k_codes, v_codes], dim=-1))
     layouts = {"two buffers": x, "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:])}
     batch, splits = x["q"].shape[0], tune.splits_for(span.programs_per_sm(), x["q"].shape[0])
-    claims = zero_claims(x)
     want = kernels.decode_attention_reference(x["q"], *(x[name] for name in bench.TIER_NAMES), k_bits=2, v_bits=2,
                                               sm_scale=scale).float()  # fmt: skip
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
@@ -112,8 +107,7 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
         tiers = [inputs[n] for n in bench.TIER_NAMES]
 
         def alone():
-            return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True,
-                                         claims=claims)  # fmt: skip
+            return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True)
 
         def call():
             return kernels.decode_attention_triton(inputs["q"], *tiers, None, 2, 2, scale, history_settled=True)
@@ -125,12 +119,6 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
         print(out[-2:], flush=True)
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return out
-
-
-def zero_claims(x: dict) -> torch.Tensor:
-    """Tile counters for the span alone, made once (each launch leaves them zero): a memset a call would
-    be timed with it."""
-    return torch.zeros(x["q"].shape[0], x["k_codes"].shape[1], 2, dtype=torch.int32, device=x["q"].device)
 
 
 def numbers(text: str) -> list[int]:
@@ -150,8 +138,6 @@ def main() -> None:
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
-    parser.add_argument("--claims", default=str(RUN_PERCENT),
-                        help="tiles claimed after a run of N percent of a fair share (N), or fixed runs (off)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
     parser.add_argument("--alternating-rows", action="store_true",
                         help="also time the span and the whole call with K's and V's code rows in one buffer")
@@ -169,7 +155,6 @@ def main() -> None:
     for batch in numbers(options.batches):
         x = bench.tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)
         q, packed = x["q"], [x[name] for name in bench.TIER_NAMES[2:8]]
-        claims = zero_claims(x)
         empty = x["sink_k"][:, :, :0]
         scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
         want = kernels.decode_attention_reference(q, empty, empty, *packed, empty, empty, empty, empty, k_bits=2,
@@ -181,20 +166,16 @@ def main() -> None:
         rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
-        claim_modes = options.claims.split(",")
-        turns = itertools.product(range(2 if len(claim_modes) > 1 else 1), caps, numbers(options.halves), claim_modes)
-        for index, (_, registers, halves, claimed) in enumerate(turns):
+        for index, (registers, halves) in enumerate(itertools.product(caps, numbers(options.halves))):
             span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
-            span.TWO_HALVES, span.CLAIM_TILES = bool(halves), claimed != "off"
-            span.RUN_PERCENT = 0 if claimed == "off" else int(claimed)
-            variant = {"registers": registers, "halves": 2 if halves else 1, "claimed": claimed}
+            span.TWO_HALVES = bool(halves)
+            variant = {"registers": registers, "halves": 2 if halves else 1}
             for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
                                                       (False, True)):  # fmt: skip
                 splits = tune.splits_for(per_sm, batch)
 
                 def gluon_run():
-                    return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline,
-                                                 claims=claims)  # fmt: skip
+                    return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
                 rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", **variant,
@@ -206,7 +187,7 @@ def main() -> None:
                 splits = tune.splits_for(span.programs_per_sm(), batch)
 
                 def aliased_run():
-                    return span.history_partials(q, *aliased, sm_scale=scale, splits=splits, pipeline=True, claims=claims)
+                    return span.history_partials(q, *aliased, sm_scale=scale, splits=splits, pipeline=True)
 
                 rows.append({"batch": batch, "kernel": "gluon, staged, one metadata array (timing only)", **variant,
                              "splits": splits, "us": tune.time_graph(aliased_run), "max_abs_error": float("nan")})
@@ -214,16 +195,16 @@ def main() -> None:
             if options.alternating_rows:
                 rows += alternating_rows(kernels, span, x, scale, variant)
             rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
-        span.REGISTERS, span.TWO_HALVES, span.CLAIM_TILES, span.RUN_PERCENT = REGISTERS, True, True, RUN_PERCENT
+        span.REGISTERS, span.TWO_HALVES = REGISTERS, True
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
-             "| batch | kernel | claims after (% of a share) | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
+             "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
              "us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('claimed', '')} | {r.get('halves', '')} | "
+        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
                      f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
                      f"{r['max_abs_error']:.2e} |")  # fmt: skip

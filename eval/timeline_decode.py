@@ -8,12 +8,12 @@ whole call as the kernel benchmark times it (``decode_attention_triton``, settle
 replay). Three views:
 
 * **tiles**: the span alone (staged, one wave of splits) and the whole call over histories of
-  ``tiles x splits x 64`` rows, so that each program runs ``tiles`` tiles on average; a line through
+  ``tiles x splits x 64`` rows, so that each program runs exactly ``tiles`` tiles; a line through
   them gives the time a tile adds and the fixed part (launch, q's prologue, epilogue, dense tiers,
   merge). The whole call picks its own splits, which are a whole wave from 4 tiles on.
-* **programs** (100K): each span program's SM, start and end (global timer), its SM's cycle
+* **programs** (100K): each span program's SM, start and end (global timer) and its SM's cycle
   counter at the start, after waiting for the kernel ahead, once q is ready, after the last tile and
-  at the end, and its tiles (``decode_history_gluon.TIMELINE``), from the last of several calls replayed in one
+  at the end (``decode_history_gluon.TIMELINE``), from the last of several calls replayed in one
   graph: how the wave ramps up and drains, and the cycles of each phase.
 * **kernels** (100K): the span's, the dense tiers' and the merge's start and duration per call from
   the profiler (CUPTI), over the same graph.
@@ -48,16 +48,15 @@ def whole_call(kernels, x: dict):
 
 
 def tile_rows(kernels, span, batch: int, tiles: list[int]) -> list[dict]:
-    """The span alone and the whole call where each program runs ``tiles`` tiles (on average)."""
+    """The span alone and the whole call where each program runs ``tiles`` tiles."""
     splits = tune.splits_for(span.programs_per_sm(), batch)
     scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
     rows = []
     for count in tiles:
         x = bench.tiered_inputs(tune.CONFIG, DENSE_ROWS + count * splits * 64, batch, torch.device("cuda"), seed=0)
         packed = [x[name] for name in bench.TIER_NAMES[2:8]]
-        claims = torch.zeros(batch, x["k_codes"].shape[1], 2, dtype=torch.int32, device="cuda")  # left zero by each call
         span_us = tune.time_graph(lambda: span.history_partials(x["q"], *packed, sm_scale=scale, splits=splits,
-                                                                 pipeline=True, claims=claims))  # fmt: skip
+                                                                 pipeline=True))  # fmt: skip
         call_us = tune.time_graph(whole_call(kernels, x)) if count * splits * 64 >= splits * 256 else None
         rows.append({"batch": batch, "tiles": count, "splits": splits, "span_us": span_us, "call_us": call_us})
         print(rows[-1], flush=True)
@@ -99,24 +98,22 @@ def program_timeline(kernels, span, x: dict) -> dict:
     records = timeline.view(-1, int(span.TIMELINE_FIELDS)).cpu()
     records = records[records[:, 1] != 0]
     # relative to the first start before going to float: the counters' raw values exceed float64's 53 bits
-    relative = torch.cat([records[:, :1], records[:, 1:3] - records[:, 1].min(), records[:, 3:8] - records[:, 3:4],
-                          records[:, 8:]], 1)  # fmt: skip
-    sm, started, ended, c_start, c_waited, c_q, c_loop, c_end, tiles = relative.T.double()
+    relative = torch.cat([records[:, :1], records[:, 1:3] - records[:, 1].min(), records[:, 3:] - records[:, 3:4]], 1)
+    sm, started, ended, c_start, c_waited, c_q, c_loop, c_end = relative.T.double()
     first = started.min()
     ghz = ((c_end - c_start) / (ended - started)).median().item()  # cycles a ns
-
-    def spread(values: torch.Tensor) -> dict:
-        return {q: values.quantile(p).item() for q, p in (("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1.0))}
+    tiles = -(-(CONTEXT - DENSE_ROWS) // (64 * (len(records) // (x["q"].shape[0] * 8))))
 
     def us(cycles: torch.Tensor) -> dict:
-        return spread(cycles / ghz / 1e3)
+        values = cycles / ghz / 1e3
+        return {q: values.quantile(p).item() for q, p in (("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1.0))}
 
     return {
-        "programs": len(records), "sm_ghz": ghz, "tiles": spread(tiles),
+        "programs": len(records), "tiles_a_program": tiles, "sm_ghz": ghz,
         "window_us": (ended.max() - first).item() / 1e3,
         "start_us": us((started - first) * ghz), "end_us": us((ended - first) * ghz),
         "waiting_us": us(c_waited - c_start), "q_prologue_us": us(c_q - c_waited),
-        "tile_us": us((c_loop - c_q) / tiles.clamp(min=1)), "epilogue_us": us(c_end - c_loop),
+        "tile_us": us((c_loop - c_q) / tiles), "epilogue_us": us(c_end - c_loop),
         "program_us": us(c_end - c_start),
         "records": [[int(v) for v in row] for row in records.tolist()],
     }
@@ -165,7 +162,7 @@ def plot(result: dict, path: Path) -> None:
     records = sorted(timeline["records"], key=lambda r: (r[0], r[1]))
     first = min(r[1] for r in records)
     slot: dict[int, int] = {}
-    for sm, started, _, c_start, c_waited, c_q, c_loop, c_end, _ in records:
+    for sm, started, _, c_start, c_waited, c_q, c_loop, c_end in records:
         row = sm + slot.setdefault(sm, 0) / 16
         slot[sm] += 1
         t0 = (started - first) / 1e3
@@ -204,10 +201,8 @@ def markdown(result: dict) -> str:
             if fit:
                 lines.append(f"\n{name}: {fit['us_a_tile']:.2f} us a tile, {fit['fixed_us']:.1f} us fixed")
         p = batch["programs"]
-        t = p["tiles"]
-        lines += ["", f"Span programs at {CONTEXT // 1000}K ({p['programs']}, whole tiles a program: p10 {t['p10']:.0f}, "
-                  f"median {t['median']:.0f}, max {t['max']:.0f}; SM clock {p['sm_ghz']:.2f} GHz): first start to last "
-                  f"end {p['window_us']:.1f} us.", "",
+        lines += ["", f"Span programs at {CONTEXT // 1000}K ({p['programs']}, {p['tiles_a_program']} tiles each, "
+                  f"SM clock {p['sm_ghz']:.2f} GHz): first start to last end {p['window_us']:.1f} us.", "",
                   "| phase | p10 us | median us | p90 us | max us |", "|---|---|---|---|---|"]  # fmt: skip
         for phase in ("start_us", "end_us", "waiting_us", "q_prologue_us", "tile_us", "epilogue_us", "program_us"):
             v = p[phase]

@@ -643,8 +643,7 @@ def decode_attention_triton(
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
     n_slots = hist_splits + 3 * dense_splits
 
-    partial_m, partial_l, partial_acc, claims = _partials(batch, q_heads, n_slots, head_dim, q.device,
-                                                          reuse=lengths is None, claims=gluon)  # fmt: skip
+    partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
     # Masks travel as bytes (bool pointers are not portable across Triton versions). Without one the
     # kernel never reads the pointer: q stands in, sparing an allocation per call.
@@ -658,7 +657,7 @@ def decode_attention_triton(
     overlap = gluon and programmatic_launch(q.device)
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
-                     partial_acc, hist_splits, claims, lengths, launch_dependents=overlap,
+                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
                      early=overlap and history_settled)  # fmt: skip
     launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
@@ -689,23 +688,19 @@ def decode_attention_triton(
 
 
 # (device, stream, thread) -> the partial buffers of the latest eager call there
-_PARTIALS: dict[tuple, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+_PARTIALS: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
 
-def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: torch.device, reuse: bool,
-              claims: bool) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """``(m, l, acc, claims)`` slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]``), and with
-    ``claims`` the Gluon span's tile counters (int32 zeros ``[B, Hq, 2]``, at least two a KV head; the
-    span leaves them zero), else None.
+def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: torch.device, reuse: bool):
+    """``(m, l, acc)`` slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]``).
 
     They live from stage 1 to stage 2 of one call. Calls from one thread on one stream run in
     order, so eager calls there share one set while the shape stays (every layer of a step):
     three allocations fewer a call, and eager batch-1 decoding is bound by host time. One set stays
     allocated per stream and thread (at most ~300 slots: 4.4 MB at batch 1 for 32 heads of 128 dims).
-    Static decoding (``reuse`` false) allocates inside the graph it is captured in (the counters'
-    zeros are a memset there).
+    Static decoding (``reuse`` false) allocates inside the graph it is captured in.
     """
-    shape = (batch, q_heads, n_slots, head_dim, claims)
+    shape = (batch, q_heads, n_slots, head_dim)
     reuse = reuse and device.type == "cuda"
     if reuse:
         where = (device, triton.runtime.driver.active.get_current_stream(device.index), threading.get_ident())
@@ -713,8 +708,7 @@ def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: tor
         if kept is not None and kept[0] == shape:
             return kept[1]
     m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=device)
-    counters = torch.zeros(batch, q_heads, 2, dtype=torch.int32, device=device) if claims else None
-    buffers = (m, torch.empty_like(m), torch.empty(shape[:4], dtype=torch.float32, device=device), counters)
+    buffers = (m, torch.empty_like(m), torch.empty(shape, dtype=torch.float32, device=device))
     if reuse:
         _PARTIALS[where] = (shape, buffers)
     return buffers

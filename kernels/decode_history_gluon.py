@@ -92,17 +92,7 @@ def _by_half_layout(rows: int, pack: int) -> gl.DistributedLinearLayout:
 PAIRS: gl.constexpr = _by_half_layout(32, 2)  # scores and accumulators with two halves
 SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query heads)
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
-LANES: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
 TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
-# Programs claim their tiles from a counter a KV head (False: fixed runs of tiles, the A/B switch of
-# eval/time_gluon_history.py --claims): the wave's programs neither start together (up to ~4 us apart
-# at batch 1, the kernel ahead leaving SMs one by one) nor run equally fast (an SM's tiles took 1.2-2.5 us
-# at batch 8, by its place on the chip), and a fixed share left the call waiting on the slowest
-# (eval/results/timeline_decode.md: the last program ended 5.3 us after the mean at batch 1, 27 us at 8).
-CLAIM_TILES = True
-# Each program's own first run of tiles, in percent of a fair share (at least one tile), before it claims
-# (the A/B switch of eval/time_gluon_history.py --claims): a run reads consecutive rows.
-RUN_PERCENT = 0
 
 
 def halves(group: int) -> int:
@@ -503,13 +493,12 @@ def _wait_for_inputs():
 
 
 # A program's timeline (eval/timeline_decode.py): TIMELINE_FIELDS int64 a program, the SM, the global
-# timer at its start and end (ns, comparable across SMs), the SM's cycle counter at the start, after
-# the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end, and the
-# number of whole tiles it ran. Set
+# timer at its start and end (ns, comparable across SMs), and the SM's cycle counter at the start, after
+# the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end. Set
 # TIMELINE to a zeroed buffer of at least ``batch * kv heads * splits * TIMELINE_FIELDS`` to have the
 # span's launches fill it; None (the default) compiles none of it.
 TIMELINE: torch.Tensor | None = None
-TIMELINE_FIELDS = gl.constexpr(9)
+TIMELINE_FIELDS = gl.constexpr(8)
 
 
 @gluon.jit
@@ -537,18 +526,17 @@ def _sm_id():
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, CLAIMS, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
+    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr, CLAIMED: gl.constexpr, RUN_PERCENT: gl.constexpr,
+    ROW_WORDS: gl.constexpr,
 ):  # fmt: skip
-    """Program ``(b, kv head, split)``: its tiles of one KV head's ``n_hist`` history rows (see
-    :func:`_history_span`; ``CLAIMS`` ``[B, Hkv, 2]`` int32, zero, and zero again when the grid ends) for
+    """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
     ``[B, Hkv, L, 8]``, rows ``ROW_WORDS`` words apart (8 packed, more where rows of K and V alternate in
     one buffer); scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
-    are ``LENGTHS[0]`` (device memory).
+    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
     it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
     launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
@@ -569,15 +557,18 @@ def history_kernel(
         gl.store(TIMES + 3, started_cycle)
     if RING:
         n_hist = gl.load(LENGTHS).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
+    start = split * chunk
+    # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
+    # length would floor to a stray masked tile over another split's rows).
+    end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
     _history_span(
         Q + b * q_b + kv_head * GROUP * D, KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,
         KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
-        VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, n_hist, split, gl.num_programs(2),
-        CLAIMS + 2 * (b * gl.num_programs(1) + kv_head),
+        VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS, CLAIMED,
-        RUN_PERCENT,
+        score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS,
     )  # fmt: skip
     if TIMED:
         gl.store(TIMES + 7, _cycles())
@@ -586,48 +577,27 @@ def history_kernel(
 
 @gluon.jit
 def _history_span(
-    Q, KC, VC, KS, KZ, VS, VZ, n_hist, split, splits, CLAIMS, PM, PL, PACC, head_stride, score_scale, TIMES,
+    Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr, ROW_WORDS: gl.constexpr, CLAIMED: gl.constexpr,
-    RUN_PERCENT: gl.constexpr,
+    EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr, ROW_WORDS: gl.constexpr,
 ):  # fmt: skip
-    """One program's tiles of one KV head's packed history for its ``GROUP`` query heads: running max,
+    """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
     fixed point (:func:`_q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see
     :func:`value_unpack_asm`). Whole tiles run without masks; a last partial tile runs masked.
-
-    Which tiles: ``CLAIMED``, a run of its own first (``RUN_PERCENT`` percent of a fair share, at least
-    one tile), then each next one claimed from the head's counter (``CLAIMS[0]``: tile ``splits * run +
-    ticket``) until none is left, so that programs that start late or run slow take fewer (see
-    :data:`CLAIM_TILES`); the partial tile goes to split 0, and the last program of the head to finish
-    sets the counters back to 0 for the next call. Otherwise split ``s`` takes the ``s``-th run of
-    ``cdiv(tiles, splits)`` tiles, as the Triton stage 1 splits rows.
-
     ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
     computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
     took 204 registers a thread). ``EARLY``: see :func:`history_kernel`."""
-    whole = n_hist // 64  # whole tiles; a partial one after them runs masked
-    if CLAIMED:
-        run = gl.maximum(whole * RUN_PERCENT // (100 * splits), 1)
-        tile, last, partial_owner = split * run, whole, split == 0
-        run_end, claimed_from = tile + run, splits * run
-    else:
-        per = gl.cdiv(gl.cdiv(n_hist, 64), splits)
-        tile = split * per
-        last = gl.minimum(tile + per, whole)
-        partial_owner = (tile <= whole) & (whole < tile + per)
-        run_end, claimed_from = last, last
+    whole_end = start + (end - start) // 64 * 64
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
-        if tile < last:
-            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, tile * 64, ROW_WORDS)
+        if start < whole_end:
+            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start, ROW_WORDS)
         async_copy.commit_group()
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
         if LAUNCH_DEPENDENTS:
             _launch_dependents()
-    # claimed only now: the counter was set back to 0 by the call before, which has ended
-    pending = _claim(CLAIMS, (tile + 1 >= run_end) & (tile < last), CLAIMED)
     if TIMED:
         gl.store(TIMES + 4, _cycles())
     q = _q_int8(Q, GROUP, PACK)
@@ -638,63 +608,28 @@ def _history_span(
     acc = gl.full([32, 8], 0.0, gl.float32, MMA)
     m_i = gl.max(_per_head(gl.full([8], float("-inf"), gl.float32, HEAD_COLS), PACK), axis=0)
     state = (m_i, lane_sums, lane_sums, lane_sums, acc, acc, acc, acc)
-    stage, taken = 0, 0
-    while tile < last:
-        following = _following(tile, pending, run_end, claimed_from, CLAIMED)
-        if PIPELINE:  # the following tile is copied into shared memory while this one computes
-            if following < last:
-                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, following * 64, ROW_WORDS)
+    if PIPELINE:  # tile i + 1 is copied into shared memory while tile i computes
+        for block in range(start, whole_end, 64):
+            stage = (block - start) // 64 % 2
+            if block + 64 < whole_end:
+                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64, ROW_WORDS)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
-        # the tile after the following one, where it comes from the counter; its latency hides behind this tile
-        pending = _claim(CLAIMS, (following + 1 >= run_end) & (following < last), CLAIMED)
-        if PIPELINE:
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
-            loaded = _staged_tile(buffers, stage, PACK)
-        else:
-            loaded = _load_tile(KC, VC, KS, KZ, VS, VZ, tile * 64, n_hist, ROW_WORDS, False, PACK)
-        state = _tile_step(state, loaded, q, score_scale, tile * 64, n_hist, V_UNPACK, False, PACK)
-        tile, stage = following, 1 - stage
-        if TIMED:
-            taken += 1
-    if partial_owner & (whole * 64 < n_hist):
-        loaded = _load_tile(KC, VC, KS, KZ, VS, VZ, whole * 64, n_hist, ROW_WORDS, True, PACK)
-        state = _tile_step(state, loaded, q, score_scale, whole * 64, n_hist, V_UNPACK, True, PACK)
+            state = _tile_step(state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False,
+                               PACK)
+    else:
+        for block in range(start, whole_end, 64):
+            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS, False, PACK)
+            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK)
+    if whole_end < end:
+        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, ROW_WORDS, True, PACK)
+        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     if TIMED:
         gl.store(TIMES + 6, _clock(gl.max(m_i, axis=0)))
-        gl.store(TIMES + 8, taken.to(gl.int64))
     _store_partials(PM, PL, PACC, head_stride, m_i, _head_total(l_part), _head_total(w_part), _head_total(wz_part),
                     acc0, acc1, acc2, acc3, GROUP, PACK)  # fmt: skip
-    if CLAIMED:  # the head's last program to finish: every claim of this call is made; reset for the next
-        lane = gl.arange(0, 32, layout=LANES)
-        first = lane == 0
-        done = gl.atomic_add(CLAIMS + 1 + 0 * lane, gl.full([32], 1, gl.int32, LANES), mask=first, sem="relaxed")
-        gl.atomic_xchg(CLAIMS + lane, gl.full([32], 0, gl.int32, LANES), mask=(lane < 2) & (gl.max(gl.where(
-            first, done, 0), axis=0) == splits - 1), sem="relaxed")  # fmt: skip
-
-
-@gluon.jit
-def _claim(CLAIMS, wanted, CLAIMED: gl.constexpr):
-    """Claim a tile where ``wanted``: one atomic by lane 0, its ticket left in lane 0's register. Only
-    :func:`_following` reads it, a tile later, so that the atomic's round trip hides behind a tile (a
-    scalar atomic is broadcast to the lanes through shared memory at once: +0.8 us a tile on an H200).
-    A claim's ticket is read only where it was made (``wanted``). Relaxed: a program reads a ticket
-    before it counts itself done, so every claim is made by the time the last one resets the counter."""
-    lane = gl.arange(0, 32, layout=LANES)
-    if CLAIMED:
-        return gl.atomic_add(CLAIMS + 0 * lane, gl.full([32], 1, gl.int32, LANES), mask=(lane == 0) & wanted,
-                             sem="relaxed")  # fmt: skip
-    return lane
-
-
-@gluon.jit
-def _following(tile, pending, run_end, claimed_from, CLAIMED: gl.constexpr):
-    """The tile a program runs after ``tile``: the next of its own run, else its claimed ticket's."""
-    if CLAIMED:
-        lane = gl.arange(0, 32, layout=LANES)
-        return gl.where(tile + 1 < run_end, tile + 1, claimed_from + gl.sum(gl.where(lane == 0, pending, 0), axis=0))
-    return tile + 1
 
 
 @gluon.jit
@@ -809,14 +744,13 @@ def _over_halves(acc, PACK: gl.constexpr):
 def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
-    partial_acc: torch.Tensor, splits: int, claims: torch.Tensor, lengths: torch.Tensor | None = None,
+    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
     pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
-    m and l in base-2 units), from all its rows or with ``lengths`` (static decoding) the first
-    ``lengths[0]``. ``claims``: at least ``2 * B * Hkv`` int32 zeros, which the launch leaves zero (the
-    tile counters, see :data:`CLAIM_TILES`); calls that share them must run one after another. ``pipeline``: stage the next tile in shared memory (see
+    m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
+    ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
     :func:`_history_span`); None (the default) stages where the metadata are aligned for it, as a
     cache's buffers are (H200, 100K: 170.0-175.5 us at batch 8 against 174.0-175.7 direct, a tie at
     batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
@@ -857,12 +791,12 @@ def history_into(
         early = False
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *strides[0], k_codes.shape[2], claims, partial_m, partial_l, partial_acc, partial_m.shape[-1],
+        *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2), CLAIMED=CLAIM_TILES, RUN_PERCENT=RUN_PERCENT,
+        ROW_WORDS=words_k.stride(2),
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -893,20 +827,16 @@ def staging_aligned(metadata: list[torch.Tensor]) -> bool:
 def history_partials(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False,
-    claims: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The span over the whole packed history in ``splits`` programs a KV head: ``(m, l, acc)`` per
-    (batch, query head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them.
-    ``claims``: as :func:`history_into` takes them (default: zeros made for this call)."""
+    """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
+    head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
     from oscar_hf.kernels.decode_attention import split_rows
 
     batch, q_heads, head_dim = q.shape
-    splits = split_rows(k_codes.shape[2], splits, 64)[0]
+    splits, chunk = split_rows(k_codes.shape[2], splits, 64)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    if claims is None:
-        claims = torch.zeros(batch, k_codes.shape[1], 2, dtype=torch.int32, device=q.device)
-    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, claims,
+    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
                  pipeline=pipeline)  # fmt: skip
     return m, l, acc
 
@@ -934,10 +864,10 @@ def compile_for_sm90() -> None:
     for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
-            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, i32,
+            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
-            ROW_WORDS=8, CLAIMED=CLAIM_TILES, RUN_PERCENT=RUN_PERCENT,
+            ROW_WORDS=8,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
