@@ -414,9 +414,9 @@ def _unpack_v(words, UNPACK: gl.constexpr):
 @gluon.jit
 def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASKED: gl.constexpr, PACK: gl.constexpr):
     """One tile's K and V code words and its four metadata vectors; ``MASKED``: rows from ``end`` on
-    read as 0. Rows are contiguous (8 words, one scale or zero): constant strides let loads be 8 and
-    16 bytes wide, which a mask allows only where it is known constant over 8 rows (not for a length
-    read on the device). Offsets are taken from the tile's first row, so each address is a base plus
+    read as 0. A row's 8 words are contiguous (rows ``ROW_WORDS`` apart), its scale or zero one element:
+    constant strides let loads be 8 and 16 bytes wide, which a mask allows only where it is known
+    constant over 8 rows (not for a length read on the device). Offsets are taken from the tile's first row, so each address is a base plus
     a constant."""
     k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
     k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
