@@ -41,13 +41,12 @@ CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
 
 
-def whole_call(kernels, x: dict):
-    tiers = [x[name] for name in bench.TIER_NAMES]
-    scale = x["q"].shape[-1] ** -0.5
-    return lambda: kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=True)
+def whole_call(x: dict):
+    """The kernel benchmark's call over ``x`` (settled history), as a function of no arguments."""
+    return lambda: bench.oscar_triton(x, tune.CONFIG)
 
 
-def tile_rows(kernels, span, batch: int, tiles: list[int]) -> list[dict]:
+def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
     """The span alone and the whole call where each program runs ``tiles`` tiles."""
     splits = tune.splits_for(span.programs_per_sm(), batch)
     scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
@@ -57,7 +56,7 @@ def tile_rows(kernels, span, batch: int, tiles: list[int]) -> list[dict]:
         packed = [x[name] for name in bench.TIER_NAMES[2:8]]
         span_us = tune.time_graph(lambda: span.history_partials(x["q"], *packed, sm_scale=scale, splits=splits,
                                                                  pipeline=True))  # fmt: skip
-        call_us = tune.time_graph(whole_call(kernels, x)) if count * splits * 64 >= splits * 256 else None
+        call_us = tune.time_graph(whole_call(x)) if count * splits * 64 >= splits * 256 else None
         rows.append({"batch": batch, "tiles": count, "splits": splits, "span_us": span_us, "call_us": call_us})
         print(rows[-1], flush=True)
         del x, packed
@@ -84,12 +83,12 @@ def replayed(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def program_timeline(kernels, span, x: dict) -> dict:
+def program_timeline(span, x: dict) -> dict:
     """Each span program's record from the last call of a replayed graph, and phase summaries."""
     timeline = torch.zeros(4 * 2112 * int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
     span.TIMELINE = timeline
     try:
-        graph = replayed(whole_call(kernels, x), CALLS_A_GRAPH)
+        graph = replayed(whole_call(x), CALLS_A_GRAPH)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
@@ -119,11 +118,11 @@ def program_timeline(kernels, span, x: dict) -> dict:
     }
 
 
-def kernel_windows(kernels, x: dict) -> dict:
+def kernel_windows(x: dict) -> dict:
     """Start (from the call's first kernel) and duration of each kernel of the middle calls of a replayed graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = replayed(whole_call(kernels, x), CALLS_A_GRAPH)
+    graph = replayed(whole_call(x), CALLS_A_GRAPH)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -227,18 +226,17 @@ def main() -> None:
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
-    kernels = bench.decode_kernels()
     machine = bench.machine_info()
     result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batches": []}  # fmt: skip
     result["title"] = f"Decode call timeline, {bench.machine_line(machine)}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
-        tiles = tile_rows(kernels, span, batch, [int(t) for t in options.tiles.split(",")])
+        tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])
         x = bench.tiered_inputs(tune.CONFIG, CONTEXT, batch, torch.device("cuda"), seed=0)
-        entry = {"batch": batch, "tiles": tiles, "call_us_100k": tune.time_graph(whole_call(kernels, x)),
+        entry = {"batch": batch, "tiles": tiles, "call_us_100k": tune.time_graph(whole_call(x)),
                  "span_fit": line([(r["tiles"], r["span_us"]) for r in tiles]),
                  "call_fit": line([(r["tiles"], r["call_us"]) for r in tiles if r["call_us"] is not None]),
-                 "programs": program_timeline(kernels, span, x), "kernels": kernel_windows(kernels, x)}  # fmt: skip
+                 "programs": program_timeline(span, x), "kernels": kernel_windows(x)}  # fmt: skip
         result["batches"].append(entry)
         print({k: v for k, v in entry["programs"].items() if k != "records"}, entry["kernels"], flush=True)
     options.out.mkdir(parents=True, exist_ok=True)
