@@ -95,27 +95,52 @@ def program_timeline(span, x: dict) -> dict:
     finally:
         span.TIMELINE = None
     records = timeline.view(-1, int(span.TIMELINE_FIELDS)).cpu()
-    records = records[records[:, 1] != 0]
+    ran = records[:, 1] != 0
+    batch, kv_heads = x["q"].shape[0], x["sink_k"].shape[1]
+    splits = int(ran.sum()) // (batch * kv_heads)
+    index = torch.arange(len(records))[ran]  # (b, kv head, split) in record order
+    launch = index // (kv_heads * splits) + batch * (index // splits % kv_heads + kv_heads * (index % splits))
+    records = records[ran]
+    sm, slot, tiles = span.placement(records)
     # relative to the first start before going to float: the counters' raw values exceed float64's 53 bits
-    relative = torch.cat([records[:, :1], records[:, 1:3] - records[:, 1].min(), records[:, 3:] - records[:, 3:4]], 1)
-    sm, started, ended, c_start, c_waited, c_q, c_loop, c_end = relative.T.double()
-    first = started.min()
+    started, ended = (records[:, 1:3] - records[:, 1].min()).double().T
+    c_start, c_waited, c_q, c_loop, c_end = (records[:, 3:] - records[:, 3:4]).double().T
     ghz = ((c_end - c_start) / (ended - started)).median().item()  # cycles a ns
-    tiles = -(-(CONTEXT - DENSE_ROWS) // (64 * (len(records) // (x["q"].shape[0] * 8))))
 
     def us(cycles: torch.Tensor) -> dict:
         values = cycles / ghz / 1e3
         return {q: values.quantile(p).item() for q, p in (("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1.0))}
 
     return {
-        "programs": len(records), "tiles_a_program": tiles, "sm_ghz": ghz,
-        "window_us": (ended.max() - first).item() / 1e3,
-        "start_us": us((started - first) * ghz), "end_us": us((ended - first) * ghz),
+        "programs": len(records), "tiles_a_program": {"min": int(tiles.min()), "max": int(tiles.max())},
+        "sm_ghz": ghz, "window_us": (ended.max() - started.min()).item() / 1e3,
+        "start_us": us(started * ghz), "end_us": us(ended * ghz),
         "waiting_us": us(c_waited - c_start), "q_prologue_us": us(c_q - c_waited),
-        "tile_us": us((c_loop - c_q) / tiles), "epilogue_us": us(c_end - c_loop),
+        "tile_us": us((c_loop - c_q) / tiles.clamp(min=1)), "epilogue_us": us(c_end - c_loop),
         "program_us": us(c_end - c_start),
-        "records": [[int(v) for v in row] for row in records.tolist()],
-    }
+        "by_place": by_place(sm, launch, tiles, (c_loop - c_q) / ghz / 1e3, ended / 1e3),
+        "record_fields": ["sm", "warp_slot", "tiles", "launch", "start_ns", "end_ns", "cycles_start", "cycles_waited",
+                          "cycles_q", "cycles_loop", "cycles_end"],
+        "records": [[int(v) for v in row] for row in torch.stack(
+            [sm, slot, tiles, launch, started.long(), ended.long(), *(records[:, 3:] - records[:, 3:4]).T], 1).tolist()],
+    }  # fmt: skip
+
+
+def by_place(sm: torch.Tensor, launch: torch.Tensor, tiles: torch.Tensor, loop_us: torch.Tensor,
+             end_us: torch.Tensor) -> list[dict]:
+    """Median tiles, loop time and end of the programs by their place among their SM's programs in
+    launch order, in quarters of 4 (one a warp scheduler): the schedulers favour the first."""
+    place = torch.empty_like(sm)
+    for unit in sm.unique():
+        mine = (sm == unit).nonzero().flatten()
+        place[mine[launch[mine].argsort()]] = torch.arange(len(mine))
+    out = []
+    for quarter in range(int(place.max()) // 4 + 1):
+        chosen = place // 4 == quarter
+        out.append({"places": f"{4 * quarter}-{4 * quarter + 3}", "programs": int(chosen.sum()),
+                    "tiles": tiles[chosen].double().median().item(), "loop_us": loop_us[chosen].median().item(),
+                    "end_us": end_us[chosen].median().item(), "last_end_us": end_us[chosen].max().item()})  # fmt: skip
+    return out
 
 
 def kernel_windows(x: dict) -> dict:
@@ -161,7 +186,7 @@ def plot(result: dict, path: Path) -> None:
     records = sorted(timeline["records"], key=lambda r: (r[0], r[1]))
     first = min(r[1] for r in records)
     slot: dict[int, int] = {}
-    for sm, started, _, c_start, c_waited, c_q, c_loop, c_end in records:
+    for sm, _, _, _, started, _, c_start, c_waited, c_q, c_loop, c_end in records:
         row = sm + slot.setdefault(sm, 0) / 16
         slot[sm] += 1
         t0 = (started - first) / 1e3
@@ -188,7 +213,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# {result['title']}", "", f"`{result['command']}`", ""]
+    lines = [f"# {result['title']}", "", f"`{result['command']}`", "",
+             f"Span shares by launch round: weights {result['round_weights']}; the merge lets the next call's span "
+             f"launch {'before' if result['merge_releases_early'] else 'after'} its wait.", ""]
     for batch in result["batches"]:
         lines += [f"## Batch {batch['batch']}", "", "| tiles a program | splits | span alone us | whole call us |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -200,12 +227,18 @@ def markdown(result: dict) -> str:
             if fit:
                 lines.append(f"\n{name}: {fit['us_a_tile']:.2f} us a tile, {fit['fixed_us']:.1f} us fixed")
         p = batch["programs"]
-        lines += ["", f"Span programs at {CONTEXT // 1000}K ({p['programs']}, {p['tiles_a_program']} tiles each, "
+        tiles = p["tiles_a_program"]
+        lines += ["", f"Span programs at {CONTEXT // 1000}K ({p['programs']}, {tiles['min']}-{tiles['max']} tiles each, "
                   f"SM clock {p['sm_ghz']:.2f} GHz): first start to last end {p['window_us']:.1f} us.", "",
                   "| phase | p10 us | median us | p90 us | max us |", "|---|---|---|---|---|"]  # fmt: skip
         for phase in ("start_us", "end_us", "waiting_us", "q_prologue_us", "tile_us", "epilogue_us", "program_us"):
             v = p[phase]
             lines.append(f"| {phase[:-3]} | {v['p10']:.2f} | {v['median']:.2f} | {v['p90']:.2f} | {v['max']:.2f} |")
+        lines += ["", "By place among the SM's programs in launch order (medians; the warp schedulers favour the first):",
+                  "", "| places | programs | tiles | loop us | end us | last end us |", "|---|---|---|---|---|---|"]
+        for r in p["by_place"]:
+            lines.append(f"| {r['places']} | {r['programs']} | {r['tiles']:.0f} | {r['loop_us']:.2f} | {r['end_us']:.2f} | "
+                         f"{r['last_end_us']:.2f} |")  # fmt: skip
         k = batch["kernels"]
         if not k["calls"]:
             lines += ["", "Kernels: the profiler traced none of the graph's kernels.", ""]
@@ -223,12 +256,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1")
     parser.add_argument("--tiles", default="1,2,4,6,8")
+    parser.add_argument("--round-weights", default="", help="the span's ROUND_WEIGHTS (default: the module's)")
+    parser.add_argument("--merge-release", choices=("early", "late"), default="",
+                        help="when the merge lets the next call's span launch (default: the launcher's)")
     options = parser.parse_args()
+    from oscar_hf.kernels import decode_attention
     from oscar_hf.kernels import decode_history_gluon as span
+
+    if options.round_weights:
+        span.ROUND_WEIGHTS = tuple(int(w) for w in options.round_weights.split(","))
+    if options.merge_release:
+        decode_attention._MERGE_RELEASES_EARLY = options.merge_release == "early"
 
     machine = bench.machine_info()
     result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batches": []}  # fmt: skip
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "round_weights": list(span.ROUND_WEIGHTS),
+              "merge_releases_early": decode_attention._MERGE_RELEASES_EARLY, "batches": []}  # fmt: skip
     result["title"] = f"Decode call timeline, {bench.machine_line(machine)}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])

@@ -94,6 +94,15 @@ SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query h
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
 TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
 
+# Each split's share of its head's tiles, weighted by its launch round. An SM's warp schedulers favour
+# the programs it received first: at 16 programs an SM, the four of its first launch rounds (one a
+# scheduler) ran 6 tiles in 13.2 us at batch 1 and 100K, the next four in 14.2, then 15.7 and 17.2
+# (106, 115, 129 and 140 us for 48 tiles at batch 8; eval/results/timeline_decode_fixed_runs.json),
+# and equal shares left each call waiting on the last. Programs reach the SMs in launch order, about
+# one an SM a round, so round ``id // SMs`` stands for a program's place on its SM; one weight for
+# each quarter of the rounds (4 a scheduler). Equal weights split the tiles evenly.
+ROUND_WEIGHTS = (1, 1, 1, 1)
+
 
 def halves(group: int) -> int:
     """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS)."""
@@ -492,13 +501,19 @@ def _wait_for_inputs():
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
-# A program's timeline (eval/timeline_decode.py): TIMELINE_FIELDS int64 a program, the SM, the global
+# A program's timeline (eval/timeline_decode.py): TIMELINE_FIELDS int64 a program, its SM, warp slot
+# and tiles (``sm + slot << 16 + tiles << 32``), the global
 # timer at its start and end (ns, comparable across SMs), and the SM's cycle counter at the start, after
 # the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end. Set
 # TIMELINE to a zeroed buffer of at least ``batch * kv heads * splits * TIMELINE_FIELDS`` to have the
 # span's launches fill it; None (the default) compiles none of it.
 TIMELINE: torch.Tensor | None = None
 TIMELINE_FIELDS = gl.constexpr(8)
+
+
+def placement(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sm, warp slot, tiles)`` of each :data:`TIMELINE` record ``[programs, TIMELINE_FIELDS]``."""
+    return records[:, 0] & 0xFFFF, (records[:, 0] >> 16) & 0xFFFF, records[:, 0] >> 32
 
 
 @gluon.jit
@@ -519,6 +534,11 @@ def _global_time():
 
 
 @gluon.jit
+def _warp_slot():
+    return gl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _sm_id():
     return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -526,17 +546,18 @@ def _sm_id():
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
+    n_hist, sms, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr,
+    ROW_WORDS: gl.constexpr, WEIGHTS: gl.constexpr,
 ):  # fmt: skip
-    """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
-    its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
+    """Program ``(b, kv head, split)``: its share of one KV head's history rows (:func:`_share`, tiles
+    weighted by ``WEIGHTS`` over ``sms`` SMs) for the head's ``GROUP`` query heads, into partial slot
+    ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
     ``[B, Hkv, L, 8]``, rows ``ROW_WORDS`` words apart (8 packed, more where rows of K and V alternate in
     one buffer); scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
-    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
+    are ``LENGTHS[0]`` (device memory).
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
     it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
     launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
@@ -552,16 +573,14 @@ def history_kernel(
     split = gl.program_id(2)
     if TIMED:
         TIMES += ((b * gl.num_programs(1) + kv_head) * gl.num_programs(2) + split) * TIMELINE_FIELDS
-        gl.store(TIMES, _sm_id().to(gl.int64))
         gl.store(TIMES + 1, started)
         gl.store(TIMES + 3, started_cycle)
     if RING:
         n_hist = gl.load(LENGTHS).to(gl.int32)
-        chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
-    start = split * chunk
-    # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
-    # length would floor to a stray masked tile over another split's rows).
-    end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
+    start, end = _share(n_hist, b, kv_head, split, sms, WEIGHTS)
+    if TIMED:
+        tiles = gl.cdiv(end - start, 64).to(gl.int64)
+        gl.store(TIMES, _sm_id().to(gl.int64) + (_warp_slot().to(gl.int64) << 16) + (tiles << 32))
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
     _history_span(
         Q + b * q_b + kv_head * GROUP * D, KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,
@@ -573,6 +592,33 @@ def history_kernel(
     if TIMED:
         gl.store(TIMES + 7, _cycles())
         gl.store(TIMES + 2, _global_time())
+
+
+@gluon.jit
+def _share(n_hist, b, kv_head, split, sms, WEIGHTS: gl.constexpr):
+    """Rows ``[start, end)`` of program ``(b, kv_head, split)``: its head's 64-row tiles in consecutive
+    runs, each split's run in proportion to the weight of its launch round (see :data:`ROUND_WEIGHTS`);
+    the partial last tile ends the last split's run. Splits beyond a short history are empty."""
+    tiles = gl.cdiv(n_hist, 64)
+    first, step = b.to(gl.int32) + gl.num_programs(0) * kv_head, gl.num_programs(0) * gl.num_programs(1)
+    total = _weight_before(gl.num_programs(2), first, step, sms, WEIGHTS)
+    # int32: history_into keeps tiles * total below 2**31
+    start = tiles * _weight_before(split, first, step, sms, WEIGHTS) // total * 64
+    end = tiles * _weight_before(split + 1, first, step, sms, WEIGHTS) // total * 64
+    return start, gl.minimum(end, n_hist)
+
+
+@gluon.jit
+def _weight_before(split, first, step, sms, WEIGHTS: gl.constexpr):
+    """The weights of a head's splits before ``split``. Split ``s`` is program ``first + s * step`` in
+    launch order, in launch round ``(first + s * step) // sms``; weight ``WEIGHTS[r // 4]`` for round ``r``
+    (the last for later rounds)."""
+    weight = split * WEIGHTS[0]
+    for quarter in gl.static_range(1, len(WEIGHTS)):
+        # the head's first split launched in a round of this quarter or later
+        from_split = gl.cdiv(gl.maximum(4 * quarter * sms - first, 0), step)
+        weight += (WEIGHTS[quarter] - WEIGHTS[quarter - 1]) * gl.maximum(split - from_split, 0)
+    return weight
 
 
 @gluon.jit
@@ -744,13 +790,13 @@ def _over_halves(acc, PACK: gl.constexpr):
 def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
-    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
+    partial_acc: torch.Tensor, splits: int, lengths: torch.Tensor | None = None,
     pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
-    m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
-    ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
+    m and l in base-2 units): the history's 64-row tiles in ``splits`` runs a head (weighted by
+    :data:`ROUND_WEIGHTS`), of its first ``lengths[0]`` rows with ``lengths`` (static decoding). ``pipeline``: stage the next tile in shared memory (see
     :func:`_history_span`); None (the default) stages where the metadata are aligned for it, as a
     cache's buffers are (H200, 100K: 170.0-175.5 us at batch 8 against 174.0-175.7 direct, a tie at
     batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
@@ -758,8 +804,8 @@ def history_into(
     without waiting (``griddepcontrol.wait``). ``early`` (Hopper and later, staged): this launch may
     start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
     (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q."""
-    from oscar_hf.kernels._triton import launch_kernel
-    from oscar_hf.kernels.decode_attention import _LOG2E
+    from oscar_hf.kernels._triton import cdiv, launch_kernel
+    from oscar_hf.kernels.decode_attention import _LOG2E, _multiprocessors
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
@@ -789,14 +835,17 @@ def history_into(
         early = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
     else:
         early = False
+    sms = _multiprocessors(q.device)
+    if cdiv(k_codes.shape[2], 64) * splits * max(ROUND_WEIGHTS) >= 2**31:
+        raise ValueError("the span's shares are int32: tiles x splits x max(ROUND_WEIGHTS) must stay below 2**31")
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
+        *strides[0], k_codes.shape[2], sms, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2),
+        ROW_WORDS=words_k.stride(2), WEIGHTS=gl.constexpr(tuple(ROUND_WEIGHTS)),
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -828,15 +877,12 @@ def history_partials(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
+    """The span over the whole packed history in ``splits`` shares: ``(m, l, acc)`` per (batch, query
     head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
-    from oscar_hf.kernels.decode_attention import split_rows
-
     batch, q_heads, head_dim = q.shape
-    splits, chunk = split_rows(k_codes.shape[2], splits, 64)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
+    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits,
                  pipeline=pipeline)  # fmt: skip
     return m, l, acc
 
@@ -864,10 +910,10 @@ def compile_for_sm90() -> None:
     for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
-            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
+            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 132,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
-            ROW_WORDS=8,
+            ROW_WORDS=8, WEIGHTS=gl.constexpr(tuple(ROUND_WEIGHTS)),
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
