@@ -118,7 +118,7 @@ def program_timeline(span, x: dict) -> dict:
         "waiting_us": us(c_waited - c_start), "q_prologue_us": us(c_q - c_waited),
         "tile_us": us((c_loop - c_q) / tiles.clamp(min=1)), "epilogue_us": us(c_end - c_loop),
         "program_us": us(c_end - c_start),
-        "by_place": by_place(sm, launch, tiles, (c_loop - c_q) / ghz / 1e3, ended / 1e3),
+        "by_warp_slot": by_warp_slot(slot, tiles, (c_loop - c_q) / ghz / 1e3, ended / 1e3),
         "record_fields": ["sm", "warp_slot", "tiles", "launch", "start_ns", "end_ns", "cycles_start", "cycles_waited",
                           "cycles_q", "cycles_loop", "cycles_end"],
         "records": [[int(v) for v in row] for row in torch.stack(
@@ -126,20 +126,17 @@ def program_timeline(span, x: dict) -> dict:
     }  # fmt: skip
 
 
-def by_place(sm: torch.Tensor, launch: torch.Tensor, tiles: torch.Tensor, loop_us: torch.Tensor,
-             end_us: torch.Tensor) -> list[dict]:
-    """Median tiles, loop time and end of the programs by their place among their SM's programs in
-    launch order, in quarters of 4 (one a warp scheduler): the schedulers favour the first."""
-    place = torch.empty_like(sm)
-    for unit in sm.unique():
-        mine = (sm == unit).nonzero().flatten()
-        place[mine[launch[mine].argsort()]] = torch.arange(len(mine))
+def by_warp_slot(slot: torch.Tensor, tiles: torch.Tensor, loop_us: torch.Tensor, end_us: torch.Tensor) -> list[dict]:
+    """Median tiles, time a tile and end of the programs by their warp slot on the SM, in quarters of 4
+    (one a warp scheduler): a scheduler issues for its lowest slots first."""
     out = []
-    for quarter in range(int(place.max()) // 4 + 1):
-        chosen = place // 4 == quarter
-        out.append({"places": f"{4 * quarter}-{4 * quarter + 3}", "programs": int(chosen.sum()),
-                    "tiles": tiles[chosen].double().median().item(), "loop_us": loop_us[chosen].median().item(),
-                    "end_us": end_us[chosen].median().item(), "last_end_us": end_us[chosen].max().item()})  # fmt: skip
+    for quarter in range(int(slot.max()) // 4 + 1):
+        chosen = slot // 4 == quarter
+        if chosen.any():
+            out.append({"slots": f"{4 * quarter}-{4 * quarter + 3}", "programs": int(chosen.sum()),
+                        "tiles": tiles[chosen].double().median().item(),
+                        "tile_us": (loop_us[chosen] / tiles[chosen].clamp(min=1)).median().item(),
+                        "end_us": end_us[chosen].median().item(), "last_end_us": end_us[chosen].max().item()})  # fmt: skip
     return out
 
 
@@ -214,8 +211,7 @@ def plot(result: dict, path: Path) -> None:
 
 def markdown(result: dict) -> str:
     lines = [f"# {result['title']}", "", f"`{result['command']}`", "",
-             f"Span shares by launch round: weights {result['round_weights']}; the merge lets the next call's span "
-             f"launch {'before' if result['merge_releases_early'] else 'after'} its wait.", ""]
+             f"Shares by warp slot (SLOT_WEIGHTS): {result.get('slot_weights') or 'off'}.", ""]
     for batch in result["batches"]:
         lines += [f"## Batch {batch['batch']}", "", "| tiles a program | splits | span alone us | whole call us |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -234,10 +230,10 @@ def markdown(result: dict) -> str:
         for phase in ("start_us", "end_us", "waiting_us", "q_prologue_us", "tile_us", "epilogue_us", "program_us"):
             v = p[phase]
             lines.append(f"| {phase[:-3]} | {v['p10']:.2f} | {v['median']:.2f} | {v['p90']:.2f} | {v['max']:.2f} |")
-        lines += ["", "By place among the SM's programs in launch order (medians; the warp schedulers favour the first):",
-                  "", "| places | programs | tiles | loop us | end us | last end us |", "|---|---|---|---|---|---|"]
-        for r in p["by_place"]:
-            lines.append(f"| {r['places']} | {r['programs']} | {r['tiles']:.0f} | {r['loop_us']:.2f} | {r['end_us']:.2f} | "
+        lines += ["", "By warp slot on the SM (medians; a warp scheduler issues for its lowest slots first):", "",
+                  "| slots | programs | tiles | us a tile | end us | last end us |", "|---|---|---|---|---|---|"]
+        for r in p["by_warp_slot"]:
+            lines.append(f"| {r['slots']} | {r['programs']} | {r['tiles']:.0f} | {r['tile_us']:.2f} | {r['end_us']:.2f} | "
                          f"{r['last_end_us']:.2f} |")  # fmt: skip
         k = batch["kernels"]
         if not k["calls"]:
@@ -256,22 +252,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1")
     parser.add_argument("--tiles", default="1,2,4,6,8")
-    parser.add_argument("--round-weights", default="", help="the span's ROUND_WEIGHTS (default: the module's)")
-    parser.add_argument("--merge-release", choices=("early", "late"), default="",
-                        help="when the merge lets the next call's span launch (default: the launcher's)")
+    parser.add_argument("--slot-weights", default="", help="the span's SLOT_WEIGHTS timing experiment (default: off)")
     options = parser.parse_args()
-    from oscar_hf.kernels import decode_attention
     from oscar_hf.kernels import decode_history_gluon as span
 
-    if options.round_weights:
-        span.ROUND_WEIGHTS = tuple(int(w) for w in options.round_weights.split(","))
-    if options.merge_release:
-        decode_attention._MERGE_RELEASES_EARLY = options.merge_release == "early"
+    span.SLOT_WEIGHTS = tuple(int(w) for w in options.slot_weights.split(",")) if options.slot_weights else ()
 
     machine = bench.machine_info()
     result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "round_weights": list(span.ROUND_WEIGHTS),
-              "merge_releases_early": decode_attention._MERGE_RELEASES_EARLY, "batches": []}  # fmt: skip
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "slot_weights": list(span.SLOT_WEIGHTS),
+              "batches": []}  # fmt: skip
     result["title"] = f"Decode call timeline, {bench.machine_line(machine)}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])

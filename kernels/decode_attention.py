@@ -503,18 +503,14 @@ def _decode_stage1_kernel(
 def _decode_stage2_kernel(
     PM, PL, PACC, O, o_st, n_slots,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
-    DEPENDENT: tl.constexpr, RELEASE_EARLY: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits.
-    ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it,
-    and lets the next kernel start before (``RELEASE_EARLY``) or after that wait (see :data:`_MERGE_RELEASES_EARLY`)."""
+    ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it."""
     if DEPENDENT:
         # the next call's span may start now: it copies only settled history before it waits on this grid
-        if RELEASE_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not RELEASE_EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slots = tl.arange(0, SLOTS)
@@ -547,10 +543,6 @@ _TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp,
 # at batch 8 and 100K, 8 (two waves) 434.
 _PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 1}
 _MERGE_BLOCK_D = 32
-# Whether the merge lets the next kernel (a next call's span) launch before the slots it merges are
-# complete (True), or after: then the span's programs reach SMs that this call's span has left, one an
-# SM a round, in launch order (what decode_history_gluon.ROUND_WEIGHTS counts on).
-_MERGE_RELEASES_EARLY = True
 _MERGE_TILE = 8192  # floats of a merge program's [slots, dims] tile: 64 registers a thread at 4 warps
 
 
@@ -643,9 +635,10 @@ def decode_attention_triton(
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
-        from .decode_history_gluon import history_into, programs_per_sm
+        from .decode_history_gluon import history_into, programs_per_sm, slot_splits
 
         hist_splits, chunk_hist = _splits(n_hist, 0, batch * kv_heads, q.device, 64, programs_per_sm(), None)
+        hist_splits = slot_splits(batch * kv_heads, q.device, hist_splits)
     else:
         hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
@@ -665,7 +658,7 @@ def decode_attention_triton(
     overlap = gluon and programmatic_launch(q.device)
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
-                     partial_acc, hist_splits, lengths, launch_dependents=overlap,
+                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
                      early=overlap and history_settled)  # fmt: skip
     launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
@@ -690,7 +683,6 @@ def decode_attention_triton(
     launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
         partial_m, partial_l, partial_acc, *t(out), n_slots,
         D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap,
-        RELEASE_EARLY=_MERGE_RELEASES_EARLY,
         launch_pdl=overlap,
     )  # fmt: skip
     return out

@@ -94,14 +94,20 @@ SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query h
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
 TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
 
-# Each split's share of its head's tiles, weighted by its launch round. An SM's warp schedulers favour
-# the programs it received first: at 16 programs an SM, the four of its first launch rounds (one a
-# scheduler) ran 6 tiles in 13.2 us at batch 1 and 100K, the next four in 14.2, then 15.7 and 17.2
-# (106, 115, 129 and 140 us for 48 tiles at batch 8; eval/results/timeline_decode_fixed_runs.json),
-# and equal shares left each call waiting on the last. Programs reach the SMs in launch order, about
-# one an SM a round, so round ``id // SMs`` stands for a program's place on its SM; one weight for
-# each quarter of the rounds (4 a scheduler). Equal weights split the tiles evenly.
-ROUND_WEIGHTS = (1, 1, 1, 1)
+# Timing experiment (eval/time_gluon_history.py --slot-weights; not for use: it assumes each SM runs
+# its 16 programs in warp slots 0-15, once each). A warp scheduler issues for its lowest warp slots
+# first: at batch 8 and 100K, slots 0-3 ran a tile in 2.25 us, 4-7 in 2.47, 8-11 in 2.78 and 12-15 in
+# 3.05 (eval/results/timeline_decode_round_weights.json). With weights for the four quarters of the
+# slots, a program takes its identity from its SM and slot, and its share of its head's tiles from
+# its quarter's weight. Empty: programs as launched, equal shares.
+SLOT_WEIGHTS: tuple[int, ...] = ()
+
+
+def slot_splits(rows: int, device: torch.device, splits: int) -> int:
+    """``splits``, or with :data:`SLOT_WEIGHTS` the splits that make 16 programs an SM."""
+    from oscar_hf.kernels.decode_attention import _multiprocessors
+
+    return 16 * _multiprocessors(device) // rows if SLOT_WEIGHTS else splits
 
 
 def halves(group: int) -> int:
@@ -502,7 +508,7 @@ def _wait_for_inputs():
 
 
 # A program's timeline (eval/timeline_decode.py): TIMELINE_FIELDS int64 a program, its SM, warp slot
-# and tiles (``sm + slot << 16 + tiles << 32``), the global
+# and tiles (``sm + slot << 16 + tiles << 32``, see :func:`placement`), the global
 # timer at its start and end (ns, comparable across SMs), and the SM's cycle counter at the start, after
 # the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end. Set
 # TIMELINE to a zeroed buffer of at least ``batch * kv heads * splits * TIMELINE_FIELDS`` to have the
@@ -546,18 +552,17 @@ def _sm_id():
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, sms, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
+    n_hist, chunk, sms, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr, WEIGHTS: gl.constexpr,
+    ROW_WORDS: gl.constexpr, SLOT_WEIGHTS: gl.constexpr,
 ):  # fmt: skip
-    """Program ``(b, kv head, split)``: its share of one KV head's history rows (:func:`_share`, tiles
-    weighted by ``WEIGHTS`` over ``sms`` SMs) for the head's ``GROUP`` query heads, into partial slot
-    ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
+    """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
+    its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
     ``[B, Hkv, L, 8]``, rows ``ROW_WORDS`` words apart (8 packed, more where rows of K and V alternate in
     one buffer); scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
-    are ``LENGTHS[0]`` (device memory).
+    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
     it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
     launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
@@ -568,16 +573,29 @@ def history_kernel(
         started, started_cycle = _global_time(), _cycles()
     if LAUNCH_DEPENDENTS and not EARLY:
         _launch_dependents()
-    b = gl.program_id(0).to(gl.int64)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
+    if RING:
+        n_hist = gl.load(LENGTHS).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
+    if len(SLOT_WEIGHTS) > 0:  # timing experiment: the share is the SM's warp slot's (see SLOT_WEIGHTS)
+        rows = gl.num_programs(0) * gl.num_programs(1)
+        slot = _warp_slot()
+        item = slot // 4 * (4 * sms) + _sm_id() * 4 + slot % 4
+        split = item // rows
+        b = (item % rows % gl.num_programs(0)).to(gl.int64)
+        kv_head = item % rows // gl.num_programs(0)
+        start, end = _share(n_hist, item % rows, rows, split, gl.num_programs(2), sms, SLOT_WEIGHTS)
+    else:
+        b = gl.program_id(0).to(gl.int64)
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        start = split * chunk
+        # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
+        # length would floor to a stray masked tile over another split's rows).
+        end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
     if TIMED:
         TIMES += ((b * gl.num_programs(1) + kv_head) * gl.num_programs(2) + split) * TIMELINE_FIELDS
         gl.store(TIMES + 1, started)
         gl.store(TIMES + 3, started_cycle)
-    if RING:
-        n_hist = gl.load(LENGTHS).to(gl.int32)
-    start, end = _share(n_hist, b, kv_head, split, sms, WEIGHTS)
     if TIMED:
         tiles = gl.cdiv(end - start, 64).to(gl.int64)
         gl.store(TIMES, _sm_id().to(gl.int64) + (_warp_slot().to(gl.int64) << 16) + (tiles << 32))
@@ -595,28 +613,23 @@ def history_kernel(
 
 
 @gluon.jit
-def _share(n_hist, b, kv_head, split, sms, WEIGHTS: gl.constexpr):
-    """Rows ``[start, end)`` of program ``(b, kv_head, split)``: its head's 64-row tiles in consecutive
-    runs, each split's run in proportion to the weight of its launch round (see :data:`ROUND_WEIGHTS`);
-    the partial last tile ends the last split's run. Splits beyond a short history are empty."""
+def _share(n_hist, row, rows, split, splits, sms, WEIGHTS: gl.constexpr):
+    """Rows ``[start, end)`` of split ``split`` of head ``row``: the head's 64-row tiles in consecutive
+    runs, each in proportion to the weight of its item's warp-slot quarter (item ``row + split * rows``,
+    quarter ``item // (4 * sms)``); the partial last tile ends the last run."""
     tiles = gl.cdiv(n_hist, 64)
-    first, step = b.to(gl.int32) + gl.num_programs(0) * kv_head, gl.num_programs(0) * gl.num_programs(1)
-    total = _weight_before(gl.num_programs(2), first, step, sms, WEIGHTS)
-    # int32: history_into keeps tiles * total below 2**31
-    start = tiles * _weight_before(split, first, step, sms, WEIGHTS) // total * 64
-    end = tiles * _weight_before(split + 1, first, step, sms, WEIGHTS) // total * 64
+    total = _weight_before(splits, row, rows, sms, WEIGHTS)
+    start = tiles * _weight_before(split, row, rows, sms, WEIGHTS) // total * 64
+    end = tiles * _weight_before(split + 1, row, rows, sms, WEIGHTS) // total * 64
     return start, gl.minimum(end, n_hist)
 
 
 @gluon.jit
-def _weight_before(split, first, step, sms, WEIGHTS: gl.constexpr):
-    """The weights of a head's splits before ``split``. Split ``s`` is program ``first + s * step`` in
-    launch order, in launch round ``(first + s * step) // sms``; weight ``WEIGHTS[r // 4]`` for round ``r``
-    (the last for later rounds)."""
+def _weight_before(split, row, rows, sms, WEIGHTS: gl.constexpr):
+    """The weights of head ``row``'s splits before ``split``."""
     weight = split * WEIGHTS[0]
     for quarter in gl.static_range(1, len(WEIGHTS)):
-        # the head's first split launched in a round of this quarter or later
-        from_split = gl.cdiv(gl.maximum(4 * quarter * sms - first, 0), step)
+        from_split = gl.cdiv(gl.maximum(4 * quarter * sms - row, 0), rows)  # the head's first in this quarter
         weight += (WEIGHTS[quarter] - WEIGHTS[quarter - 1]) * gl.maximum(split - from_split, 0)
     return weight
 
@@ -790,13 +803,13 @@ def _over_halves(acc, PACK: gl.constexpr):
 def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
-    partial_acc: torch.Tensor, splits: int, lengths: torch.Tensor | None = None,
+    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
     pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
-    m and l in base-2 units): the history's 64-row tiles in ``splits`` runs a head (weighted by
-    :data:`ROUND_WEIGHTS`), of its first ``lengths[0]`` rows with ``lengths`` (static decoding). ``pipeline``: stage the next tile in shared memory (see
+    m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
+    ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
     :func:`_history_span`); None (the default) stages where the metadata are aligned for it, as a
     cache's buffers are (H200, 100K: 170.0-175.5 us at batch 8 against 174.0-175.7 direct, a tie at
     batch 1; ``eval/results/gluon_history_timing.md``). ``launch_dependents`` (Hopper
@@ -804,7 +817,7 @@ def history_into(
     without waiting (``griddepcontrol.wait``). ``early`` (Hopper and later, staged): this launch may
     start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
     (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q."""
-    from oscar_hf.kernels._triton import cdiv, launch_kernel
+    from oscar_hf.kernels._triton import launch_kernel
     from oscar_hf.kernels.decode_attention import _LOG2E, _multiprocessors
 
     batch, q_heads, head_dim = q.shape
@@ -836,16 +849,16 @@ def history_into(
     else:
         early = False
     sms = _multiprocessors(q.device)
-    if cdiv(k_codes.shape[2], 64) * splits * max(ROUND_WEIGHTS) >= 2**31:
-        raise ValueError("the span's shares are int32: tiles x splits x max(ROUND_WEIGHTS) must stay below 2**31")
+    if SLOT_WEIGHTS and batch * kv_heads * splits != 16 * sms:
+        raise ValueError(f"SLOT_WEIGHTS needs 16 programs an SM: {batch} x {kv_heads} x {splits} != 16 x {sms}")
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *strides[0], k_codes.shape[2], sms, partial_m, partial_l, partial_acc, partial_m.shape[-1],
+        *strides[0], k_codes.shape[2], chunk, sms, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2), WEIGHTS=gl.constexpr(tuple(ROUND_WEIGHTS)),
+        ROW_WORDS=words_k.stride(2), SLOT_WEIGHTS=gl.constexpr(tuple(SLOT_WEIGHTS)),
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -877,12 +890,15 @@ def history_partials(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The span over the whole packed history in ``splits`` shares: ``(m, l, acc)`` per (batch, query
+    """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
     head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
+    from oscar_hf.kernels.decode_attention import split_rows
+
     batch, q_heads, head_dim = q.shape
+    splits, chunk = split_rows(k_codes.shape[2], splits, 64)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits,
+    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
                  pipeline=pipeline)  # fmt: skip
     return m, l, acc
 
@@ -910,10 +926,10 @@ def compile_for_sm90() -> None:
     for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
-            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 132,
+            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768, 132,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
-            ROW_WORDS=8, WEIGHTS=gl.constexpr(tuple(ROUND_WEIGHTS)),
+            ROW_WORDS=8, SLOT_WEIGHTS=gl.constexpr(tuple(SLOT_WEIGHTS)),
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip

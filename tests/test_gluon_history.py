@@ -6,7 +6,6 @@ register-only (``assert_trivial``) and its register budget held.
 """
 
 import functools
-import itertools
 import os
 import re
 import subprocess
@@ -153,7 +152,7 @@ def test_the_span_reads_key_and_value_rows_that_alternate_in_one_buffer(pipeline
 @pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
 def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatch, pipeline):
     """``TIMELINE`` (eval/timeline_decode.py): one record a program, its phases in order, and the same
-    partials as untimed (1000 rows in 3 splits: 5, 5 and 6 tiles, the last one masked)."""
+    partials as untimed (1000 rows in 3 splits: 6, 6 and 4 tiles, the last one masked)."""
     from oscar_hf.kernels import decode_history_gluon as span
 
     args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=5)
@@ -170,48 +169,10 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatc
     sm, _, tiles = span.placement(records[:-1])
     _, started, ended, *cycles = records[:-1].T
     assert (sm < torch.cuda.get_device_properties(0).multi_processor_count).all()
-    assert tiles.tolist() == [5, 5, 6] * 4
+    assert tiles.tolist() == [6, 6, 4] * 4
     assert (started > 0).all() and (ended >= started).all()
     for earlier, later in zip(cycles, cycles[1:]):
         assert (later >= earlier).all()
-
-
-def _weighted_tiles(tiles: int, batch: int, kv_heads: int, splits: int, sms: int, weights: tuple) -> list[int]:
-    """Tiles of each program ``(b, kv head, split)`` (record order) as ROUND_WEIGHTS shares them: split
-    ``s`` of head ``(b, h)`` is program ``b + batch * (h + kv_heads * s)`` in launch order, weighted by
-    its launch round's quarter."""
-    out = []
-    for b, head in itertools.product(range(batch), range(kv_heads)):
-        weight = [weights[min((b + batch * (head + kv_heads * s)) // sms // 4, len(weights) - 1)] for s in range(splits)]
-        bounds = [tiles * sum(weight[:s]) // sum(weight) for s in range(splits + 1)]
-        out += [hi - lo for lo, hi in zip(bounds, bounds[1:])]
-    return out
-
-
-@GPU
-@pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
-def test_round_weighted_shares_cover_the_history_once(monkeypatch, pipeline):
-    """With ROUND_WEIGHTS, each split runs its launch round's share of the tiles (the timeline's count
-    against a Python partition), and the merged partials are the same attention."""
-    from oscar_hf.kernels import decode_history_gluon as span
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch, kv_heads, splits = 2, 4, sms  # 8 launch rounds: two weight quarters
-    args, _ = _decode_inputs(batch, 4 * kv_heads, kv_heads, 128, 0, 64 * splits * 3 + 37, 0, 0, torch.bfloat16, 2, 2,
-                             seed=6)  # fmt: skip
-    q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
-    packed = [_in_buffer(t) for t in packed]
-    even = span.merge_partials(*span.history_partials(q, *packed, sm_scale=0.088, splits=splits, pipeline=pipeline))
-    weights = (5, 3, 2, 1)
-    monkeypatch.setattr(span, "ROUND_WEIGHTS", weights)
-    timeline = torch.zeros(batch * kv_heads * splits, int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(span, "TIMELINE", timeline)
-    weighted = span.merge_partials(*span.history_partials(q, *packed, sm_scale=0.088, splits=splits,
-                                                          pipeline=pipeline))  # fmt: skip
-    tiles = span.placement(timeline.cpu())[2].tolist()
-    assert tiles == _weighted_tiles(3 * splits + 1, batch, kv_heads, splits, sms, weights)
-    assert max(tiles) > min(tiles) + 1  # the weights took effect
-    torch.testing.assert_close(weighted, even, rtol=2e-3, atol=2e-3)
 
 
 @GPU
