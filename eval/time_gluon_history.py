@@ -3,7 +3,7 @@
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--settled 1,0] [--halves 1,0]
-                                      [--one-metadata-array] [--alternating-rows] [--slot-weights 0/136,123,110,100]
+                                      [--one-metadata-array] [--alternating-rows]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -28,9 +28,6 @@ results are wrong), to see what the four separate arrays cost in memory traffic.
 
 ``--alternating-rows`` also times the staged span alone and the whole call with K's and V's code rows
 side by side in one buffer (64-byte rows: one 4 KB stream a tile instead of two of 2 KB).
-
-``--slot-weights`` (e.g. ``0/136,123,110,100``; 0: off) times only the whole call (settled), for each
-setting of the span's ``SLOT_WEIGHTS`` timing experiment, all in turn three times (the machine drifts).
 
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
@@ -124,27 +121,6 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
     return out
 
 
-def slot_weight_rows(kernels, span, x: dict, scale: float, settings: list[tuple[int, ...]]) -> list[dict]:
-    """The whole call (settled) for each ``SLOT_WEIGHTS`` setting, in turns."""
-    tiers = [x[name] for name in bench.TIER_NAMES]
-    want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
-    os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-
-    def call():
-        return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=True)
-
-    out = []
-    for turn, weights in itertools.product(range(3), settings):
-        span.SLOT_WEIGHTS = weights
-        out.append({"batch": x["q"].shape[0], "kernel": "gluon, all tiers, settled", "turn": turn,
-                    "slot_weights": ",".join(map(str, weights)) or "off", "us": tune.time_graph(call),
-                    "max_abs_error": (call().float() - want).abs().max().item()})  # fmt: skip
-        print(out[-1], flush=True)
-    span.SLOT_WEIGHTS = ()
-    os.environ["OSCAR_DECODE_HISTORY"] = "triton"
-    return out
-
-
 def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
@@ -167,8 +143,6 @@ def main() -> None:
                         help="also time the span and the whole call with K's and V's code rows in one buffer")
     parser.add_argument("--one-metadata-array", action="store_true",
                         help="also time the staged span reading its four metadata vectors from one array")
-    parser.add_argument("--slot-weights", default="",
-                        help="settings of the span's SLOT_WEIGHTS split by '/' (0: off): time only the whole call")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
@@ -183,10 +157,6 @@ def main() -> None:
         q, packed = x["q"], [x[name] for name in bench.TIER_NAMES[2:8]]
         empty = x["sink_k"][:, :, :0]
         scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
-        if options.slot_weights:
-            settings = [tuple(w for w in numbers(part) if w) for part in options.slot_weights.split("/")]
-            rows += slot_weight_rows(kernels, span, x, scale, settings)
-            continue
         want = kernels.decode_attention_reference(q, empty, empty, *packed, empty, empty, empty, empty, k_bits=2,
                                                   v_bits=2, sm_scale=scale).float()  # fmt: skip
 
@@ -231,13 +201,13 @@ def main() -> None:
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
              "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
-             "slot weights | us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
                      f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
-                     f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r.get('slot_weights', '')} | "
-                     f"{r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+                     f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r['us']:.1f} | "
+                     f"{r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -210,8 +210,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# {result['title']}", "", f"`{result['command']}`", "",
-             f"Shares by warp slot (SLOT_WEIGHTS): {result.get('slot_weights') or 'off'}.", ""]
+    lines = [f"# {result['title']}", "", f"`{result['command']}`", ""]
     for batch in result["batches"]:
         lines += [f"## Batch {batch['batch']}", "", "| tiles a program | splits | span alone us | whole call us |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -252,16 +251,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1")
     parser.add_argument("--tiles", default="1,2,4,6,8")
-    parser.add_argument("--slot-weights", default="", help="the span's SLOT_WEIGHTS timing experiment (default: off)")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
-    span.SLOT_WEIGHTS = tuple(int(w) for w in options.slot_weights.split(",")) if options.slot_weights else ()
-
     machine = bench.machine_info()
     result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "slot_weights": list(span.SLOT_WEIGHTS),
-              "batches": []}  # fmt: skip
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batches": []}  # fmt: skip
     result["title"] = f"Decode call timeline, {bench.machine_line(machine)}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])

@@ -635,10 +635,9 @@ def decode_attention_triton(
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
-        from .decode_history_gluon import history_into, programs_per_sm, slot_splits
+        from .decode_history_gluon import history_into, programs_per_sm
 
         hist_splits, chunk_hist = _splits(n_hist, 0, batch * kv_heads, q.device, 64, programs_per_sm(), None)
-        hist_splits = slot_splits(batch * kv_heads, q.device, hist_splits)
     else:
         hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip

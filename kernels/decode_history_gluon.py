@@ -94,21 +94,6 @@ SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query h
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
 TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
 
-# Timing experiment (eval/time_gluon_history.py --slot-weights; not for use: it assumes each SM runs
-# its 16 programs in warp slots 0-15, once each). A warp scheduler issues for its lowest warp slots
-# first: at batch 8 and 100K, slots 0-3 ran a tile in 2.25 us, 4-7 in 2.47, 8-11 in 2.78 and 12-15 in
-# 3.05 (eval/results/timeline_decode_round_weights.json). With weights for the four quarters of the
-# slots, a program takes its identity from its SM and slot, and its share of its head's tiles from
-# its quarter's weight. Empty: programs as launched, equal shares.
-SLOT_WEIGHTS: tuple[int, ...] = ()
-
-
-def slot_splits(rows: int, device: torch.device, splits: int) -> int:
-    """``splits``, or with :data:`SLOT_WEIGHTS` the splits that make 16 programs an SM."""
-    from oscar_hf.kernels.decode_attention import _multiprocessors
-
-    return 16 * _multiprocessors(device) // rows if SLOT_WEIGHTS else splits
-
 
 def halves(group: int) -> int:
     """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS)."""
@@ -552,10 +537,10 @@ def _sm_id():
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, chunk, sms, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
+    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr, SLOT_WEIGHTS: gl.constexpr,
+    ROW_WORDS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -576,27 +561,17 @@ def history_kernel(
     if RING:
         n_hist = gl.load(LENGTHS).to(gl.int32)
         chunk = gl.cdiv(gl.cdiv(n_hist, gl.num_programs(2)), 64) * 64
-    if len(SLOT_WEIGHTS) > 0:  # timing experiment: the share is the SM's warp slot's (see SLOT_WEIGHTS)
-        rows = gl.num_programs(0) * gl.num_programs(1)
-        slot = _warp_slot()
-        item = slot // 4 * (4 * sms) + _sm_id() * 4 + slot % 4
-        split = item // rows
-        b = (item % rows % gl.num_programs(0)).to(gl.int64)
-        kv_head = item % rows // gl.num_programs(0)
-        start, end = _share(n_hist, item % rows, rows, split, gl.num_programs(2), sms, SLOT_WEIGHTS)
-    else:
-        b = gl.program_id(0).to(gl.int64)
-        kv_head = gl.program_id(1)
-        split = gl.program_id(2)
-        start = split * chunk
-        # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
-        # length would floor to a stray masked tile over another split's rows).
-        end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
+    b = gl.program_id(0).to(gl.int64)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    start = split * chunk
+    # Splits sized for a capacity can start past a shorter history: empty, not negative (a negative
+    # length would floor to a stray masked tile over another split's rows).
+    end = gl.maximum(gl.minimum(start + chunk, n_hist), start)
     if TIMED:
         TIMES += ((b * gl.num_programs(1) + kv_head) * gl.num_programs(2) + split) * TIMELINE_FIELDS
         gl.store(TIMES + 1, started)
         gl.store(TIMES + 3, started_cycle)
-    if TIMED:
         tiles = gl.cdiv(end - start, 64).to(gl.int64)
         gl.store(TIMES, _sm_id().to(gl.int64) + (_warp_slot().to(gl.int64) << 16) + (tiles << 32))
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
@@ -610,28 +585,6 @@ def history_kernel(
     if TIMED:
         gl.store(TIMES + 7, _cycles())
         gl.store(TIMES + 2, _global_time())
-
-
-@gluon.jit
-def _share(n_hist, row, rows, split, splits, sms, WEIGHTS: gl.constexpr):
-    """Rows ``[start, end)`` of split ``split`` of head ``row``: the head's 64-row tiles in consecutive
-    runs, each in proportion to the weight of its item's warp-slot quarter (item ``row + split * rows``,
-    quarter ``item // (4 * sms)``); the partial last tile ends the last run."""
-    tiles = gl.cdiv(n_hist, 64)
-    total = _weight_before(splits, row, rows, sms, WEIGHTS)
-    start = tiles * _weight_before(split, row, rows, sms, WEIGHTS) // total * 64
-    end = tiles * _weight_before(split + 1, row, rows, sms, WEIGHTS) // total * 64
-    return start, gl.minimum(end, n_hist)
-
-
-@gluon.jit
-def _weight_before(split, row, rows, sms, WEIGHTS: gl.constexpr):
-    """The weights of head ``row``'s splits before ``split``."""
-    weight = split * WEIGHTS[0]
-    for quarter in gl.static_range(1, len(WEIGHTS)):
-        from_split = gl.cdiv(gl.maximum(4 * quarter * sms - row, 0), rows)  # the head's first in this quarter
-        weight += (WEIGHTS[quarter] - WEIGHTS[quarter - 1]) * gl.maximum(split - from_split, 0)
-    return weight
 
 
 @gluon.jit
@@ -818,7 +771,7 @@ def history_into(
     start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
     (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q."""
     from oscar_hf.kernels._triton import launch_kernel
-    from oscar_hf.kernels.decode_attention import _LOG2E, _multiprocessors
+    from oscar_hf.kernels.decode_attention import _LOG2E
 
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
@@ -848,17 +801,14 @@ def history_into(
         early = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
     else:
         early = False
-    sms = _multiprocessors(q.device)
-    if SLOT_WEIGHTS and batch * kv_heads * splits != 16 * sms:
-        raise ValueError(f"SLOT_WEIGHTS needs 16 programs an SM: {batch} x {kv_heads} x {splits} != 16 x {sms}")
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *strides[0], k_codes.shape[2], chunk, sms, partial_m, partial_l, partial_acc, partial_m.shape[-1],
+        *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         q if TIMELINE is None else TIMELINE,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2), SLOT_WEIGHTS=gl.constexpr(tuple(SLOT_WEIGHTS)),
+        ROW_WORDS=words_k.stride(2),
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -926,10 +876,10 @@ def compile_for_sm90() -> None:
     for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
-            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768, 132,
+            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
             f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
             RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
-            ROW_WORDS=8, SLOT_WEIGHTS=gl.constexpr(tuple(SLOT_WEIGHTS)),
+            ROW_WORDS=8,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip
