@@ -3,7 +3,7 @@
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--settled 1,0] [--halves 1,0]
-                                      [--one-metadata-array] [--alternating-rows]
+                                      [--one-metadata-array] [--alternating-rows] [--floors]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -29,6 +29,11 @@ results are wrong), to see what the four separate arrays cost in memory traffic.
 ``--alternating-rows`` also times the staged span alone and the whole call with K's and V's code rows
 side by side in one buffer (64-byte rows: one 4 KB stream a tile instead of two of 2 KB).
 
+``--floors`` times only the whole call (settled), as it is and with its parts after the span made
+trivial, for timing only (the outputs are wrong): the dense tiers empty (their kernel still launches and
+waits for the span) and the merge replaced by one that waits and stores zeros; in turns three times.
+What each saves is the most that making that part cheaper could.
+
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
 
@@ -46,6 +51,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
@@ -121,6 +128,41 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
     return out
 
 
+@triton.jit
+def _merge_floor(PM, PL, PACC, O, o_st, n_slots, D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
+                 INTERPRETED: tl.constexpr, DEPENDENT: tl.constexpr):  # fmt: skip
+    """The merge's launch, waits and stores without its loads and arithmetic (timing only)."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.store(O + tl.program_id(0) * o_st[0] + tl.program_id(1) * o_st[1] + dims, tl.zeros([BLOCK_D], O.dtype.element_ty))
+
+
+def floor_rows(kernels, x: dict, scale: float) -> list[dict]:
+    """The whole call (settled) as it is, with the dense tiers empty, with the merge's floor, and both."""
+    empty = x["sink_k"][:, :, :0]
+    full, dense_empty = [x[name] for name in bench.TIER_NAMES], [empty, empty, *(x[n] for n in bench.TIER_NAMES[2:8]),
+                                                                 empty, empty, empty, empty]  # fmt: skip
+    merge = kernels._decode_stage2_kernel
+    os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
+    out = []
+    for turn, (tiers_name, tiers), merge_name in itertools.product(
+        range(3), (("all tiers", full), ("dense tiers empty", dense_empty)), ("merge", "merge floor"),
+    ):  # fmt: skip
+        kernels._decode_stage2_kernel = merge if merge_name == "merge" else _merge_floor
+
+        def call():
+            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=True)
+
+        out.append({"batch": x["q"].shape[0], "kernel": f"gluon, {tiers_name}, {merge_name}, settled (timing only)",
+                    "turn": turn, "us": tune.time_graph(call), "max_abs_error": float("nan")})  # fmt: skip
+        print(out[-1], flush=True)
+    kernels._decode_stage2_kernel = merge
+    os.environ["OSCAR_DECODE_HISTORY"] = "triton"
+    return out
+
+
 def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
@@ -143,6 +185,8 @@ def main() -> None:
                         help="also time the span and the whole call with K's and V's code rows in one buffer")
     parser.add_argument("--one-metadata-array", action="store_true",
                         help="also time the staged span reading its four metadata vectors from one array")
+    parser.add_argument("--floors", action="store_true",
+                        help="time only the whole call, as it is and with the dense tiers and the merge trivial")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
@@ -157,6 +201,9 @@ def main() -> None:
         q, packed = x["q"], [x[name] for name in bench.TIER_NAMES[2:8]]
         empty = x["sink_k"][:, :, :0]
         scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
+        if options.floors:
+            rows += floor_rows(kernels, x, scale)
+            continue
         want = kernels.decode_attention_reference(q, empty, empty, *packed, empty, empty, empty, empty, k_bits=2,
                                                   v_bits=2, sm_scale=scale).float()  # fmt: skip
 
