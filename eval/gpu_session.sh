@@ -78,6 +78,9 @@ for step in "$@"; do
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
         timeline) run timeline 300 python3 eval/timeline_decode.py --out "$work" --batches 1,8 --tiles 1,2,3,4,5,6,7,8 ;;
+        merge)  # the merge's warps and tile (floats a program), whole call
+            run merge 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --dense-split-tokens 32 --pdl 1 \
+                --settled 1 --merge-tiles 2048,4096,8192,16384 --merge-warps 1,2,4,8 ;;
         floors)  # the whole call with the dense tiers empty and the merge trivial (timing only)
             run floors 200 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --floors ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;

@@ -544,6 +544,7 @@ _TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp,
 _PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 1}
 _MERGE_BLOCK_D = 32
 _MERGE_TILE = 8192  # floats of a merge program's [slots, dims] tile: 64 registers a thread at 4 warps
+_MERGE_WARPS = 4
 
 
 def _device_programs(device: torch.device, programs_per_sm: int) -> int:
@@ -682,7 +683,7 @@ def decode_attention_triton(
     launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
         partial_m, partial_l, partial_acc, *t(out), n_slots,
         D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap,
-        launch_pdl=overlap,
+        num_warps=_MERGE_WARPS, launch_pdl=overlap,
     )  # fmt: skip
     return out
 
