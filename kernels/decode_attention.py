@@ -544,6 +544,8 @@ _TILE_CODES = 8192  # keys x head_dim a tile: ~250 registers a thread on 1 warp,
 _PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 4, 8: 1}
 _MERGE_BLOCK_D = 32
 _MERGE_TILE = 8192  # floats of a merge program's [slots, dims] tile: 64 registers a thread at 4 warps
+# Warps a merge program: 1-8 took the same at each tile (H200, 100K, eval/results/gluon_history_merge_warps.md);
+# the tile counts (2048 floats: 29.0-29.7 us at batch 1, 8192: 27.0-27.3), as fewer programs do.
 _MERGE_WARPS = 4
 
 
