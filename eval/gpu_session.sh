@@ -8,7 +8,7 @@
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
 # autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
-# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, merge ~60 s, partial-acc ~250 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s,
+# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s,
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
 # /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
 # against the Triton stage 1).
@@ -81,11 +81,6 @@ for step in "$@"; do
         merge)  # the merge's warps and tile (floats a program), whole call
             run merge 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --dense-split-tokens 32 --pdl 1 \
                 --settled 1 --merge-tiles 2048,4096,8192,16384 --merge-warps 1,2,4,8 ;;
-        partial-acc)  # the partial accumulators in bf16 against float32: GPU tests, then the whole call in turns
-            run partial_acc_tests 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
-                tests/test_gluon_history.py -k "decode or matches or settled or static or span"
-            run partial_acc 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --dense-split-tokens 32 \
-                --pdl 1 --settled 1 --partial-acc-bf16 1,0,1,0,1,0 ;;
         floors)  # the whole call with the dense tiers empty and the merge trivial (timing only)
             run floors 200 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --floors ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;

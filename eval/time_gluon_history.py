@@ -2,8 +2,7 @@
 
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
-                                      [--merge-tiles 8192] [--merge-warps 4] [--partial-acc-bf16 1,0] [--settled 1,0]
-                                      [--halves 1,0]
+                                      [--merge-tiles 8192] [--merge-warps 4] [--settled 1,0] [--halves 1,0]
                                       [--one-metadata-array] [--alternating-rows] [--floors]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
@@ -79,12 +78,11 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")] if baseline else []
-    defaults = (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE,
-                kernels._MERGE_WARPS, kernels._PARTIAL_ACC_BF16)  # fmt: skip
+    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, kernels._MERGE_WARPS
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for tokens, pdl, merge_tile, merge_warps, settled, acc_bf16 in itertools.product(
+    for tokens, pdl, merge_tile, merge_warps, settled in itertools.product(
         numbers(options.dense_split_tokens), numbers(options.pdl), numbers(options.merge_tiles),
-        numbers(options.merge_warps), numbers(options.settled), numbers(options.partial_acc_bf16),
+        numbers(options.merge_warps), numbers(options.settled),
     ):  # fmt: skip
         if settled and not pdl:
             continue  # a settled history changes nothing without programmatic launches
@@ -92,14 +90,13 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
             continue  # floats a thread: more spill, fewer leave most lanes idle
         # the launcher's constants
         kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE, kernels._MERGE_WARPS = tokens, merge_tile, merge_warps
-        kernels._PARTIAL_ACC_BF16 = bool(acc_bf16)
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
         rows.append(row(kernel, bool(settled), dense_split_tokens=tokens, merge_tile=merge_tile,
-                        merge_warps=merge_warps, partial_acc="bf16" if acc_bf16 else "float32", **variant))  # fmt: skip
+                        merge_warps=merge_warps, **variant))  # fmt: skip
         print(rows[-1], flush=True)
     (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE,
-     kernels._MERGE_WARPS, kernels._PARTIAL_ACC_BF16) = defaults
+     kernels._MERGE_WARPS) = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -186,8 +183,6 @@ def main() -> None:
     parser.add_argument("--merge-tiles", default=str(MERGE_TILE),
                         help="floats of a merge program's [slots, dims] tile, for the whole call")
     parser.add_argument("--merge-warps", default=str(MERGE_WARPS), help="warps of a merge program, for the whole call")
-    parser.add_argument("--partial-acc-bf16", default="1",
-                        help="whole calls with the partial accumulators in bf16 (1) or float32 (0); repeats alternate")
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
@@ -260,13 +255,13 @@ def main() -> None:
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
              "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
-             "merge warps | partial acc | us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "merge warps | us | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
                      f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
                      f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r.get('merge_warps', '')} | "
-                     f"{r.get('partial_acc', '')} | {r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+                     f"{r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

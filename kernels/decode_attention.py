@@ -487,12 +487,11 @@ def _decode_stage1_kernel(
     tl.store(PL + out, l_i, mask=head_ok)
     DPV: tl.constexpr = D // V_PARTS
     pointers = PACC + out[:, None] * D + tl.arange(0, DPV)[None, :]
-    ACC: tl.constexpr = PACC.dtype.element_ty
-    tl.store(pointers, a0.to(ACC), mask=head_ok[:, None])
-    tl.store(pointers + DPV, a1.to(ACC), mask=head_ok[:, None])
+    tl.store(pointers, a0, mask=head_ok[:, None])
+    tl.store(pointers + DPV, a1, mask=head_ok[:, None])
     if V_PARTS == 4:
-        tl.store(pointers + 2 * DPV, a2.to(ACC), mask=head_ok[:, None])
-        tl.store(pointers + 3 * DPV, a3.to(ACC), mask=head_ok[:, None])
+        tl.store(pointers + 2 * DPV, a2, mask=head_ok[:, None])
+        tl.store(pointers + 3 * DPV, a3, mask=head_ok[:, None])
     if AFTER_SPAN:
         # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does
         # not touch: this grid completes only after the span has, so the merge may wait on it alone.
@@ -520,7 +519,7 @@ def _decode_stage2_kernel(
     base = (b * tl.num_programs(1) + head) * n_slots
     m = tl.load(PM + base + slots, mask=used, other=float("-inf"))
     l = tl.load(PL + base + slots, mask=used, other=0.0)
-    acc = tl.load(PACC + (base + slots)[:, None] * D + dims[None, :], mask=used[:, None], other=0.0).to(tl.float32)
+    acc = tl.load(PACC + (base + slots)[:, None] * D + dims[None, :], mask=used[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty slots (m = -inf) weigh 0
     total = tl.sum(weight * l, axis=0)
@@ -548,9 +547,6 @@ _MERGE_TILE = 8192  # floats of a merge program's [slots, dims] tile: 64 registe
 # Warps a merge program: 1-8 took the same at each tile (H200, 100K, eval/results/gluon_history_merge_warps.md);
 # the tile counts (2048 floats: 29.0-29.7 us at batch 1, 8192: 27.0-27.3), as fewer programs do.
 _MERGE_WARPS = 4
-# Partial accumulators of bf16 inputs in bf16 (else float32): half the bytes the merge reads. (fp16's
-# 11 bits would hold them better, but not its range: the sums are unnormalised.)
-_PARTIAL_ACC_BF16 = True
 
 
 def _device_programs(device: torch.device, programs_per_sm: int) -> int:
@@ -650,9 +646,7 @@ def decode_attention_triton(
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
     n_slots = hist_splits + 3 * dense_splits
 
-    acc_dtype = torch.bfloat16 if _PARTIAL_ACC_BF16 and q.dtype == torch.bfloat16 else torch.float32
-    partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, acc_dtype, q.device,
-                                                  reuse=lengths is None)  # fmt: skip
+    partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
     # Masks travel as bytes (bool pointers are not portable across Triton versions). Without one the
     # kernel never reads the pointer: q stands in, sparing an allocation per call.
@@ -700,9 +694,8 @@ def decode_attention_triton(
 _PARTIALS: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
 
-def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, acc_dtype: torch.dtype, device: torch.device,
-              reuse: bool):  # fmt: skip
-    """``(m, l, acc)`` slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]`` in ``acc_dtype``).
+def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: torch.device, reuse: bool):
+    """``(m, l, acc)`` slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]``).
 
     They live from stage 1 to stage 2 of one call. Calls from one thread on one stream run in
     order, so eager calls there share one set while the shape stays (every layer of a step):
@@ -710,7 +703,7 @@ def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, acc_dtype: 
     allocated per stream and thread (at most ~300 slots: 4.4 MB at batch 1 for 32 heads of 128 dims).
     Static decoding (``reuse`` false) allocates inside the graph it is captured in.
     """
-    shape = (batch, q_heads, n_slots, head_dim, acc_dtype)
+    shape = (batch, q_heads, n_slots, head_dim)
     reuse = reuse and device.type == "cuda"
     if reuse:
         where = (device, triton.runtime.driver.active.get_current_stream(device.index), threading.get_ident())
@@ -718,7 +711,7 @@ def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, acc_dtype: 
         if kept is not None and kept[0] == shape:
             return kept[1]
     m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=device)
-    buffers = (m, torch.empty_like(m), torch.empty(shape[:4], dtype=acc_dtype, device=device))
+    buffers = (m, torch.empty_like(m), torch.empty(shape, dtype=torch.float32, device=device))
     if reuse:
         _PARTIALS[where] = (shape, buffers)
     return buffers

@@ -741,11 +741,10 @@ def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, ac
     rows = gl.arange(0, 32, layout=gl.SliceLayout(1, acc0.type.layout))
     out = PACC + heads[None, :] * (head_stride * D) + (4 * (rows % 8) + rows // 8)[:, None]
     ok = (heads < GROUP)[None, :]
-    acc = PACC.dtype.element_ty
-    gl.store(out, (acc0 - wz_sum - OFFSET * w_sum).to(acc), mask=ok)
-    gl.store(out + 32, (acc1 * 0.25 - wz_sum - (OFFSET * 0.25) * w_sum).to(acc), mask=ok)
-    gl.store(out + 64, (acc2 * 0.0625 - wz_sum - (OFFSET * 0.0625) * w_sum).to(acc), mask=ok)
-    gl.store(out + 96, (acc3 - wz_sum - OFFSET * w_sum).to(acc), mask=ok)
+    gl.store(out, acc0 - wz_sum - OFFSET * w_sum, mask=ok)
+    gl.store(out + 32, acc1 * 0.25 - wz_sum - (OFFSET * 0.25) * w_sum, mask=ok)
+    gl.store(out + 64, acc2 * 0.0625 - wz_sum - (OFFSET * 0.0625) * w_sum, mask=ok)
+    gl.store(out + 96, acc3 - wz_sum - OFFSET * w_sum, mask=ok)
 
 
 @gluon.jit
