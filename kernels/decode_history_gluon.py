@@ -514,24 +514,17 @@ def _clock(after):
                                      pack=1)  # fmt: skip
 
 
-@gluon.jit
-def _cycles():
-    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+# Special registers as int64, for _special: the SM's cycle counter, the global timer (ns), the SM and the warp slot.
+CLOCK = gl.constexpr("mov.u64 $0, %clock64;")
+GLOBAL_TIME = gl.constexpr("mov.u64 $0, %globaltimer;")
+SM_ID = gl.constexpr("{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; }")
+WARP_SLOT = gl.constexpr("{ .reg .u32 t; mov.u32 t, %warpid; cvt.u64.u32 $0, t; }")
 
 
 @gluon.jit
-def _global_time():
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _warp_slot():
-    return gl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _sm_id():
-    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+def _special(READ: gl.constexpr):
+    """The special register that ``READ`` (one of the reads above) moves into an int64."""
+    return gl.inline_asm_elementwise(READ, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -555,7 +548,7 @@ def history_kernel(
     write) is read, the slots written and the dense tiers let start, only after it has ended.
     ``TIMED``: the program's timeline goes to ``TIMES`` (see :data:`TIMELINE`)."""
     if TIMED:
-        started, started_cycle = _global_time(), _cycles()
+        started, started_cycle = _special(GLOBAL_TIME), _special(CLOCK)
     if LAUNCH_DEPENDENTS and not EARLY:
         _launch_dependents()
     if RING:
@@ -573,7 +566,7 @@ def history_kernel(
         gl.store(TIMES + 1, started)
         gl.store(TIMES + 3, started_cycle)
         tiles = gl.cdiv(end - start, 64).to(gl.int64)
-        gl.store(TIMES, _sm_id().to(gl.int64) + (_warp_slot().to(gl.int64) << 16) + (tiles << 32))
+        gl.store(TIMES, _special(SM_ID) + (_special(WARP_SLOT) << 16) + (tiles << 32))
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
     _history_span(
         Q + b * q_b + kv_head * GROUP * D, KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,
@@ -583,8 +576,8 @@ def history_kernel(
         score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS,
     )  # fmt: skip
     if TIMED:
-        gl.store(TIMES + 7, _cycles())
-        gl.store(TIMES + 2, _global_time())
+        gl.store(TIMES + 7, _special(CLOCK))
+        gl.store(TIMES + 2, _special(GLOBAL_TIME))
 
 
 @gluon.jit
@@ -611,7 +604,7 @@ def _history_span(
         if LAUNCH_DEPENDENTS:
             _launch_dependents()
     if TIMED:
-        gl.store(TIMES + 4, _cycles())
+        gl.store(TIMES + 4, _special(CLOCK))
     q = _q_int8(Q, GROUP, PACK)
     if TIMED:
         gl.store(TIMES + 5, _clock(gl.max(q[3], axis=0)))
