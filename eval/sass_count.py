@@ -67,7 +67,7 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
         D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
         K_UNPACK=unpack, V_UNPACK=unpack,
-        HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, num_warps=num_warps,
+        HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, SIGNALED=False, num_warps=num_warps,
         num_stages=kernel._STAGES,
     )  # fmt: skip
 
