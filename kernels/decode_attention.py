@@ -395,13 +395,13 @@ def _decode_stage1_kernel(
     RK, rk_st, RV, rv_st, n_recent, chunk_recent,
     NK, nk_st, NV, nv_st, n_new, chunk_new,
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS,
+    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS, ARRIVALS,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
     V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_FREE: tl.constexpr, V_FREE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
-    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr, SIGNALED: tl.constexpr,
+    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr, MERGE_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -492,12 +492,18 @@ def _decode_stage1_kernel(
     if V_PARTS == 4:
         tl.store(pointers + 2 * DPV, a2, mask=head_ok[:, None])
         tl.store(pointers + 3 * DPV, a3, mask=head_ok[:, None])
+    if MERGE_BLOCKS > 0:  # the merge counts arrivals: add this program's to its heads' merge programs
+        tl.debug_barrier()  # every thread's stores of the slot before the releases
+        counters = (b * (tl.num_programs(1) // HEAD_BLOCKS * GROUP) + heads)[:, None] * MERGE_BLOCKS
+        counters += tl.arange(0, MERGE_BLOCKS)[None, :]
+        tl.atomic_add(ARRIVALS + counters, tl.full([BLOCK_H, MERGE_BLOCKS], 1, tl.int32), mask=head_ok[:, None],
+                      sem="release", scope="gpu")  # fmt: skip
     if AFTER_SPAN:
         # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does
-        # not touch. Without arrival counters (SIGNALED) this grid completes only after the span has,
-        # so that the merge may wait on it alone.
+        # not touch. Without arrival counts this grid waits for the span's end before its own, so that
+        # the merge may wait on it alone.
         tl.extra.cuda.gdc_launch_dependents()
-        if not SIGNALED:
+        if MERGE_BLOCKS == 0:
             tl.extra.cuda.gdc_wait()
 
 
@@ -521,12 +527,15 @@ def _decode_stage2_kernel(
 ):  # fmt: skip
     """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits.
     ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it.
-    ``SIGNALED``: the span's slots are ready once this program's counter (``ARRIVALS`` ``[B * Hq, blocks
-    of dims]``) reaches ``arrivals``; it then sets it back to 0 for the next call."""
+    ``SIGNALED``: the slots are ready once this program's counter (``ARRIVALS`` ``[B * Hq, blocks of
+    dims]``) reaches ``arrivals``, one a program that writes a slot; it then sets it back to 0 for the
+    next call. It waits on nothing else: a grid launched programmatically ends only after the one
+    before it, so waiting on the dense tiers' grid would wait on the span's end too."""
     if DEPENDENT:
         # the next call's span may start now: it copies only settled history before it waits on this grid
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if not SIGNALED:
+            tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if SIGNALED:
@@ -684,8 +693,8 @@ def decode_attention_triton(
     # On Hopper and later the dense tiers and the merge launch early (programmatic dependent launch):
     # the dense tiers fill the span's tail instead of waiting for all of it, and launch gaps hide.
     overlap = gluon and programmatic_launch(q.device)
-    # With arrival counters the merge starts on the span's counts, not on its grid's end (and the dense
-    # tiers' grid no longer waits for the span's): the chain of grid ends is what they save.
+    # With arrival counters the merge starts once every slot's program has counted itself, not on the
+    # span's and the dense tiers' grid ends: the chain of grid ends is what they save.
     signaled = overlap and arrivals is not None and SIGNALED_MERGE
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
@@ -700,16 +709,18 @@ def decode_attention_triton(
             *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
             mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
             first_slot, q if lengths is None else lengths,  # unread without RING
+            arrivals if signaled else q,  # unread without
             GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
             K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
             MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
             K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
             V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
             HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
-            SIGNALED=signaled, num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
+            MERGE_BLOCKS=arrivals.shape[-1] if signaled else 0, num_warps=num_warps, num_stages=num_stages,
+            launch_pdl=overlap,
         )  # fmt: skip
         launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
-            partial_m, partial_l, partial_acc, *t(out), n_slots, q if arrivals is None else arrivals, hist_splits,
+            partial_m, partial_l, partial_acc, *t(out), n_slots, q if arrivals is None else arrivals, n_slots,
             D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap, SIGNALED=signaled,
             num_warps=_MERGE_WARPS, launch_pdl=overlap,
         )  # fmt: skip

@@ -311,6 +311,10 @@ K_FACTORS = (1.0, 4.0, 16.0, 16.0)
 # q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
 # fits int8 (hi <= 125).
 Q_RANGE = gl.constexpr(32000.0)
+# 1.5 * 2**23: a float32 below 2**22 in magnitude plus this is rounded to an integer, which is then its
+# low mantissa bits (the float's bits less ROUNDER_BITS).
+ROUNDER = gl.constexpr(12582912.0)
+ROUNDER_BITS = gl.constexpr(0x4B400000)
 
 
 @gluon.jit
@@ -358,11 +362,11 @@ def _q_dims(Q, J: gl.constexpr, GROUP: gl.constexpr):
 
 @gluon.jit
 def _q_halves(block, scale, FACTOR: gl.constexpr):
-    """A q block as the integers ``Q = round(q * scale / FACTOR)`` (to nearest, one instruction), split
+    """A q block as the integers ``Q = round(q * scale / FACTOR)`` (to nearest, even on ties), split
     ``Q = 256 hi + lo`` into two int8 B operands, and ``FACTOR * Q`` (what the codes' zero points multiply,
-    summed over dims)."""
-    fixed = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [block * (scale / FACTOR)[None, :]],
-                                      dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+    summed over dims). The rounding adds ``ROUNDER`` on the float pipe: a conversion instruction runs on
+    the quarter-rate unit, where the 16 programs of an SM would queue their prologues' 32 each."""
+    fixed = (block * (scale / FACTOR)[None, :] + ROUNDER).to(gl.int32, bitcast=True) - ROUNDER_BITS
     hi = (fixed + 128) >> 8
     lo = fixed - (hi << 8)
     return hi.to(gl.int8), lo.to(gl.int8), fixed * int(FACTOR)
