@@ -3,7 +3,7 @@
     python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--merge-warps 4] [--settled 1,0] [--halves 1,0]
-                                      [--signals 1] [--one-metadata-array] [--alternating-rows] [--floors]
+                                      [--one-metadata-array] [--alternating-rows] [--floors]
 
 Qwen3-8B attention shape at 100K (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``).
 Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median):
@@ -19,9 +19,6 @@ Both sides are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median
   the dense tiers and the merge launched programmatically (the default on Hopper) and, ``no PDL``,
   one after another; ``settled``: with ``history_settled=True`` (each call's span starts copying the
   history while the call before's merge runs, as a decode step's span does while q is rotated).
-
-``--signals``: whole calls whose merge starts on the span's arrival counts (1, the default where PDL
-runs) or on its grid's end (0); repeat the values (``1,0,1,0``) to time them in turns.
 
 ``--halves``: the span's 64-key tiles as two halves of 32 keys in the MMAs' columns (1, where a KV
 head has at most 4 query heads) or one (0); each times the span alone and the whole call.
@@ -62,7 +59,6 @@ import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_WARPS as MERGE_WARPS  # noqa: E402
-from oscar_hf.kernels.decode_attention import await_arrivals  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
@@ -82,12 +78,11 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")] if baseline else []
-    defaults = (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, kernels._MERGE_WARPS,
-                kernels.SIGNALED_MERGE)  # fmt: skip
+    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, kernels._MERGE_WARPS
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
-    for signals, tokens, pdl, merge_tile, merge_warps, settled in itertools.product(
-        numbers(options.signals), numbers(options.dense_split_tokens), numbers(options.pdl),
-        numbers(options.merge_tiles), numbers(options.merge_warps), numbers(options.settled),
+    for tokens, pdl, merge_tile, merge_warps, settled in itertools.product(
+        numbers(options.dense_split_tokens), numbers(options.pdl), numbers(options.merge_tiles),
+        numbers(options.merge_warps), numbers(options.settled),
     ):  # fmt: skip
         if settled and not pdl:
             continue  # a settled history changes nothing without programmatic launches
@@ -96,14 +91,12 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
         # the launcher's constants
         kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE, kernels._MERGE_WARPS = tokens, merge_tile, merge_warps
         kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
-        kernels.SIGNALED_MERGE = bool(signals)
-        kernel = ("gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
-                  + ("" if signals or not pdl else ", merge on the span's end"))  # fmt: skip
+        kernel = "gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
         rows.append(row(kernel, bool(settled), dense_split_tokens=tokens, merge_tile=merge_tile,
                         merge_warps=merge_warps, **variant))  # fmt: skip
         print(rows[-1], flush=True)
-    (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, kernels._MERGE_WARPS,
-     kernels.SIGNALED_MERGE) = defaults
+    (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE,
+     kernels._MERGE_WARPS) = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -142,14 +135,12 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
 
 
 @triton.jit
-def _merge_floor(PM, PL, PACC, O, o_st, n_slots, ARRIVALS, arrivals, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SLOTS: tl.constexpr, INTERPRETED: tl.constexpr, DEPENDENT: tl.constexpr, SIGNALED: tl.constexpr):  # fmt: skip
+def _merge_floor(PM, PL, PACC, O, o_st, n_slots, D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
+                 INTERPRETED: tl.constexpr, DEPENDENT: tl.constexpr):  # fmt: skip
     """The merge's launch, waits and stores without its loads and arithmetic (timing only)."""
     if DEPENDENT:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if SIGNALED:
-        await_arrivals(ARRIVALS, arrivals)
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     tl.store(O + tl.program_id(0) * o_st[0] + tl.program_id(1) * o_st[1] + dims, tl.zeros([BLOCK_D], O.dtype.element_ty))
 
@@ -196,8 +187,6 @@ def main() -> None:
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
-    parser.add_argument("--signals", default="1",
-                        help="whole calls whose merge starts on the span's arrival counts (1) or its grid's end (0)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
     parser.add_argument("--alternating-rows", action="store_true",
                         help="also time the span and the whole call with K's and V's code rows in one buffer")

@@ -395,13 +395,13 @@ def _decode_stage1_kernel(
     RK, rk_st, RV, rv_st, n_recent, chunk_recent,
     NK, nk_st, NV, nv_st, n_new, chunk_new,
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS, ARRIVALS,
+    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
     V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_FREE: tl.constexpr, V_FREE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
-    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr, MERGE_BLOCKS: tl.constexpr,
+    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr,
 ):  # fmt: skip
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
@@ -492,54 +492,27 @@ def _decode_stage1_kernel(
     if V_PARTS == 4:
         tl.store(pointers + 2 * DPV, a2, mask=head_ok[:, None])
         tl.store(pointers + 3 * DPV, a3, mask=head_ok[:, None])
-    if MERGE_BLOCKS > 0:  # the merge counts arrivals: add this program's to its heads' merge programs
-        tl.debug_barrier()  # every thread's stores of the slot before the releases
-        counters = (b * (tl.num_programs(1) // HEAD_BLOCKS * GROUP) + heads)[:, None] * MERGE_BLOCKS
-        counters += tl.arange(0, MERGE_BLOCKS)[None, :]
-        tl.atomic_add(ARRIVALS + counters, tl.full([BLOCK_H, MERGE_BLOCKS], 1, tl.int32), mask=head_ok[:, None],
-                      sem="release", scope="gpu")  # fmt: skip
     if AFTER_SPAN:
         # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does
-        # not touch. Without arrival counts this grid waits for the span's end before its own, so that
-        # the merge may wait on it alone.
+        # not touch: this grid completes only after the span has, so the merge may wait on it alone.
         tl.extra.cuda.gdc_launch_dependents()
-        if MERGE_BLOCKS == 0:
-            tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def await_arrivals(ARRIVALS, arrivals):
-    """Wait until this merge program's arrival counter (``ARRIVALS[b, head, block of dims]``, flattened
-    over the grid) reaches ``arrivals``, acquiring what the span wrote before each arrival; then set it
-    back to 0 for the next call (whose span writes only after this grid has ended)."""
-    counter = ARRIVALS + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    while arrived < arrivals:
-        arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    tl.store(counter, 0)
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    PM, PL, PACC, O, o_st, n_slots, ARRIVALS, arrivals,
+    PM, PL, PACC, O, o_st, n_slots,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
-    DEPENDENT: tl.constexpr, SIGNALED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):  # fmt: skip
     """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits.
-    ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it.
-    ``SIGNALED``: the slots are ready once this program's counter (``ARRIVALS`` ``[B * Hq, blocks of
-    dims]``) reaches ``arrivals``, one a program that writes a slot; it then sets it back to 0 for the
-    next call. It waits on nothing else: a grid launched programmatically ends only after the one
-    before it, so waiting on the dense tiers' grid would wait on the span's end too."""
+    ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it."""
     if DEPENDENT:
         # the next call's span may start now: it copies only settled history before it waits on this grid
         tl.extra.cuda.gdc_launch_dependents()
-        if not SIGNALED:
-            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if SIGNALED:
-        await_arrivals(ARRIVALS, arrivals)
     slots = tl.arange(0, SLOTS)
     used = slots < n_slots
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -574,9 +547,6 @@ _MERGE_TILE = 8192  # floats of a merge program's [slots, dims] tile: 64 registe
 # Warps a merge program: 1-8 took the same at each tile (H200, 100K, eval/results/gluon_history_merge_warps.md);
 # the tile counts (2048 floats: 29.0-29.7 us at batch 1, 8192: 27.0-27.3), as fewer programs do.
 _MERGE_WARPS = 4
-# False: the merge waits on the span's grid end even where arrival counters could be kept (the A/B switch of
-# eval/time_gluon_history.py --signals)
-SIGNALED_MERGE = False
 
 
 def _device_programs(device: torch.device, programs_per_sm: int) -> int:
@@ -676,12 +646,7 @@ def decode_attention_triton(
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
     n_slots = hist_splits + 3 * dense_splits
 
-    # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
-    # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us. Narrower beyond 256 slots.
-    slots = next_power_of_two(n_slots)
-    block_d = min(head_dim, _MERGE_BLOCK_D, max(1, _MERGE_TILE // slots))
-    partial_m, partial_l, partial_acc, arrivals = _partials(batch, q_heads, n_slots, head_dim, head_dim // block_d,
-                                                            q.device, reuse=lengths is None)  # fmt: skip
+    partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
     # Masks travel as bytes (bool pointers are not portable across Triton versions). Without one the
     # kernel never reads the pointer: q stands in, sparing an allocation per call.
@@ -693,84 +658,63 @@ def decode_attention_triton(
     # On Hopper and later the dense tiers and the merge launch early (programmatic dependent launch):
     # the dense tiers fill the span's tail instead of waiting for all of it, and launch gaps hide.
     overlap = gluon and programmatic_launch(q.device)
-    # With arrival counters the merge starts once every slot's program has counted itself, not on the
-    # span's and the dense tiers' grid ends: the chain of grid ends is what they save.
-    signaled = overlap and arrivals is not None and SIGNALED_MERGE
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
                      partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
-                     early=overlap and history_settled, arrivals=arrivals if signaled else None)  # fmt: skip
-    try:
-        launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
-            *t(q),
-            *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
-            *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
-            *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
-            *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
-            mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
-            first_slot, q if lengths is None else lengths,  # unread without RING
-            arrivals if signaled else q,  # unread without
-            GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
-            K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
-            MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
-            K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
-            V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
-            HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
-            MERGE_BLOCKS=arrivals.shape[-1] if signaled else 0, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=overlap,
-        )  # fmt: skip
-        launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
-            partial_m, partial_l, partial_acc, *t(out), n_slots, q if arrivals is None else arrivals, n_slots,
-            D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap, SIGNALED=signaled,
-            num_warps=_MERGE_WARPS, launch_pdl=overlap,
-        )  # fmt: skip
-    except Exception:
-        if signaled:  # the span has counted its arrivals: the kept counters are no longer zero
-            _forget_partials(q.device)
-        raise
+                     early=overlap and history_settled)  # fmt: skip
+    launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
+        *t(q),
+        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
+        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
+        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
+        *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
+        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
+        first_slot, q if lengths is None else lengths,  # unread without RING
+        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
+        K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
+        MAGIC=magic, OFFSET=offset, K_FREE=_shift_free_blocks(k_bits, q.dtype), V_FREE=_shift_free_blocks(v_bits, q.dtype),
+        K_UNPACK="" if INTERPRET else _unpack_asm(k_bits, q.dtype),
+        V_UNPACK="" if INTERPRET else _unpack_asm(v_bits, q.dtype),
+        HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
+    )  # fmt: skip
+    # Blocks of dims spread the merge over more programs: one program per head (32 at batch 1) took
+    # 4.4 us a layer at 100K, merging 135 slots; one per 32 dims 2.2 us. Narrower beyond 256 slots.
+    slots = next_power_of_two(n_slots)
+    block_d = min(head_dim, _MERGE_BLOCK_D, max(1, _MERGE_TILE // slots))
+    launch_kernel(_decode_stage2_kernel, (batch, q_heads, head_dim // block_d),
+        partial_m, partial_l, partial_acc, *t(out), n_slots,
+        D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap,
+        num_warps=_MERGE_WARPS, launch_pdl=overlap,
+    )  # fmt: skip
     return out
 
 
 # (device, stream, thread) -> the partial buffers of the latest eager call there
-_PARTIALS: dict[tuple, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+_PARTIALS: dict[tuple, tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
 
-def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, merge_blocks: int, device: torch.device,
-              reuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """``(m, l, acc, arrivals)``: slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]``), and the
-    merge's arrival counters (int32 ``[B * Hq, merge_blocks]``, zeros, or None).
+def _partials(batch: int, q_heads: int, n_slots: int, head_dim: int, device: torch.device, reuse: bool):
+    """``(m, l, acc)`` slot buffers, float32 ``[B, Hq, n_slots]`` (acc ``[..., D]``).
 
     They live from stage 1 to stage 2 of one call. Calls from one thread on one stream run in
     order, so eager calls there share one set while the shape stays (every layer of a step):
     three allocations fewer a call, and eager batch-1 decoding is bound by host time. One set stays
     allocated per stream and thread (at most ~300 slots: 4.4 MB at batch 1 for 32 heads of 128 dims).
-    The counters come only with a kept set: the merge sets each back to 0 once it has read it, so
-    they need zeroing once, which a CUDA graph would repeat at every replay. Static decoding
-    (``reuse`` false) allocates inside the graph it is captured in, without counters.
+    Static decoding (``reuse`` false) allocates inside the graph it is captured in.
     """
-    shape = (batch, q_heads, n_slots, head_dim, merge_blocks)
+    shape = (batch, q_heads, n_slots, head_dim)
     reuse = reuse and device.type == "cuda"
     if reuse:
-        where = _partials_key(device)
+        where = (device, triton.runtime.driver.active.get_current_stream(device.index), threading.get_ident())
         kept = _PARTIALS.get(where)
         if kept is not None and kept[0] == shape:
             return kept[1]
     m = torch.empty(batch, q_heads, n_slots, dtype=torch.float32, device=device)
-    acc = torch.empty(batch, q_heads, n_slots, head_dim, dtype=torch.float32, device=device)
-    if not reuse:
-        return m, torch.empty_like(m), acc, None
-    buffers = (m, torch.empty_like(m), acc, torch.zeros(batch * q_heads, merge_blocks, dtype=torch.int32, device=device))
-    _PARTIALS[where] = (shape, buffers)
+    buffers = (m, torch.empty_like(m), torch.empty(shape, dtype=torch.float32, device=device))
+    if reuse:
+        _PARTIALS[where] = (shape, buffers)
     return buffers
-
-
-def _partials_key(device: torch.device) -> tuple:
-    return device, triton.runtime.driver.active.get_current_stream(device.index), threading.get_ident()
-
-
-def _forget_partials(device: torch.device) -> None:
-    """Drop the kept buffers of this stream and thread (the next call allocates zeroed counters)."""
-    _PARTIALS.pop(_partials_key(device), None)
 
 
 HISTORY_KERNELS = ("gluon", "triton")

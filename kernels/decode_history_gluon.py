@@ -534,10 +534,10 @@ def _special(READ: gl.constexpr):
 @gluon.jit
 def history_kernel(
     Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES, ARRIVALS,
+    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
     GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
     LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr, MERGE_BLOCKS: gl.constexpr,
+    ROW_WORDS: gl.constexpr,
 ):  # fmt: skip
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
@@ -546,14 +546,11 @@ def history_kernel(
     one buffer); scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
     are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
-    it writes other slots, and waits for this grid before it ends unless the merge counts arrivals.
-    ``EARLY`` (staged only): this grid was launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
+    it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
+    launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
     written before that kernel, so the first tile's copy starts at once, and q (which that kernel may
     write) is read, the slots written and the dense tiers let start, only after it has ended.
-    ``TIMED``: the program's timeline goes to ``TIMES`` (see :data:`TIMELINE`). ``MERGE_BLOCKS`` (> 0):
-    once its slot is written, the program adds 1 to the arrival counter of each merge program of its
-    query heads (``ARRIVALS`` int32 ``[B * Hq, MERGE_BLOCKS]``, one a block of dims), with release
-    semantics, so that the merge can start on the counts instead of this grid's end."""
+    ``TIMED``: the program's timeline goes to ``TIMES`` (see :data:`TIMELINE`)."""
     if TIMED:
         started, started_cycle = _special(GLOBAL_TIME), _special(CLOCK)
     if LAUNCH_DEPENDENTS and not EARLY:
@@ -582,27 +579,9 @@ def history_kernel(
         PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
         score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS,
     )  # fmt: skip
-    if MERGE_BLOCKS > 0:
-        _arrive(ARRIVALS + head0 * MERGE_BLOCKS, GROUP * MERGE_BLOCKS)
     if TIMED:
         gl.store(TIMES + 7, _special(CLOCK))
         gl.store(TIMES + 2, _special(GLOBAL_TIME))
-
-
-ARRIVAL_LANES: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1],
-                                               order=[0])  # fmt: skip
-
-
-@gluon.jit
-def _arrive(COUNTERS, COUNT: gl.constexpr):
-    """Add 1 to ``COUNTERS[0:COUNT]`` (one lane each, releasing): the merge programs reading them may
-    then read this program's slot. The barrier first orders every lane's stores of the slot before
-    the releases (they are cumulative at GPU scope)."""
-    _barrier()
-    for first in gl.static_range(0, COUNT, 32):
-        lanes = first + gl.arange(0, 32, layout=ARRIVAL_LANES)
-        gl.atomic_add(COUNTERS + lanes, gl.full([32], 1, gl.int32, ARRIVAL_LANES), mask=lanes < COUNT, sem="release",
-                      scope="gpu")  # fmt: skip
 
 
 @gluon.jit
@@ -776,7 +755,6 @@ def history_into(
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
     partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
     pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False,
-    arrivals: torch.Tensor | None = None,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
@@ -788,9 +766,7 @@ def history_into(
     and later): the next kernel may start before this one ends, and must not read what it writes
     without waiting (``griddepcontrol.wait``). ``early`` (Hopper and later, staged): this launch may
     start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
-    (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q.
-    ``arrivals``: the merge's arrival counters, int32 ``[B * Hq, blocks of dims]`` (see
-    :func:`history_kernel`); each program adds 1 to those of its query heads once its slot is written."""
+    (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q."""
     from oscar_hf.kernels._triton import launch_kernel
     from oscar_hf.kernels.decode_attention import _LOG2E
 
@@ -827,10 +803,9 @@ def history_into(
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
         sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
         q if TIMELINE is None else TIMELINE,  # unread untimed
-        q if arrivals is None else arrivals,  # unread without
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2), MERGE_BLOCKS=0 if arrivals is None else arrivals.shape[-1],
+        ROW_WORDS=words_k.stride(2),
         num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
     )  # fmt: skip
 
@@ -899,9 +874,9 @@ def compile_for_sm90() -> None:
         # the history length as an argument, or read on the device (static decoding); tiles staged or not
         compiled = history_kernel.warmup(
             bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, i32, GROUP=4,
-            V_UNPACK=value_unpack_asm(), RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline,
-            PACK=halves(4), TIMED=False, ROW_WORDS=8, MERGE_BLOCKS=8,
+            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
+            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
+            ROW_WORDS=8,
             grid=(1,),
             num_warps=1, maxnreg=REGISTERS,
         )  # fmt: skip

@@ -280,47 +280,6 @@ def test_a_settled_history_is_read_while_the_kernel_before_writes_q(monkeypatch)
 
 
 @GPU
-@pytest.mark.parametrize("signaled", [True, False], ids=["arrival-counts", "grid-end"])
-def test_the_merge_reads_each_call_s_slots_once_the_span_has_written_them(monkeypatch, signaled):
-    """On Hopper the merge starts on the span's arrival counts (``SIGNALED_MERGE``), not on its grid's
-    end. Calls captured in a CUDA graph back to back, each after a new q, replayed twice: every output
-    against the reference, and every counter back at 0 afterwards (the merge resets what it read)."""
-    from oscar_hf.kernels import decode_attention as kernels
-
-    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
-    monkeypatch.setattr(kernels, "SIGNALED_MERGE", signaled)
-    args, options = _decode_inputs(1, 32, 8, 128, 64, 60_000, 260, 1, torch.bfloat16, 2, 2, seed=7)
-    q, *tiers = [a.cuda() for a in args]
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    features = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16, generator=generator)
-    projections = torch.randn(6, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=generator) / 64
-
-    def calls() -> list[torch.Tensor]:
-        outputs = []
-        for projection in projections:
-            torch.mm(features, projection, out=q.view(32, 128))
-            outputs.append(kernels.decode_attention(q, *tiers, sm_scale=0.088, history_settled=True, **options))
-        return outputs
-
-    calls()  # compiles, and keeps the partial buffers the graph then reuses
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = calls()
-    for replay in range(2):
-        for output in outputs:
-            output.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        for step, (projection, output) in enumerate(zip(projections, outputs)):
-            torch.mm(features, projection, out=q.view(32, 128))
-            want = decode_attention_reference(q, *tiers, sm_scale=0.088, **options)
-            torch.testing.assert_close(output.float(), want.float(), **TOLERANCE[torch.bfloat16],
-                                       msg=f"replay {replay}, call {step}")  # fmt: skip
-    counters = [kept[1][3] for kept in kernels._PARTIALS.values() if kept[1][3] is not None]
-    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
-
-
-@GPU
 @pytest.mark.parametrize("history", [1000, 100], ids=["long", "short-history-many-empty-splits"])
 def test_static_lengths_reach_the_span(monkeypatch, history):
     """Static decoding: the span reads the history length from the device tensor, as the Triton kernel
