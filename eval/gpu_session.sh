@@ -104,13 +104,15 @@ for step in "$@"; do
             run registers 420 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --registers 128,120,112,104,96 \
                 --dense-split-tokens 32 --pdl 1 ;;
         ncu)  # the history span's occupancy and stall reasons, direct and staged, batches 1 and 8
+            # NCU_VARIANTS picks direct and/or staged; NCU_TAG suffixes the logs (to keep earlier ones)
             for batch in 1 8; do
-                for variant in direct staged; do
+                for variant in ${NCU_VARIANTS:-direct staged}; do
                     flag=""
                     [ "$variant" = staged ] && flag=--staged
-                    run "ncu_span_b${batch}_$variant" 150 ncu --kernel-name regex:history_kernel --launch-skip 2 \
-                        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
-                        --section SchedulerStats --section WarpStateStats --print-details all \
+                    run "ncu_span_b${batch}_$variant${NCU_TAG:+_$NCU_TAG}" 150 ncu --kernel-name regex:history_kernel \
+                        --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+                        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+                        --section MemoryWorkloadAnalysis_Tables --print-details all \
                         python3 eval/ncu_decode.py --batch "$batch" $flag
                 done
             done ;;

@@ -29,9 +29,11 @@ head, each tile's two halves of 32 keys share them, see PAIRS):
   the bf16 conversions are single asm instructions (Triton 3.6: 819, then 735 instructions a tile
   with bf16 scores; Nsight Compute then: ALU 51% busy, issue 48%, at 4 warps a scheduler). Since
   then the tile's instructions fell to 619 (int8 scores, two halves) with little gain in time
-  (``kernels/NOTES.md``, sessions 19-20): what bounds it now is dependency latency within each
+  (``kernels/NOTES.md``, sessions 19-20): what bounds it is dependency latency within each
   one-warp program (Nsight Compute: Wait and Short Scoreboard stalls, under one eligible warp a
-  scheduler), not memory and not issue.
+  scheduler) and the L1's data pipe, which shared-memory reads, shuffles and the staged copies share:
+  copies that read whole rows an instruction halved its wavefronts a tile and took ~7% off the call
+  (session 24).
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers, the instructions of its loop and those before it (``eval/sass_count.py``'s compile
@@ -120,13 +122,28 @@ META: gl.constexpr = gl.DistributedLinearLayout(
 META_PAIRS: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[1], [2]], lane_bases=[[0], [4], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
 )  # fmt: skip
-# Shared-memory staging of the next tile (PIPELINE), per stage: each thread's 16 K or V words of a
-# tile in 16-byte vectors, the warp's vectors side by side (conflict-free reads).
+# Shared-memory staging of the next tile (PIPELINE). Copies read whole rows an instruction: K, 8 bytes
+# a lane over 8 consecutive rows (256 bytes); V, 4 bytes a lane over rows k, k + 1, k + 8 and k + 9.
+# Copies in the read layouts took a quarter or an eighth of each row an instruction, across 4 to 8
+# lines, which kept the L1's data pipe ~62-79% busy (Nsight Compute, session 20) and cost ~7% of the
+# call (kernels/NOTES.md, session 24).
+COPY_K: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0], [16, 0], [32, 0]],
+    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
+)  # fmt: skip
+COPY_V: gl.constexpr = gl.DistributedLinearLayout(
+    reg_bases=[[2, 0], [4, 0], [16, 0], [32, 0]],
+    lane_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
+)  # fmt: skip
+# The stages, per stage: each thread's 16 K or V words of a tile (WORDS_K, WORDS_V) in 16-byte vectors,
+# the warp's vectors side by side, swizzled so that the copies' writes are conflict-free as well as
+# the reads: K's bank bit 4 is key bit 3 ^ key bit 1 (offset bit 7 is keys 2 + 8), V's bank bits 3 and
+# 4 are word bits 1 and 2 ^ key bits 4 and 5. Each read instruction XORs bits fixed for it.
 K_STAGES: gl.constexpr = gl.SharedLinearLayout(
-    offset_bases=[[0, 1], [1, 0], [0, 2], [0, 4], [8, 0], [16, 0], [32, 0], [2, 0], [4, 0]],
+    offset_bases=[[0, 1], [1, 0], [0, 2], [0, 4], [8, 0], [16, 0], [32, 0], [10, 0], [4, 0]],
 )  # fmt: skip
 V_STAGES: gl.constexpr = gl.SharedLinearLayout(
-    offset_bases=[[8, 0], [1, 0], [16, 0], [32, 0], [0, 1], [0, 2], [0, 4], [2, 0], [4, 0]],
+    offset_bases=[[8, 0], [1, 0], [0, 1], [0, 2], [0, 4], [2, 0], [4, 0], [16, 2], [32, 4]],
 )  # fmt: skip
 META_STAGES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 META_COPY: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0])
@@ -456,13 +473,13 @@ def _stage_buffers(KS):
 
 @gluon.jit
 def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block, ROW_WORDS: gl.constexpr):
-    """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile):
-    each thread copies the K and V words it will read back; the metadata go in the copy's own layout."""
+    """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile), each
+    instruction whole rows (COPY_K, COPY_V); the metadata go in the copy's own layout."""
     k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
-    k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
-    k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
-    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
-    v_offsets = v_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
+    k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_K))
+    k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, COPY_K))[None, :]
+    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_V))
+    v_offsets = v_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, COPY_V))[None, :]
     rows = gl.arange(0, 64, layout=META_COPY)
     _async_load(k_buf.index(stage), KC + block * ROW_WORDS + k_offsets)
     _async_load(v_buf.index(stage), VC + block * ROW_WORDS + v_offsets)

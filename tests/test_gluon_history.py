@@ -30,7 +30,9 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     argument / on the device), 757 / 772 with the next tile staged in shared memory (3.9: 749 / 752,
     770 / 781); 819 / 831 before K's block 3 went fp16 and the conversions went to asm. With K's scores on
     int8 MMAs (Triton 3.9): 713 / 716, staged 733 / 748. With two halves of 32 keys a tile (4 query
-    heads): 601 / 616, staged 619 / 633 (Triton 3.6: 617 / 629, staged 627 / 641)."""
+    heads): 601 / 616, staged 619 / 633 (Triton 3.6: 617 / 629, staged 627 / 641). With the staged copies
+    reading whole rows into swizzled stages: staged 633 / 660 (Triton 3.6: 636 / 650), the swizzle's
+    per-register addresses."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SPAN)], capture_output=True, text=True, env=env, timeout=600)
@@ -40,7 +42,7 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     assert [(ring, pipeline) for ring, pipeline, *_ in rows] == [
         ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True")], done.stdout  # fmt: skip
     for _, _, registers, local, instructions, prologue in rows:
-        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 660, done.stdout
+        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 680, done.stdout
         assert int(prologue) < 700, done.stdout  # 496-640 (Triton 3.9), the first tile's copy included
 
 
