@@ -433,16 +433,21 @@ def _unpack_v(words, UNPACK: gl.constexpr):
 
 
 @gluon.jit
+def _word_offsets(LAYOUT: gl.constexpr, ROW_WORDS: gl.constexpr):
+    """A tile's rows ``[64]`` and its words' offsets ``[64, 8]`` (rows ``ROW_WORDS`` words apart) in ``LAYOUT``."""
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, LAYOUT))
+    return rows, rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+
+
+@gluon.jit
 def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASKED: gl.constexpr, PACK: gl.constexpr):
     """One tile's K and V code words and its four metadata vectors; ``MASKED``: rows from ``end`` on
     read as 0. A row's 8 words are contiguous (rows ``ROW_WORDS`` apart), its scale or zero one element:
     constant strides let loads be 8 and 16 bytes wide, which a mask allows only where it is known
     constant over 8 rows (not for a length read on the device). Offsets are taken from the tile's first row, so each address is a base plus
     a constant."""
-    k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_K))
-    k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
-    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
-    v_offsets = v_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
+    k_rows, k_offsets = _word_offsets(gl.constexpr(WORDS_K), ROW_WORDS)
+    v_rows, v_offsets = _word_offsets(gl.constexpr(WORDS_V), ROW_WORDS)
     rows = gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
     KC, VC = KC + block * ROW_WORDS, VC + block * ROW_WORDS
     KS, KZ, VS, VZ = KS + block, KZ + block, VS + block, VZ + block
@@ -476,10 +481,8 @@ def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block, ROW_WORDS: gl.cons
     """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile), each
     instruction whole rows (COPY_K, COPY_V); the metadata go in the copy's own layout."""
     k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
-    k_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_K))
-    k_offsets = k_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, COPY_K))[None, :]
-    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_V))
-    v_offsets = v_rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, COPY_V))[None, :]
+    _, k_offsets = _word_offsets(gl.constexpr(COPY_K), ROW_WORDS)
+    _, v_offsets = _word_offsets(gl.constexpr(COPY_V), ROW_WORDS)
     rows = gl.arange(0, 64, layout=META_COPY)
     _async_load(k_buf.index(stage), KC + block * ROW_WORDS + k_offsets)
     _async_load(v_buf.index(stage), VC + block * ROW_WORDS + v_offsets)
