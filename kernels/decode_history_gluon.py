@@ -328,10 +328,18 @@ K_FACTORS = (1.0, 4.0, 16.0, 16.0)
 # q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
 # fits int8 (hi <= 125).
 Q_RANGE = gl.constexpr(32000.0)
-# 1.5 * 2**23: a float32 below 2**22 in magnitude plus this is rounded to an integer, which is then its
-# low mantissa bits (the float's bits less ROUNDER_BITS).
-ROUNDER = gl.constexpr(12582912.0)
-ROUNDER_BITS = gl.constexpr(0x4B400000)
+# 1.5 * 2**23 + 128: a float32 below 2**22 in magnitude plus this is rounded to an integer (to nearest
+# even, as 1.5 * 2**23 and 128 are even), which plus 128 is then its low mantissa bits: the float's
+# bits less ROUNDER_BITS. With the 128 in, hi = (Q + 128) >> 8 is byte 1 of those bits and lo = Q - 256 hi
+# is byte 0 ^ 0x80, so byte selects pack both (Q_BYTES).
+ROUNDER = gl.constexpr(12583040.0)
+ROUNDER_BITS = gl.constexpr(0x4B400080)
+# Four rounded floats' bits in, hi's and lo's four int8 out: 5 instructions where shifts, adds and
+# packing took 14 (per 4 of a prologue's 32 values a thread).
+Q_BYTES = gl.constexpr(
+    "{ .reg .b32 x, y, z; prmt.b32 x, $2, $3, 0x5140; prmt.b32 y, $4, $5, 0x5140; prmt.b32 $0, x, y, 0x7632; "
+    "prmt.b32 z, x, y, 0x5410; xor.b32 $1, z, 0x80808080; }"
+)
 
 
 @gluon.jit
@@ -373,8 +381,7 @@ def _q_dims(Q, J: gl.constexpr, GROUP: gl.constexpr):
     k = gl.arange(0, 32, layout=gl.SliceLayout(1, B_OP8))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP8))
     byte = 8 * ((k // 4) % 4) + 4 * (k // 16) + k % 4
-    block = gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0)
-    return block.to(gl.float32)
+    return _widen(gl.load(Q + heads[None, :] * D + (32 * J + byte)[:, None], mask=(heads < GROUP)[None, :], other=0.0))
 
 
 @gluon.jit
@@ -383,10 +390,10 @@ def _q_halves(block, scale, FACTOR: gl.constexpr):
     ``Q = 256 hi + lo`` into two int8 B operands, and ``FACTOR * Q`` (what the codes' zero points multiply,
     summed over dims). The rounding adds ``ROUNDER`` on the float pipe: a conversion instruction runs on
     the quarter-rate unit, where the 16 programs of an SM would queue their prologues' 32 each."""
-    fixed = (block * (scale / FACTOR)[None, :] + ROUNDER).to(gl.int32, bitcast=True) - ROUNDER_BITS
-    hi = (fixed + 128) >> 8
-    lo = fixed - (hi << 8)
-    return hi.to(gl.int8), lo.to(gl.int8), fixed * int(FACTOR)
+    bits = (block * (scale / FACTOR)[None, :] + ROUNDER).to(gl.int32, bitcast=True)
+    hi, lo = gl.inline_asm_elementwise(Q_BYTES, "=r,=r,r,r,r,r", [bits], dtype=(gl.int8, gl.int8), is_pure=True,
+                                       pack=4)  # fmt: skip
+    return hi, lo, (bits - ROUNDER_BITS) * int(FACTOR)
 
 
 @gluon.jit
