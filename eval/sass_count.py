@@ -61,7 +61,7 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         bf16, dense, bf16, dense, 264, 256,
         bf16, dense, bf16, dense, 1, 16,
         u8, codes, bf16, meta, bf16, meta, u8, codes, bf16, meta, bf16, meta, history, 1536,
-        bf16, 128, f32, f32, f32, 0.088, 66, 1, 2, 70, 0, torch.int64 if ring else bf16,
+        bf16, 128, f32, f32, f32, 0.088, 66, 2, 72, 0, torch.int64 if ring else bf16,
     )  # fmt: skip  (the launcher's argument order)
     return kernel._decode_stage1_kernel.warmup(
         *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,

@@ -395,8 +395,7 @@ def _decode_stage1_kernel(
     RK, rk_st, RV, rv_st, n_recent, chunk_recent,
     NK, nk_st, NV, nv_st, n_new, chunk_new,
     KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, sink_splits, recent_splits, n_slots, first_slot,
-    LENGTHS,
+    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
     D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
@@ -420,7 +419,7 @@ def _decode_stage1_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     a0 = tl.zeros((BLOCK_H, D // V_PARTS), tl.float32)
     a1, a2, a3 = a0, a0, a0
-    # Slots: history splits first, then the sink's, the recent window's and the new rows' splits.
+    # Slots: history splits first, then `dense_splits` for each of sink, recent and new.
     # Static decoding (RING): the history is allocated at capacity and the recent window is a ring;
     # their lengths are read here from device memory, so a captured launch stays valid as they grow.
     # The key mask then covers the sink only (left padding never reaches past it).
@@ -451,16 +450,17 @@ def _decode_stage1_kernel(
             INTERPRETED,
         )  # fmt: skip
     else:
-        split = slot - hist_splits
-        if split < sink_splits:
+        tier = (slot - hist_splits) // dense_splits
+        split = (slot - hist_splits) % dense_splits
+        if tier == 0:
             start = split * chunk_sink
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
                 SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, tl.minimum(start + chunk_sink, n_sink),
                 MASK, 0, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
             )  # fmt: skip
-        elif split < sink_splits + recent_splits:
-            start = (split - sink_splits) * chunk_recent
+        elif tier == 1:
+            start = split * chunk_recent
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
                 q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
                 RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, tl.minimum(start + chunk_recent, n_recent),
@@ -468,7 +468,7 @@ def _decode_stage1_kernel(
                 TIER_MASK, RING, INTERPRETED,
             )  # fmt: skip
         else:
-            start = (split - sink_splits - recent_splits) * chunk_new
+            start = split * chunk_new
             if RING and tl.program_id(1) % HEAD_BLOCKS == 0:
                 _store_new_rows(
                     NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2], NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2],
@@ -585,7 +585,7 @@ def split_rows(length: int, splits: int, block_n: int) -> tuple[int, int]:
 
 
 def _dense_chunk(length: int, splits: int, block_n: int) -> int:
-    return max(1, cdiv(cdiv(length, max(1, splits)), block_n)) * block_n
+    return max(1, cdiv(cdiv(length, splits), block_n)) * block_n
 
 
 def _block_sizes(group: int, head_dim: int, block_n: int) -> tuple[int, int, int]:
@@ -634,12 +634,11 @@ def decode_attention_triton(
     num_stages = num_stages or (1 if q.dtype == torch.float32 else _STAGES)
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
     dense_tokens = _SPAN_DENSE_SPLIT_TOKENS if gluon else _DENSE_SPLIT_TOKENS
-    # Each tier its own number of splits (an empty one none): no program and no merge slot is left empty
-    # (at batch 1 and 100K beside the span, 11 dense programs a KV head where 8 for each tier gave 24: the
-    # whole call 24.8-24.9 us against 25.0-25.1; eval/results/gluon_dense_tiers.md). The new rows' tier
-    # keeps one, so that the dense launch is never empty.
-    sink_splits, recent_splits = cdiv(n_sink, dense_tokens), cdiv(n_recent, dense_tokens)
-    new_splits = max(1, cdiv(n_new, dense_tokens))
+    # One number of splits for all three tiers, which leaves some empty beside the span (at 100K, 11 of 24
+    # a KV head). Splits of each tier's own, none empty, were faster at batch 1 and 100K (24.8-24.9 us
+    # against 25.0-25.1) but slower at 32K (16.4 against 14.0; the sink in 16-token splits 16.2), not known
+    # why (eval/results/gluon_dense_tiers*.md, gluon_dense_sink16_*.md).
+    dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), dense_tokens))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
@@ -649,7 +648,7 @@ def decode_attention_triton(
     else:
         hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
-    n_slots = hist_splits + sink_splits + recent_splits + new_splits
+    n_slots = hist_splits + 3 * dense_splits
 
     partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -660,11 +659,6 @@ def decode_attention_triton(
     magic, offset = _CODE_MAGIC[q.dtype][:2]
 
     first_slot = hist_splits if gluon else 0
-    # The dense launch keeps the packed branch's registers (245 a thread) beside the span, so that a dense
-    # program fits on a multiprocessor only once two span programs have left it. Compiled without that
-    # branch and capped at the span's 128, dense programs joined the multiprocessors that the span leaves
-    # a program short from the start, a fifth warp on one scheduler there: 27.3 us at batch 1 against
-    # 24.9 (gluon_dense_tiers.md).
     # On Hopper and later the dense tiers and the merge launch early (programmatic dependent launch):
     # the dense tiers fill the span's tail instead of waiting for all of it, and launch gaps hide.
     overlap = gluon and programmatic_launch(q.device)
@@ -674,12 +668,11 @@ def decode_attention_triton(
                      early=overlap and history_settled)  # fmt: skip
     launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
-        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, sink_splits, _DENSE_BLOCK_N),
-        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, recent_splits, _DENSE_BLOCK_N),
-        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, new_splits, _DENSE_BLOCK_N),
+        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
+        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
+        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
         *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
-        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, sink_splits, recent_splits,
-        n_slots,
+        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
         first_slot, q if lengths is None else lengths,  # unread without RING
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
