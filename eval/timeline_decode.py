@@ -1,7 +1,7 @@
 """Where a batch-1 decode call's time goes: a timeline of the Gluon history span's programs, the three
 kernels' windows, and the call's time against the tiles each program runs.
 
-    python eval/timeline_decode.py [--out eval/results] [--batches 1,8] [--tiles 1,2,4,6,8]
+    python eval/timeline_decode.py [--out eval/results] [--batches 1,8] [--tiles 1,2,4,6,8] [--context 100000]
 
 Qwen3-8B attention shape (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``), the
 whole call as the kernel benchmark times it (``decode_attention_triton``, settled history, CUDA-graph
@@ -11,11 +11,11 @@ replay). Three views:
   ``tiles x splits x 64`` rows, so that each program runs exactly ``tiles`` tiles; a line through
   them gives the time a tile adds and the fixed part (launch, q's prologue, epilogue, dense tiers,
   merge). The whole call picks its own splits, which are a whole wave from 4 tiles on.
-* **programs** (100K): each span program's SM, start and end (global timer) and its SM's cycle
+* **programs** (``--context``, 100K by default): each span program's SM, start and end (global timer) and its SM's cycle
   counter at the start, after waiting for the kernel ahead, once q is ready, after the last tile and
   at the end (``decode_history_gluon.TIMELINE``), from the last of several calls replayed in one
   graph: how the wave ramps up and drains, and the cycles of each phase.
-* **kernels** (100K): the span's, the dense tiers' and the merge's start and duration per call from
+* **kernels** (the same context): the span's, the dense tiers' and the merge's start and duration per call from
   the profiler (CUPTI), over the same graph.
 
 Writes ``timeline_decode.json``, ``.md`` and ``.png`` with the command, machine and date.
@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
-CONTEXT = 100_000
 CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
 
@@ -193,7 +192,7 @@ def plot(result: dict, path: Path) -> None:
             gantt.plot([t0 + (a - c_start) / ghz / 1e3, t0 + (b - c_start) / ghz / 1e3], [row, row], color=colour, lw=0.4)
     gantt.set_xlabel("us from the first program's start")
     gantt.set_ylabel("SM (16 program rows each)")
-    gantt.set_title(f"span programs, batch {result['batches'][0]['batch']}, {CONTEXT // 1000}K: "
+    gantt.set_title(f"span programs, batch {result['batches'][0]['batch']}, {result['context'] // 1000}K: "
                     "wait (grey), q (orange), tiles (blue), epilogue (red)", fontsize=9)  # fmt: skip
     for batch in result["batches"]:
         rows = batch["tiles"]
@@ -223,7 +222,7 @@ def markdown(result: dict) -> str:
                 lines.append(f"\n{name}: {fit['us_a_tile']:.2f} us a tile, {fit['fixed_us']:.1f} us fixed")
         p = batch["programs"]
         tiles = p["tiles_a_program"]
-        lines += ["", f"Span programs at {CONTEXT // 1000}K ({p['programs']}, {tiles['min']}-{tiles['max']} tiles each, "
+        lines += ["", f"Span programs at {result['context'] // 1000}K ({p['programs']}, {tiles['min']}-{tiles['max']} tiles each, "
                   f"SM clock {p['sm_ghz']:.2f} GHz): first start to last end {p['window_us']:.1f} us.", "",
                   "| phase | p10 us | median us | p90 us | max us |", "|---|---|---|---|---|"]  # fmt: skip
         for phase in ("start_us", "end_us", "waiting_us", "q_prologue_us", "tile_us", "epilogue_us", "program_us"):
@@ -251,17 +250,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1")
     parser.add_argument("--tiles", default="1,2,4,6,8")
+    parser.add_argument("--context", type=int, default=100_000, help="tokens of the programs' and kernels' views")
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
     machine = bench.machine_info()
     result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "batches": []}  # fmt: skip
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "context": options.context,
+              "batches": []}  # fmt: skip
     result["title"] = f"Decode call timeline, {bench.machine_line(machine)}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])
-        x = bench.tiered_inputs(tune.CONFIG, CONTEXT, batch, torch.device("cuda"), seed=0)
-        entry = {"batch": batch, "tiles": tiles, "call_us_100k": tune.time_graph(whole_call(x)),
+        x = bench.tiered_inputs(tune.CONFIG, options.context, batch, torch.device("cuda"), seed=0)
+        entry = {"batch": batch, "tiles": tiles, "call_us": tune.time_graph(whole_call(x)),
                  "span_fit": line([(r["tiles"], r["span_us"]) for r in tiles]),
                  "call_fit": line([(r["tiles"], r["call_us"]) for r in tiles if r["call_us"] is not None]),
                  "programs": program_timeline(span, x), "kernels": kernel_windows(x)}  # fmt: skip
