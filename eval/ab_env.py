@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,7 +71,7 @@ def main() -> None:
     machine = bench.machine_info()
     command = "python eval/ab_env.py " + " ".join(f"'{arg}'" if " " in arg or not arg else arg for arg in sys.argv[1:])
     record = {"name": options.name, "command": command, "machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "note": options.note,
+              "date": bench.utc_date(), "note": options.note,
               "context": options.context, "rows": rows, "medians": medians}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / f"{options.name}.json").write_text(json.dumps(record, indent=1))

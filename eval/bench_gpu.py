@@ -124,6 +124,11 @@ def machine_info() -> dict:
     }
 
 
+def utc_date() -> str:
+    """Now in UTC, as every result file records its date."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
 def machine_line(machine: dict) -> str:
     gpu = f"{machine['gpu_count']}x {machine['gpu']}" if machine["gpu"] else "no GPU"
     return (f"{gpu}, {machine['cpu_count']} CPUs, torch {machine['torch']}, triton {machine['triton']}, "
@@ -1617,7 +1622,7 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
         cases = bench.run(config)
     result = {
         "name": name, "benchmark": config["benchmark"], "description": config.get("description", ""),
-        "command": command, "machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": command, "machine": machine_info(), "date": utc_date(),
         "seconds": round(time.perf_counter() - started, 1), "config": config, "cases": cases,
     }  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def main() -> None:
     for piece, us in times.items():
         print(f"{us:9.1f} us  {piece}")
     info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name, "context": options.context,
+            "date": bench.utc_date(), "model": name, "context": options.context,
             "batch": options.batch, "iterations": options.iterations, "us_per_call": times}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "host_time.json").write_text(json.dumps(info, indent=1))

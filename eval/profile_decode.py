@@ -146,7 +146,7 @@ def main() -> None:
             print("   py  ", function)
     options.out.mkdir(parents=True, exist_ok=True)
     info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name, "context": options.context,
+            "date": bench.utc_date(), "model": name, "context": options.context,
             "batch": options.batch}  # fmt: skip
     stem = "profile_prefill" if options.prefill else "profile_decode"
     (options.out / f"{stem}.json").write_text(json.dumps({**info, "results": results}, indent=1))

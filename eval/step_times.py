@@ -119,7 +119,7 @@ def main() -> None:
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
     write(args.out, {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": name,
+                     "date": bench.utc_date(), "model": name,
                      "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
                      "rounds": args.rounds, "caches": caches})  # fmt: skip
 

@@ -47,7 +47,6 @@ import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -201,7 +200,7 @@ def main() -> None:
 
     kernels = bench.decode_kernels()
     info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+            "machine": bench.machine_info(), "date": bench.utc_date()}  # fmt: skip
     rows = []
     for batch in numbers(options.batches):
         x = bench.tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)

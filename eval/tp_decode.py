@@ -169,7 +169,7 @@ def main() -> None:
         result = {
             "command": "torchrun --standalone --nproc_per_node " + f"{world} " + " ".join(
                 [Path(__file__).relative_to(bench.REPO).as_posix(), *sys.argv[1:]]),
-            "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": bench.machine_info(), "date": bench.utc_date(),
             "seconds": round(time.perf_counter() - started, 1), "world_size": world, "model": name,
             "model_spec": spec, "context": context, "batch": batch, "new_tokens": new_tokens, "config": config,
             "rows": rows,

@@ -15,7 +15,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -102,7 +101,7 @@ def main() -> None:
     options = parser.parse_args()
     grid = {axis: tuple(int(v) for v in getattr(options, axis).split(",")) for axis in GRID}
     run_info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                "machine": bench.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                "machine": bench.machine_info(), "date": bench.utc_date()}
     results = []
     for batch in options.batches.split(","):
         results.append(sweep(int(batch), options.context, grid))

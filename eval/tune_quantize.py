@@ -17,7 +17,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -83,7 +82,7 @@ def main() -> None:
     options = parser.parse_args()
     rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps)
     info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "context": options.context,
+            "date": bench.utc_date(), "context": options.context,
             "kv_heads": options.kv_heads, "head_dim": options.head_dim}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "quantize_kernel_tuning.json").write_text(json.dumps({**info, "results": rows}, indent=1))
