@@ -403,6 +403,13 @@ def _decode_stage1_kernel(
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
     INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr,
 ):  # fmt: skip
+    if AFTER_SPAN:
+        # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does not
+        # touch. The merge may launch as soon as every program here has started: it waits for this grid,
+        # which completes only after the span has (below). Released at the end instead, the merge's launch
+        # sat behind the last dense program's work: 25.1 us against 24.9 at batch 1 and 100K, 14.1 against
+        # 13.8 at 32K (eval/results/gluon_dense_trigger*.md).
+        tl.extra.cuda.gdc_launch_dependents()
     # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
     K_PARTS: tl.constexpr = 8 // K_BITS
     V_PARTS: tl.constexpr = 8 // V_BITS
@@ -493,9 +500,6 @@ def _decode_stage1_kernel(
         tl.store(pointers + 2 * DPV, a2, mask=head_ok[:, None])
         tl.store(pointers + 3 * DPV, a3, mask=head_ok[:, None])
     if AFTER_SPAN:
-        # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does
-        # not touch: this grid completes only after the span has, so the merge may wait on it alone.
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
 
@@ -635,9 +639,11 @@ def decode_attention_triton(
     n_sink, n_hist, n_recent, n_new = sink_k.shape[2], k_codes.shape[2], recent_k.shape[2], new_k.shape[2]
     dense_tokens = _SPAN_DENSE_SPLIT_TOKENS if gluon else _DENSE_SPLIT_TOKENS
     # One number of splits for all three tiers, which leaves some empty beside the span (at 100K, 11 of 24
-    # a KV head). Splits of each tier's own, none empty, were faster at batch 1 and 100K (24.8-24.9 us
-    # against 25.0-25.1) but slower at 32K (16.4 against 14.0; the sink in 16-token splits 16.2), not known
-    # why (eval/results/gluon_dense_tiers*.md, gluon_dense_sink16_*.md).
+    # a KV head). Splits of each tier's own, none empty, were faster at batch 1 and 100K (24.5-24.6 us
+    # against 24.7-24.8) but slower at 32K (14.6 against 13.8). There the span is half a wave (127 splits of
+    # 4 tiles), so dense programs fit beside it, and without the empty ones the next call's span programs
+    # started up to 7.6 us late, not 2.0 (eval/results/gluon_trigger_first_own.md, gluon_dense_trigger*.md,
+    # timeline_decode_32k_*.md).
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), dense_tokens))
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
