@@ -8,7 +8,7 @@
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
 # autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
-# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, timeline-32k (not yet run), alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s,
+# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s (needs 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s,
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
 # /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
 # against the Triton stage 1).
@@ -78,7 +78,7 @@ for step in "$@"; do
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
         timeline) run timeline 300 python3 eval/timeline_decode.py --out "$work" --batches 1,8 --tiles 1,2,3,4,5,6,7,8 ;;
-        timeline-32k)  # batch 1 at 32K: the span's programs and the three kernels' ends (session 25's open question)
+        timeline-32k)  # batch 1 at 32K: the span's programs and the three kernels' ends (session 26: the span is half a wave there)
             run timeline_32k 200 python3 eval/timeline_decode.py --out "$work/timeline_32k" --batches 1 --tiles 2 \
                 --context 32768 ;;
         merge)  # the merge's warps and tile (floats a program), whole call
