@@ -3,6 +3,8 @@
 They exercise every benchmark's code path and output files, not its numbers: on CPU the timings are
 ``time.perf_counter`` medians of a toy model. The multi-GPU benchmark takes its skip path; its
 device_map part runs on one device, and eval/tp_decode.py runs under torchrun on 2 CPU processes (gloo).
+With two CUDA GPUs, two more tests check device_map="auto" and tensor parallelism on them
+(``bash eval/gpu_session.sh OUT multigpu-tests`` on the two-GPU machine).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ TINY_MODEL = {
     "name": "tiny-qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
 }  # fmt: skip
+# Eight layers, so that device_map="auto" (balanced over the GPUs) spreads them over two.
+SMALL_MODEL = {**TINY_MODEL, "name": "small-qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+               "num_hidden_layers": 8}  # fmt: skip
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 TINY_DECODE = {"new_tokens": 3, "repeats": 1, "warmup_steps": 1, "steps": 2, "fill_chunk_rows": 256}
 TINY_KERNEL = {
     "benchmark": "kernel", "device": "cpu", "shape": {"q_heads": 4, "kv_heads": 2, "head_dim": 64},
@@ -293,6 +299,48 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
     for row in rows.values():
         assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
         assert row["matches_single_gpu"], row  # float32 on CPU: sharding must not change greedy tokens
+
+
+@TWO_GPUS
+def test_device_map_auto_over_two_gpus(tmp_path):
+    """Each OscarCache layer lives on its layer's GPU, and plain generate (per-layer graphs) gives the tokens
+    of the same model on one GPU. The prompt outgrows the sink and the window, so the history is INT2."""
+    from transformers import AutoModelForCausalLM
+
+    _, spec = bench.model_spec(SMALL_MODEL)
+    bench.save_random_model(spec, tmp_path, "cuda:0", torch.bfloat16)
+    spread = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto", dtype=torch.bfloat16).eval()
+    single = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": 0}, dtype=torch.bfloat16).eval()
+    rotations = bench.random_rotations(bench.head_dim(single), bench.full_attention_layers(single))
+    prompt = bench.random_tokens(single, 2, 700)
+    tokens, devices = {}, {}
+    for name, model in (("spread", spread), ("single", single)):
+        model.set_attn_implementation(bench.attention_for("oscar-int2"))
+        cache = bench.make_cache("oscar-int2", model, prompt.shape[1] + 16, rotations)
+        tokens[name] = bench.generate(model, cache, prompt, 8)[:, prompt.shape[1]:].tolist()
+        devices[name] = bench.placement_check(model)(cache)["cache_devices"]
+    assert devices == {"spread": ["cuda:0", "cuda:1"], "single": ["cuda:0"]}
+    assert tokens["spread"] == tokens["single"]
+
+
+@TWO_GPUS
+def test_tp_decode_on_two_gpus(tmp_path):
+    """tp_plan="auto" under torchrun, 2 ranks over NCCL: each rank caches half the KV heads, freezes its own
+    cache (plain generate's per-layer graphs) and decodes the same tokens as the other rank."""
+    config = tmp_path / "tp.json"
+    config.write_text(json.dumps({"tensor_parallel": {
+        "model": SMALL_MODEL, "context": 700, "batch": 2, "new_tokens": 8, "repeats": 1, "warmup_steps": 1, "steps": 2,
+        "dtype": "bfloat16", "caches": ["dynamic", "oscar-int2"],
+    }}))  # fmt: skip
+    out = tmp_path / "tp_result.json"
+    process = subprocess.run(bench.torchrun_command(2, config, out), capture_output=True, text=True, timeout=600,
+                             cwd=bench.REPO)  # fmt: skip
+    assert process.returncode == 0, process.stderr[-3000:]
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
+    oscar = rows["oscar-int2"]
+    assert oscar["heads_per_rank"] == [1] and oscar["heads_per_rank_ok"] and oscar["frozen_on_every_rank"]
+    for row in rows.values():
+        assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
 
 
 def test_step_times_reports_each_steps_wall_time(tmp_path):
