@@ -305,6 +305,7 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
 def test_device_map_auto_over_two_gpus(tmp_path):
     """Each OscarCache layer lives on its layer's GPU, and plain generate (per-layer graphs) gives the tokens
     of the same model on one GPU. The prompt outgrows the sink and the window, so the history is INT2."""
+    import tp_decode
     from transformers import AutoModelForCausalLM
 
     _, spec = bench.model_spec(SMALL_MODEL)
@@ -315,9 +316,7 @@ def test_device_map_auto_over_two_gpus(tmp_path):
     prompt = bench.random_tokens(single, 2, 700)
     tokens, devices = {}, {}
     for name, model in (("spread", spread), ("single", single)):
-        model.set_attn_implementation(bench.attention_for("oscar-int2"))
-        cache = bench.make_cache("oscar-int2", model, prompt.shape[1] + 16, rotations)
-        tokens[name] = bench.generate(model, cache, prompt, 8)[:, prompt.shape[1]:].tolist()
+        tokens[name], cache = tp_decode.greedy(model, "oscar-int2", prompt, 8, rotations)
         devices[name] = bench.placement_check(model)(cache)["cache_devices"]
     assert devices == {"spread": ["cuda:0", "cuda:1"], "single": ["cuda:0"]}
     assert tokens["spread"] == tokens["single"]
