@@ -11,7 +11,10 @@ Rows are ``[B, H, D]`` or ``[B, H, 1, D]``: row ``(b, h)`` starts at ``b * strid
 and its dims are contiguous, so transposed projections and slices of the cache's buffers are read and
 written in place. Products accumulate in float32 and are rounded once to the output's dtype, as
 torch's 16-bit matmuls are; the sums may run in another order, so a result can differ from torch's
-in its last bit. The rotation may be any strided ``[D, D]`` view (``R.T`` included).
+in its last bit. The rotation may be any strided ``[D, D]`` view (``R.T`` included), shared by all
+rows, or ``[H_r, D, D]``, one per KV head: row ``(b, h)`` then uses ``R[h // (H / H_r)]`` (contiguous
+GQA groups, so the query rows of a KV head use its R_K). Row blocks never straddle two rotations,
+so each program still loads one ``[D, BLOCK_COLUMNS]`` tile of R.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ._triton import (
     INTERPRET, cdiv, dot, is_power_of_two, launch_kernel, programmatic_launch, runs_triton, tl, to_dtype, triton,
 )  # fmt: skip
 
-RotateJob = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, rotation [D, D], out)
+RotateJob = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, rotation [D, D] or [H_r, D, D], out)
 
 _BLOCK_ROWS = 16  # the smallest M of an MMA
 _BLOCK_COLUMNS = 64  # output dims a program: R's [D, 64] tile stays small at D = 256
@@ -34,15 +37,21 @@ _MAX_JOBS = 3
 @triton.jit
 def _rotate_block(X, x_strides, Y, y_strides, R, r_strides, shape, block, column, D: tl.constexpr,
                   BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    """``BLOCK_ROWS`` rows of one job (``shape`` = heads, rows), output dims ``column * BLOCK_COLUMNS ...``."""
-    heads, rows = shape
-    row = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    """``BLOCK_ROWS`` rows of one job, output dims ``column * BLOCK_COLUMNS ...``.
+
+    ``shape`` = (group, rows, blocks): each rotation serves ``group`` consecutive heads, whose
+    ``rows`` = batch x group rows take ``blocks`` row blocks, one rotation's blocks after another's
+    (a shared rotation: group = all heads, and its stride over rotations is 0)."""
+    group, rows, blocks = shape
+    rotation_index = block // blocks
+    row = (block % blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     valid = row < rows
-    batch, head = row // heads, row % heads
+    batch, head = row // group, rotation_index * group + row % group
     dims = tl.arange(0, D)
     x = tl.load(X + (batch * x_strides[0] + head * x_strides[1])[:, None] + dims[None, :], mask=valid[:, None])
     columns = column * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
-    rotation = tl.load(R + dims[:, None] * r_strides[0] + columns[None, :] * r_strides[1])
+    R += rotation_index * r_strides[0]
+    rotation = tl.load(R + dims[:, None] * r_strides[1] + columns[None, :] * r_strides[2])
     out = dot(x, rotation, INTERPRETED)
     pointers = Y + (batch * y_strides[0] + head * y_strides[1])[:, None] + columns[None, :]
     tl.store(pointers, to_dtype(out, Y.dtype.element_ty, INTERPRETED), mask=valid[:, None])
@@ -88,9 +97,15 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
         rows_strides, out_strides = rows.stride(), out.stride()
         _check_job(rows, rotation, out, rows_strides[-1], out_strides[-1])
         batch, heads = rows.shape[0], rows.shape[1]
-        job_blocks = cdiv(batch * heads, _BLOCK_ROWS)
-        arguments += [rows, rows_strides[:2], out, out_strides[:2], rotation, rotation.stride(), (heads, batch * heads),
-                      job_blocks]  # fmt: skip
+        if rotation.ndim == 2:
+            rotations, rotation_strides = 1, (0, *rotation.stride())
+        else:
+            rotations, rotation_strides = rotation.shape[0], rotation.stride()
+        group = heads // rotations
+        rotation_blocks = cdiv(batch * group, _BLOCK_ROWS)
+        job_blocks = rotations * rotation_blocks
+        arguments += [rows, rows_strides[:2], out, out_strides[:2], rotation, rotation_strides,
+                      (group, batch * group, rotation_blocks), job_blocks]  # fmt: skip
         blocks += job_blocks
     head_dim = jobs[0][0].shape[-1]
     if not (runs_triton(jobs[0][0]) and is_power_of_two(head_dim) and head_dim >= 16):
@@ -108,6 +123,9 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
 def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
     """The torch reference of :func:`rotate_rows`: one matmul and one copy a job."""
     for rows, rotation, out in jobs:
+        if rotation.ndim == 3:  # [B, H, D] rows as [B, H, 1, D], each head times its KV head's R
+            rotation = rotation.repeat_interleave(rows.shape[1] // rotation.shape[0], dim=0)
+            rows = rows.reshape(rows.shape[0], rows.shape[1], 1, rows.shape[-1])
         out.copy_((rows @ rotation).view(out.shape))
 
 
@@ -117,8 +135,11 @@ def _check_job(rows: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor, ro
             or out.shape[-1] != head_dim:  # fmt: skip
         raise ValueError(f"rows {tuple(rows.shape)} and out {tuple(out.shape)} must both be [B, H, D] or "
                          "[B, H, 1, D] of the same B, H, D")  # fmt: skip
-    if rotation.shape != (head_dim, head_dim) or rotation.dtype != rows.dtype or rotation.device != rows.device:
+    shape_ok = rotation.shape[-2:] == (head_dim, head_dim) and (
+        rotation.ndim == 2 or (rotation.ndim == 3 and heads % rotation.shape[0] == 0))
+    if not shape_ok or rotation.dtype != rows.dtype or rotation.device != rows.device:
         raise ValueError(f"rotation {tuple(rotation.shape)} {rotation.dtype} on {rotation.device} does not "
-                         f"match rows of {head_dim} dims, {rows.dtype} on {rows.device}")  # fmt: skip
+                         f"match rows of {heads} heads of {head_dim} dims, {rows.dtype} on {rows.device} (a rotation "
+                         "is [D, D] or [H_r, D, D] with H_r dividing the heads)")  # fmt: skip
     if rows_step != 1 or out_step != 1 or out.dtype != rows.dtype:
         raise ValueError("rows and out need contiguous dims and one dtype")

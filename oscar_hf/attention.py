@@ -61,7 +61,7 @@ def oscar_attention_forward(
     else:
         keys, values = layer.dense_rotated(new_keys, new_values)
         output, _ = sdpa_attention_forward(module, layer.rotate_keys(query), keys, values, attention_mask, **kwargs)
-        output = layer.unrotate_values(output)
+        output = layer.unrotate_values(output, heads_axis=2)  # sdpa_attention_forward returns [B, T, H, D]
         del keys, values
     layer.finish_step(new_keys, new_values, plan)
     return output, None

@@ -35,7 +35,7 @@ from .memory import LayerMemory, MemoryReport
 from .kernels.quantize import quantize_pack, quantize_pack_into
 from .kernels.rotate import rotate_rows
 from .quant import QuantizedRows, dequantize
-from .rotations import RotationSet, require_power_of_two
+from .rotations import RotationSet, per_query_head, require_power_of_two
 from .static import StaticDecoding, static_not_yet, static_unsupported
 from .storage import MAX_SLACK_ROWS, PackedHistory, RowBuffer
 
@@ -78,18 +78,27 @@ class PendingChunk:
     values: torch.Tensor
 
 
-def _rotate(states: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+def _rotate(states: torch.Tensor, rotation: torch.Tensor | None, heads_axis: int = 1) -> torch.Tensor:
     """``states @ rotation``, one GEMM in the states' dtype (``rotation`` is stored in it).
 
-    For 16-bit models R is rounded to 16 bits, as the reference does: orthogonal to ~1e-3, far below
-    the INT2 error, while a float32 product would cost two extra casts and a slow SIMT GEMM per call
-    (measured: a third of the cache's per-step launches at batch 1).
+    A per-head rotation ``[H, D, D]`` (one R per head of ``states``, whose heads sit on ``heads_axis``)
+    is one batched GEMM. For 16-bit models R is rounded to 16 bits, as the reference does:
+    orthogonal to ~1e-3, far below the INT2 error, while a float32 product would cost two extra
+    casts and a slow SIMT GEMM per call (measured: a third of the cache's per-step launches at batch 1).
     """
-    return states if rotation is None else states @ rotation
+    if rotation is None:
+        return states
+    if rotation.ndim == 2 or heads_axis == 1:
+        return states @ rotation
+    return (states.transpose(1, heads_axis) @ rotation).transpose(1, heads_axis)
 
 
 class OscarLayer(CacheLayerMixin):
-    """One full-attention layer of an :class:`OscarCache`."""
+    """One full-attention layer of an :class:`OscarCache`.
+
+    ``key_rotation`` / ``value_rotation`` are ``[D, D]`` (shared by all heads), ``[H_kv, D, D]`` (one
+    per KV head; query head ``i`` uses its KV head's ``i // g``) or None (the identity).
+    """
 
     is_sliding = False
     is_compileable = False
@@ -121,6 +130,13 @@ class OscarLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
+        for rotation in (self.key_rotation, self.value_rotation):
+            if rotation is not None and rotation.ndim == 3 and rotation.shape[0] != heads:
+                raise ValueError(
+                    f"the per-head rotations hold {rotation.shape[0]} KV heads but this layer receives {heads}; "
+                    "under tensor parallelism build the cache from the sharded model (OscarCache(model, ...)) so "
+                    "each rank takes its own heads, or pass rotations.select_kv_heads(start, stop)"
+                )
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, head_dim
 
         def window() -> RowBuffer:
@@ -264,7 +280,9 @@ class OscarLayer(CacheLayerMixin):
             rotated_keys, rotated_values = self.recent_keys.extend(keys.shape[2]), self.recent_values.extend(keys.shape[2])
         else:
             rotated_keys, rotated_values = torch.empty_like(keys), torch.empty_like(values)
-        key_rotation, value_rotation = self._rotation("key", query, True), self._rotation("value", query, True)
+        # The kernel maps each row to its KV head's R itself, so per-head rotations go as [H_kv, D, D].
+        key_rotation = self._rotation("key", query, identity=True, expand=False)
+        value_rotation = self._rotation("value", query, identity=True, expand=False)
         rotate_rows([(query, key_rotation, rotated_query), (keys, key_rotation, rotated_keys),
                      (values, value_rotation, rotated_values)])  # fmt: skip
         if into_window:
@@ -273,11 +291,11 @@ class OscarLayer(CacheLayerMixin):
 
     def unrotate_output(self, output: torch.Tensor) -> torch.Tensor:
         """A decode step's attention output ``[B, Hq, D]`` mapped back (``o·R_V^T``), as ``[B, 1, Hq, D]``."""
-        rotation = self._rotation("value", output)
+        rotation = self._rotation("value", output, expand=False)
         if rotation is None:
             return output.unsqueeze(1)
         unrotated = torch.empty_like(output)
-        rotate_rows([(output, rotation.T, unrotated)])
+        rotate_rows([(output, rotation.mT, unrotated)])
         return unrotated.unsqueeze(1)
 
     def _no_rows(self, like: torch.Tensor) -> torch.Tensor:
@@ -288,7 +306,8 @@ class OscarLayer(CacheLayerMixin):
         return empty
 
     def rotate_keys(self, states: torch.Tensor) -> torch.Tensor:
-        """``x @ R_K``; queries are rotated like keys so that scores are unchanged."""
+        """``x @ R_K`` of ``[B, H, T, D]`` states; queries are rotated like keys (each by its KV head's
+        R_K) so that scores are unchanged."""
         return _rotate(states, self._rotation("key", states))
 
     def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
@@ -296,22 +315,29 @@ class OscarLayer(CacheLayerMixin):
 
     def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
         rotation = self._rotation("key", keys)
-        return keys if rotation is None else _rotate(keys, rotation.T)
+        return keys if rotation is None else _rotate(keys, rotation.mT)
 
-    def unrotate_values(self, values: torch.Tensor) -> torch.Tensor:
-        """Also maps attention outputs back: ``o = o_rot @ R_V^T``."""
-        rotation = self._rotation("value", values)
-        return values if rotation is None else _rotate(values, rotation.T)
+    def unrotate_values(self, values: torch.Tensor, heads_axis: int = 1) -> torch.Tensor:
+        """``x @ R_V^T``; also maps attention outputs back, ``o = o_rot @ R_V^T`` (``heads_axis=2`` for
+        ``[B, T, H, D]`` outputs)."""
+        rotation = self._rotation("value", values, heads_axis=heads_axis)
+        return values if rotation is None else _rotate(values, rotation.mT, heads_axis)
 
-    def _rotation(self, which: str, like: torch.Tensor, identity: bool = False) -> torch.Tensor | None:
+    def _rotation(
+        self, which: str, like: torch.Tensor, identity: bool = False, expand: bool = True, heads_axis: int = 1
+    ) -> torch.Tensor | None:
         """R_K or R_V (kept in float32) on ``like``'s device and in its dtype, cast once; without one,
-        None or (``identity``) the identity matrix."""
+        None or (``identity``) the identity matrix. A per-head R is repeated over the GQA groups of
+        ``like``'s heads (on ``heads_axis``) when ``expand``, else kept as ``[H_kv, D, D]``."""
         master = self.key_rotation if which == "key" else self.value_rotation
         if master is None and not identity:
             return None
-        key = (which if master is not None else "identity", like.dtype, like.device)
+        heads = like.shape[heads_axis] if expand and master is not None and master.ndim == 3 else None
+        key = (which if master is not None else "identity", heads, like.dtype, like.device)
         if key not in self._rotation_copies:
             master = torch.eye(like.shape[-1]) if master is None else master
+            if heads is not None:
+                master = per_query_head(master, heads)
             self._rotation_copies[key] = master.to(device=like.device, dtype=like.dtype)
         return self._rotation_copies[key]
 
@@ -563,8 +589,8 @@ class OscarCache(Cache):
         quantized_ids = [i for i, layer in enumerate(stock_layers) if type(layer) is DynamicLayer]
         if not quantized_ids:
             raise ValueError("this model has no full-attention layers for OscarCache to quantize")
-        rotations = self._resolve_rotations(rotations, head_dim, quantized_ids)
-        self.rotations = rotations
+        rotations = self._resolve_rotations(rotations, head_dim, quantized_ids, kv_heads_of(self.text_config))
+        self.rotations = rotations = _own_kv_heads(rotations, config, kv_heads_of(self.text_config))
         self.capacity = max_cache_len  # (transformers 5.17 has a read-only Cache.max_cache_len)
         self.static: StaticDecoding | None = None
         self.decode_graphs = decode_graphs
@@ -614,7 +640,9 @@ class OscarCache(Cache):
         """Whether the model's weights already apply R_V (``oscar_hf.absorption``)."""
         return getattr(self.text_config, ABSORBED_ATTRIBUTE, None) is not None
 
-    def _resolve_rotations(self, rotations: RotationSet | None, head_dim: int, layer_ids: list[int]) -> RotationSet:
+    def _resolve_rotations(
+        self, rotations: RotationSet | None, head_dim: int, layer_ids: list[int], kv_heads: int
+    ) -> RotationSet:
         config = self.oscar_config
         absorbed = getattr(self.text_config, ABSORBED_ATTRIBUTE, None)
         if absorbed is not None and (config.rotation != "calibrated" or rotations is None
@@ -633,7 +661,7 @@ class OscarCache(Cache):
                 f"method {config.method!r} uses calibrated rotations: pass rotations= "
                 "(OscarCache.from_zoo(...), oscar_hf.zoo.from_pretrained(...) or oscar_hf.calibration.calibrate(...))"
             )
-        rotations.check_model(head_dim, layer_ids)
+        rotations.check_model(head_dim, layer_ids, kv_heads)
         missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]
         if missing:
             raise ValueError(f"the rotations lack R_K or R_V for layers {missing}")
@@ -789,6 +817,37 @@ def allowed_keys(attention_mask: torch.Tensor) -> torch.Tensor:
     or additive float)."""
     allowed = attention_mask[:, 0, -1, :]
     return allowed if allowed.dtype == torch.bool else allowed == 0
+
+
+def kv_heads_of(text_config: PretrainedConfig) -> int:
+    """The model's KV head count (all ranks together under tensor parallelism)."""
+    return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+
+
+def tensor_parallel_rank(model: PreTrainedModel) -> tuple[int, int] | None:
+    """(rank, size) of a model sharded by transformers' tensor parallelism (``tp_plan="auto"``), else None."""
+    size = getattr(model, "tp_size", None)
+    if not size or size == 1:
+        return None
+    manager = getattr(model, "_mesh_manager", None)  # transformers keeps the TP mesh there
+    if manager is not None:
+        return manager.get_mesh("tp").get_local_rank(), size
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == size:
+        return torch.distributed.get_rank(), size
+    raise ValueError(f"cannot tell this process's rank in the model's tensor-parallel group of {size}")
+
+
+def _own_kv_heads(rotations: RotationSet, model: PretrainedConfig | PreTrainedModel, kv_heads: int) -> RotationSet:
+    """Under tensor parallelism, the per-head rotations of this rank's KV heads (transformers' colwise
+    k_proj/v_proj give rank r the contiguous heads ``r * H / W .. (r + 1) * H / W - 1``)."""
+    parallel = tensor_parallel_rank(model) if isinstance(model, PreTrainedModel) else None
+    if parallel is None or not rotations.per_head:
+        return rotations
+    rank, size = parallel
+    if kv_heads % size:
+        raise ValueError(f"per-head rotations need the {kv_heads} KV heads split evenly over {size} ranks")
+    local = kv_heads // size
+    return rotations.select_kv_heads(rank * local, (rank + 1) * local)
 
 
 def head_dim_of(text_config: PretrainedConfig) -> int:

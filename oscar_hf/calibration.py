@@ -6,10 +6,10 @@ the forward pass is unchanged and no activation is ever stored. The targets are 
 reference's (oscar-reference.md section 1.2):
 
 * ``C_Q^(h) = Q_h^T Q_h / (n g)`` over the ``g`` query heads of KV head ``h`` (contiguous groups),
-  ``C_Q`` = mean over KV heads, symmetrised; R_K is built from it.
+  ``C_Q`` = mean over KV heads, symmetrised; R_K is built from it (or, per KV head, from each C_Q^(h)).
 * ``w_t^(h) = k_t C_Q^(h) k_t^T`` and ``C_S^(h) = sum_t w_t v_t^T v_t / sum_t w_t`` (the coded
   linearised surrogate of ``V^T S^T S V``), ``C_S`` = mean over KV heads, symmetrised; R_V is
-  built from it.
+  built from it (or, per KV head, from each C_S^(h)).
 
 ``C_S`` needs the finished ``C_Q^(h)``, so the same batches go through the model twice.
 """
@@ -42,26 +42,47 @@ OBJECTIVES = ("qqt_sst", "ktk_vtv")
 
 @dataclass
 class LayerCovariances:
-    """Calibration targets of one full-attention layer, float64 and symmetric.
+    """Calibration targets of one full-attention layer per KV head, float64 ``[H_kv, D, D]``, each symmetric.
 
-    ``query`` is C_Q and ``value`` is C_S (OSCAR's attention-aware targets); ``key_gram`` (K^T K / n)
-    and ``value_gram`` (V^T V / n), pooled over KV heads, are the tensor-reconstruction targets of
-    the paper's ablation. ``tokens`` is the number of calibration tokens seen.
+    ``query_heads`` are the C_Q^(h) and ``value_heads`` the C_S^(h) (OSCAR's attention-aware
+    targets); ``key_gram_heads`` (K_h^T K_h / n) and ``value_gram_heads`` (V_h^T V_h / n) are the
+    tensor-reconstruction targets of the paper's ablation. The pooled targets (``query``, ``value``,
+    ``key_gram``, ``value_gram``) are their means over KV heads, as the reference pools them.
+    ``tokens`` is the number of calibration tokens seen.
     """
 
-    query: torch.Tensor
-    value: torch.Tensor
-    key_gram: torch.Tensor
-    value_gram: torch.Tensor
+    query_heads: torch.Tensor
+    value_heads: torch.Tensor
+    key_gram_heads: torch.Tensor
+    value_gram_heads: torch.Tensor
     tokens: int
 
-    def targets(self, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(covariance for R_K, covariance for R_V) of an objective in :data:`OBJECTIVES`."""
+    @property
+    def query(self) -> torch.Tensor:
+        return _pooled(self.query_heads)
+
+    @property
+    def value(self) -> torch.Tensor:
+        return _pooled(self.value_heads)
+
+    @property
+    def key_gram(self) -> torch.Tensor:
+        return _pooled(self.key_gram_heads)
+
+    @property
+    def value_gram(self) -> torch.Tensor:
+        return _pooled(self.value_gram_heads)
+
+    def targets(self, objective: str, per_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(covariance for R_K, covariance for R_V) of an objective in :data:`OBJECTIVES`:
+        pooled ``[D, D]``, or ``[H_kv, D, D]`` with ``per_head``."""
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if objective == "qqt_sst":
-            return self.query, self.value
-        if objective == "ktk_vtv":
-            return self.key_gram, self.value_gram
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+            heads = self.query_heads, self.value_heads
+        else:
+            heads = self.key_gram_heads, self.value_gram_heads
+        return heads if per_head else (_pooled(heads[0]), _pooled(heads[1]))
 
 
 class _LayerSums:
@@ -69,8 +90,8 @@ class _LayerSums:
 
     def __init__(self) -> None:
         self.query_outer: torch.Tensor | None = None  # [H_kv, D, D]: sum of q q^T over the group's query rows
-        self.key_outer: torch.Tensor | None = None  # [D, D]: sum of k k^T over KV heads and tokens
-        self.value_outer: torch.Tensor | None = None  # [D_v, D_v]: sum of v v^T over KV heads and tokens
+        self.key_outer: torch.Tensor | None = None  # [H_kv, D, D]: sum of k k^T over tokens
+        self.value_outer: torch.Tensor | None = None  # [H_kv, D_v, D_v]: sum of v v^T over tokens
         self.group_size = 0
         self.tokens = 0
         self.query_per_head: torch.Tensor | None = None  # [H_kv, D, D]: C_Q^(h), set between the passes
@@ -88,11 +109,10 @@ class _LayerSums:
         grouped = query.to(torch.float64).reshape(batch, kv_heads, group, length, dim)
         outer = torch.einsum("bhgti,bhgtj->hij", grouped, grouped)
         self.query_outer = outer if self.query_outer is None else self.query_outer + outer
-        key_outer = torch.einsum("bhti,bhtj->ij", key.to(torch.float64), key.to(torch.float64))
-        value_outer = torch.einsum("bhti,bhtj->ij", value.to(torch.float64), value.to(torch.float64))
+        key_outer = torch.einsum("bhti,bhtj->hij", key.to(torch.float64), key.to(torch.float64))
+        value_outer = torch.einsum("bhti,bhtj->hij", value.to(torch.float64), value.to(torch.float64))
         self.key_outer = key_outer if self.key_outer is None else self.key_outer + key_outer
         self.value_outer = value_outer if self.value_outer is None else self.value_outer + value_outer
-        self.kv_heads = kv_heads
         self.group_size = group
         self.tokens += batch * length
 
@@ -118,20 +138,24 @@ class _LayerSums:
             raise RuntimeError(
                 f"the two calibration passes saw different token counts ({self.tokens} vs {self.value_tokens})"
             )
-        query = _symmetrise(self.query_per_head.mean(dim=0))
         per_head_value = self.weighted_value_outer / self.weight_sum.clamp_min(_MIN_WEIGHT_SUM)[:, None, None]
-        rows = self.tokens * self.kv_heads
         return LayerCovariances(
-            query,
-            _symmetrise(per_head_value.mean(dim=0)),
-            _symmetrise(self.key_outer / rows),
-            _symmetrise(self.value_outer / rows),
+            _symmetrise(self.query_per_head),
+            _symmetrise(per_head_value),
+            _symmetrise(self.key_outer / self.tokens),
+            _symmetrise(self.value_outer / self.tokens),
             self.tokens,
         )
 
 
 def _symmetrise(matrix: torch.Tensor) -> torch.Tensor:
-    return (matrix + matrix.T) / 2
+    """``(M + M^T) / 2`` of one matrix or of each of a stack."""
+    return (matrix + matrix.transpose(-1, -2)) / 2
+
+
+def _pooled(per_head: torch.Tensor) -> torch.Tensor:
+    """The mean over KV heads, symmetrised (the reference's pooled target)."""
+    return _symmetrise(per_head.mean(dim=0))
 
 
 def _declared_full_attention(model: PreTrainedModel) -> Callable[[int], bool]:
@@ -275,27 +299,38 @@ def _attention_implementations(model: PreTrainedModel) -> dict[str, str]:
 
 
 def rotations_from_covariances(
-    covariances: dict[int, LayerCovariances], objective: str = "qqt_sst", factors: str = "UHP"
+    covariances: dict[int, LayerCovariances], objective: str = "qqt_sst", factors: str = "UHP", per_head: bool = False
 ) -> RotationSet:
     """R_K and R_V of every layer from its targets: ``qqt_sst`` (OSCAR: C_Q, C_S) or ``ktk_vtv`` (K^T K, V^T V).
 
-    ``factors`` selects the composition (see ``rotations.compose_rotation``); the ascending
-    eigenvalues of both covariances are kept in the returned set.
+    ``factors`` selects the composition (see ``rotations.compose_rotation``). By default one R per
+    layer comes from the targets pooled over KV heads; with ``per_head`` each KV head gets its own
+    R from its own targets (``[H_kv, D, D]``: C_Q^(h) of its query group, C_S^(h) with its own
+    weights). The ascending eigenvalues of the covariances are kept in the returned set.
     """
     key, value, key_eigenvalues, value_eigenvalues = {}, {}, {}, {}
     for layer_id, layer in covariances.items():
-        key_target, value_target = layer.targets(objective)
-        key[layer_id], key_eigenvalues[layer_id] = rotation_from_covariance(key_target, factors)
-        value[layer_id], value_eigenvalues[layer_id] = rotation_from_covariance(value_target, factors)
+        key_target, value_target = layer.targets(objective, per_head)
+        key[layer_id], key_eigenvalues[layer_id] = _rotations(key_target, factors)
+        value[layer_id], value_eigenvalues[layer_id] = _rotations(value_target, factors)
     first = next(iter(covariances.values()))
+    grouping = f", one per KV head ({first.query_heads.shape[0]})" if per_head else ""
     return RotationSet(
-        head_dim=first.query.shape[0],
+        head_dim=first.query_heads.shape[-1],
         key=key,
         value=value,
-        description=f"OSCAR {objective} rotations ({factors or 'identity'}), {first.tokens} calibration tokens",
+        description=f"OSCAR {objective} rotations ({factors or 'identity'}{grouping}), {first.tokens} calibration tokens",
         key_eigenvalues=key_eigenvalues,
         value_eigenvalues=value_eigenvalues,
     )
+
+
+def _rotations(target: torch.Tensor, factors: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, eigenvalues) of a ``[D, D]`` target, or of each head of a ``[H_kv, D, D]`` one, stacked."""
+    if target.ndim == 2:
+        return rotation_from_covariance(target, factors)
+    rotations, eigenvalues = zip(*(rotation_from_covariance(head, factors) for head in target.unbind(0)))
+    return torch.stack(rotations), torch.stack(eigenvalues)
 
 
 def calibrate(
@@ -304,6 +339,10 @@ def calibrate(
     factors: str = "UHP",
     progress: bool = True,
     objective: str = "qqt_sst",
+    per_head: bool = False,
 ) -> RotationSet:
-    """OSCAR rotations of every full-attention layer: R_K from C_Q and R_V from C_S, each ``U·H·P`` by default."""
-    return rotations_from_covariances(collect_covariances(model, batches, progress), objective, factors)
+    """OSCAR rotations of every full-attention layer: R_K from C_Q and R_V from C_S, each ``U·H·P`` by default.
+
+    ``per_head``: one R per KV head from that head's own targets instead of one per layer.
+    """
+    return rotations_from_covariances(collect_covariances(model, batches, progress), objective, factors, per_head)

@@ -2,8 +2,10 @@
 
 U are eigenvectors of an attention-aware covariance (ascending ``eigh`` order), H the normalised
 Sylvester Walsh-Hadamard matrix and P the eigenvalue-driven bit-reversal permutation, exactly as
-the reference builds them (oscar-reference.md sections 1.3-1.6). One R per layer is shared by
-all heads of that layer.
+the reference builds them (oscar-reference.md sections 1.3-1.6). A layer's R is either shared by
+all of its heads (``[D, D]``, the paper's setting) or one per KV head (``[H_kv, D, D]``, the
+reference's later format, oscar-reference.md Appendix C); query head ``i`` uses the R of its KV head
+``i // g`` (contiguous GQA groups of ``g`` query heads).
 """
 
 from __future__ import annotations
@@ -98,12 +100,32 @@ def check_orthogonal(rotation: torch.Tensor, name: str, tolerance: float = ORTHO
         raise ValueError(f"{name} is not orthogonal: max |R^T R - I| = {error:.3g} > {tolerance:g}")
 
 
+def heads_of(rotation: torch.Tensor) -> list[torch.Tensor]:
+    """The ``[D, D]`` matrices of a shared ``[D, D]`` or per-KV-head ``[H_kv, D, D]`` rotation."""
+    return [rotation] if rotation.ndim == 2 else list(rotation.unbind(0))
+
+
+def per_query_head(rotation: torch.Tensor, heads: int) -> torch.Tensor:
+    """A rotation for ``heads`` rows of heads: ``[D, D]`` as it is, ``[H_kv, D, D]`` repeated over each GQA group.
+
+    ``heads`` is the KV head count (the rotation itself) or a multiple of it (the query heads).
+    """
+    if rotation.ndim == 2 or rotation.shape[0] == heads:
+        return rotation
+    if heads % rotation.shape[0]:
+        raise ValueError(f"{heads} heads cannot be grouped onto a rotation of {rotation.shape[0]} KV heads")
+    return rotation.repeat_interleave(heads // rotation.shape[0], dim=0)
+
+
 @dataclass
 class RotationSet:
-    """Per-layer key and value rotations (R_K, R_V), float32 ``[head_dim, head_dim]``, keyed by global layer id.
+    """Per-layer key and value rotations (R_K, R_V), float32, keyed by global layer id.
 
-    A layer missing from ``key`` or ``value`` uses the identity. The ascending eigenvalues of the
-    calibration covariances are kept for inspection only; they are not needed at run time.
+    Each rotation is shared by the layer's heads (``[head_dim, head_dim]``) or one per KV head
+    (``[H_kv, head_dim, head_dim]``, the same ``H_kv`` throughout the set); eigenvalues follow the
+    same layout (``[head_dim]`` or ``[H_kv, head_dim]``). A layer missing from ``key`` or ``value``
+    uses the identity. The ascending eigenvalues of the calibration covariances are kept for
+    inspection only; they are not needed at run time.
     """
 
     head_dim: int
@@ -120,15 +142,20 @@ class RotationSet:
             for layer_id, ratio in table.items():
                 if not 0.0 <= float(ratio) <= 1.0:
                     raise ValueError(f"{kind} of layer {layer_id} must be in [0, 1], got {ratio}")
+        dim = self.head_dim
         for kind, table in (("R_K", self.key), ("R_V", self.value)):
             for layer_id, rotation in table.items():
-                if tuple(rotation.shape) != (self.head_dim, self.head_dim):
+                if rotation.ndim not in (2, 3) or tuple(rotation.shape[-2:]) != (dim, dim):
                     raise ValueError(
-                        f"{kind} of layer {layer_id} has shape {tuple(rotation.shape)}, "
-                        f"expected ({self.head_dim}, {self.head_dim}) for head_dim={self.head_dim}"
+                        f"{kind} of layer {layer_id} has shape {tuple(rotation.shape)}, expected ({dim}, {dim}) "
+                        f"(shared) or (kv_heads, {dim}, {dim}) (per KV head) for head_dim={dim}"
                     )
-                check_orthogonal(rotation, f"{kind} of layer {layer_id}")
+                for head, matrix in enumerate(heads_of(rotation)):
+                    check_orthogonal(matrix, f"{kind} of layer {layer_id}" + (f", KV head {head}" if rotation.ndim == 3 else ""))
                 table[layer_id] = rotation.to(torch.float32)
+        counts = {r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3}
+        if len(counts) > 1:
+            raise ValueError(f"per-head rotations of one set must have one KV head count, got {sorted(counts)}")
 
     @classmethod
     def hadamard(cls, head_dim: int, layer_ids: list[int]) -> "RotationSet":
@@ -140,22 +167,74 @@ class RotationSet:
     def identity(cls, head_dim: int) -> "RotationSet":
         return cls(head_dim, {}, {}, "identity")
 
+    @property
+    def kv_heads(self) -> int | None:
+        """The KV head count of the per-head rotations, or None when every rotation is shared."""
+        counts = [r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3]
+        return counts[0] if counts else None
+
+    @property
+    def per_head(self) -> bool:
+        """Whether some rotation of the set is one per KV head."""
+        return self.kv_heads is not None
+
     def for_layer(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(R_K, R_V) of a layer; ``None`` stands for the identity."""
+        """(R_K, R_V) of a layer, ``[D, D]`` or ``[H_kv, D, D]``; ``None`` stands for the identity."""
         return self.key.get(layer_id), self.value.get(layer_id)
 
+    def select_kv_heads(self, start: int, stop: int) -> "RotationSet":
+        """The rotations of KV heads ``start .. stop - 1`` (a tensor-parallel rank's own heads).
+
+        Shared rotations serve any heads and are kept as they are.
+        """
+        heads = self.kv_heads
+        if heads is None:
+            return self
+        if not 0 <= start < stop <= heads:
+            raise ValueError(f"KV heads {start}..{stop - 1} are not within the set's {heads} KV heads")
+
+        def pick(table: dict[int, torch.Tensor], per_head_ndim: int) -> dict[int, torch.Tensor]:
+            return {i: t[start:stop] if t.ndim == per_head_ndim else t for i, t in table.items()}
+
+        return RotationSet(
+            self.head_dim, pick(self.key, 3), pick(self.value, 3), self.description,
+            pick(self.key_eigenvalues, 2), pick(self.value_eigenvalues, 2), dict(self.key_clip), dict(self.value_clip),
+        )  # fmt: skip
+
+    def as_per_head(self, kv_heads: int) -> "RotationSet":
+        """The same rotations with every shared ``[D, D]`` repeated into ``[kv_heads, D, D]``."""
+        if self.kv_heads not in (None, kv_heads):
+            raise ValueError(f"the set already has per-head rotations for {self.kv_heads} KV heads, not {kv_heads}")
+
+        def expand(table: dict[int, torch.Tensor], shared_ndim: int) -> dict[int, torch.Tensor]:
+            return {i: t.expand(kv_heads, *t.shape).clone() if t.ndim == shared_ndim else t for i, t in table.items()}
+
+        return RotationSet(
+            self.head_dim, expand(self.key, 2), expand(self.value, 2), self.description,
+            expand(self.key_eigenvalues, 1), expand(self.value_eigenvalues, 1), dict(self.key_clip),
+            dict(self.value_clip),
+        )  # fmt: skip
+
     def value_fingerprint(self) -> str:
-        """A short hash of all R_V, to recognise the rotations a model's weights were folded with."""
+        """A short hash of all R_V (every head's), to recognise the rotations a model's weights were folded with."""
         digest = hashlib.sha256()
         for layer_id in sorted(self.value):
             digest.update(str(layer_id).encode())
             digest.update(self.value[layer_id].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
 
-    def check_model(self, head_dim: int, layer_ids: list[int]) -> None:
-        """Raise a clear error if these rotations were made for another model shape."""
+    def check_model(self, head_dim: int, layer_ids: list[int], kv_heads: int | None = None) -> None:
+        """Raise a clear error if these rotations were made for another model shape.
+
+        ``kv_heads`` (the KV heads the cache or weights hold) is checked against per-head rotations.
+        """
         if head_dim != self.head_dim:
             raise ValueError(f"rotations are for head_dim={self.head_dim} but the model has head_dim={head_dim}")
+        if kv_heads is not None and self.kv_heads not in (None, kv_heads):
+            raise ValueError(
+                f"the rotations hold one R per KV head for {self.kv_heads} KV heads but the model has {kv_heads} "
+                "KV heads (under tensor parallelism each rank takes its own heads: RotationSet.select_kv_heads)"
+            )
         extra = sorted((set(self.key) | set(self.value)) - set(layer_ids))
         if extra:
             raise ValueError(

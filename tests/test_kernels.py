@@ -283,6 +283,44 @@ def test_rotate_rows_one_job_and_validation():
     torch.testing.assert_close(odd_out, odd @ _rotation(80, torch.float32, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch, q_heads, kv_heads", [(1, 9, 3), (3, 4, 2), (2, 8, 8)])  # group 3, 2 and 1
+def test_rotate_rows_per_kv_head(dtype, batch, q_heads, kv_heads):
+    """Per-KV-head rotations: row (b, h) uses R[h // group], in one launch; equal to the reference, and
+    heads that all hold one R give exactly the shared R's results (a transposed R_V^T view included)."""
+    head_dim, generator = 64, torch.Generator().manual_seed(q_heads)
+    query = torch.randn(batch, 1, q_heads, head_dim, generator=generator).to(dtype).to(DEVICE).transpose(1, 2)
+    keys, values = (torch.randn(batch, kv_heads, 1, head_dim, generator=generator).to(dtype).to(DEVICE) for _ in "kv")
+    key_rotation = torch.stack([_rotation(head_dim, dtype, 10 + h) for h in range(kv_heads)])
+    value_rotation = torch.stack([_rotation(head_dim, dtype, 20 + h) for h in range(kv_heads)]).mT
+
+    def run(rotate, k_rotation, v_rotation):
+        jobs = [(query, k_rotation, torch.empty(batch, q_heads, head_dim, dtype=dtype, device=DEVICE)),
+                (keys, k_rotation, torch.empty_like(keys)), (values, v_rotation, torch.empty_like(values))]  # fmt: skip
+        rotate(jobs)
+        return [out for _, _, out in jobs]
+
+    got = run(_rotate.rotate_rows, key_rotation, value_rotation)
+    group = q_heads // kv_heads
+    direct = [torch.stack([query[:, h] @ key_rotation[h // group] for h in range(q_heads)], dim=1),
+              torch.stack([keys[:, h] @ key_rotation[h] for h in range(kv_heads)], dim=1),
+              torch.stack([values[:, h] @ value_rotation[h] for h in range(kv_heads)], dim=1)]  # fmt: skip
+    reference = run(_rotate.rotate_rows_reference, key_rotation, value_rotation)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
+    for out, want, ref in zip(got, direct, reference):
+        torch.testing.assert_close(out.double(), want.view(out.shape).double(), **tolerance)
+        torch.testing.assert_close(out.double(), ref.double(), **tolerance)
+    shared_k, shared_v = key_rotation[0], value_rotation[0]
+    equal_heads = run(_rotate.rotate_rows, shared_k.expand(kv_heads, -1, -1), shared_v.expand(kv_heads, -1, -1))
+    for out, want in zip(equal_heads, run(_rotate.rotate_rows, shared_k, shared_v)):
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, want)
+        else:  # a row sits elsewhere in its block, and numpy's float32 matmul (interpreter) may then round it
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)  # differently in its last bit
+    with pytest.raises(ValueError, match="H_r dividing the heads"):
+        _rotate.rotate_rows([(query, torch.stack([shared_k] * 2 * q_heads), torch.empty_like(query))])
+
+
 # ------------------------------------------------------------------------------ decode attention
 
 
