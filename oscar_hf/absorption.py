@@ -11,6 +11,9 @@ because nothing non-linear sits between ``v_proj``, attention and ``o_proj`` alo
   ``o_proj`` consumes rotated attention outputs directly (the reference keeps an explicit
   ``o · R_V^T`` instead).
 
+With per-KV-head rotations ``[H_kv, D, D]``, KV head ``h`` folds its own ``R_V^(h)`` and query head
+``i`` the ``R_V`` of its KV head ``i // g``.
+
 The absorbed model computes the same function as before with any cache; an ``OscarCache`` on it
 stores V as given and skips both rotations. The config records the fingerprint of the folded R_V
 (``ABSORBED_ATTRIBUTE``), so that ``OscarCache`` refuses methods that would treat the pre-rotated
@@ -30,9 +33,9 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from .cache import ABSORBED_ATTRIBUTE, head_dim_of
+from .cache import ABSORBED_ATTRIBUTE, head_dim_of, kv_heads_of
 from .log import get_logger
-from .rotations import RotationSet
+from .rotations import RotationSet, per_query_head
 
 logger = get_logger(__name__)
 
@@ -72,9 +75,9 @@ def absorb_value_rotations(model: PreTrainedModel, rotations: RotationSet) -> No
     _refuse_quantized_model(model)
     head_dim = head_dim_of(text_config)
     layer_ids = _full_attention_layers(model.config)
-    _check_coverage(rotations, head_dim, layer_ids)
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    kv_heads = kv_heads_of(text_config)
     query_heads = text_config.num_attention_heads
+    _check_coverage(rotations, head_dim, layer_ids, kv_heads)
     modules = _attention_modules(model, layer_ids)
     # Validate every layer before touching any weight, so that a refusal leaves the model intact.
     for layer_id in layer_ids:
@@ -113,8 +116,8 @@ def _full_attention_layers(config: PretrainedConfig) -> list[int]:
     return layer_ids
 
 
-def _check_coverage(rotations: RotationSet, head_dim: int, layer_ids: list[int]) -> None:
-    rotations.check_model(head_dim, layer_ids)  # head_dim, and no R for a layer OscarCache leaves alone
+def _check_coverage(rotations: RotationSet, head_dim: int, layer_ids: list[int], kv_heads: int) -> None:
+    rotations.check_model(head_dim, layer_ids, kv_heads)  # head_dim, KV heads, no R for a layer OscarCache leaves alone
     missing = [i for i in layer_ids if i not in rotations.value]
     if missing:
         raise ValueError(
@@ -193,19 +196,21 @@ def _check_linear(linear: nn.Module, where: str, out_features: int | None = None
 
 # ------------------------------------------------------------------------------------- folds
 def _fold_into_value_projection(linear: nn.Linear, rotation: torch.Tensor, heads: int) -> None:
-    """``W_v,h <- R_V^T · W_v,h`` and ``b_h <- b_h · R_V`` per KV head, so the layer emits ``v · R_V``."""
-    dim = rotation.shape[0]
+    """``W_v,h <- R_V^T · W_v,h`` and ``b_h <- b_h · R_V`` per KV head (its own R_V for a ``[H_kv, D, D]``
+    rotation), so the layer emits ``v · R_V``."""
+    dim = rotation.shape[-1]
     r = rotation.to(device=linear.weight.device, dtype=torch.float32)
     weight = linear.weight.float().reshape(heads, dim, linear.in_features)
-    linear.weight.copy_((r.T @ weight).reshape(linear.weight.shape))  # copy_ casts back to the weight dtype
+    linear.weight.copy_((r.mT @ weight).reshape(linear.weight.shape))  # copy_ casts back to the weight dtype
     if linear.bias is not None:
-        bias = linear.bias.float().reshape(heads, dim)
+        bias = linear.bias.float().reshape(heads, 1, dim)
         linear.bias.copy_((bias @ r).reshape(linear.bias.shape))
 
 
 def _fold_into_output_projection(linear: nn.Linear, rotation: torch.Tensor, heads: int) -> None:
-    """``W_o[:, h] <- W_o[:, h] · R_V`` per query head, so the layer takes ``o · R_V`` (its bias is unaffected)."""
-    dim = rotation.shape[0]
-    r = rotation.to(device=linear.weight.device, dtype=torch.float32)
-    weight = linear.weight.float().reshape(linear.out_features, heads, dim)
+    """``W_o[:, h] <- W_o[:, h] · R_V`` per query head (its KV head's R_V for a ``[H_kv, D, D]`` rotation),
+    so the layer takes ``o · R_V`` (its bias is unaffected)."""
+    dim = rotation.shape[-1]
+    r = per_query_head(rotation.to(device=linear.weight.device, dtype=torch.float32), heads)
+    weight = linear.weight.float().reshape(linear.out_features, heads, 1, dim)
     linear.weight.copy_((weight @ r).reshape(linear.weight.shape))

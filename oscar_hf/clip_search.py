@@ -85,7 +85,7 @@ class _Search:
         reference = probs @ v
         errors.reference += reference.pow(2).sum().item()
         for factors, rotations in self.variants.items():
-            r_k, r_v = rotations.key[layer_id].to(q.device), rotations.value[layer_id].to(q.device)
+            r_k, r_v = (_by_kv_head(r[layer_id].to(q.device)) for r in (rotations.key, rotations.value))
             q_rot, k_rot, v_rot = q @ r_k, k @ r_k, v @ r_v
             for ratio in self.grid:
                 k_hat = roundtrip_rows(k_rot, replace(self.config.key, clip_ratio=ratio), self.config.metadata_dtype)
@@ -109,6 +109,11 @@ class _Search:
         return result
 
 
+def _by_kv_head(rotation: torch.Tensor) -> torch.Tensor:
+    """A rotation that multiplies ``[B, Hkv, g, T, D]`` rows: ``[D, D]``, or ``[Hkv, 1, D, D]`` per KV head."""
+    return rotation if rotation.ndim == 2 else rotation[:, None]
+
+
 def search_layers(
     model: PreTrainedModel,
     batches: Sequence[torch.LongTensor],
@@ -118,14 +123,16 @@ def search_layers(
     variants: Sequence[str] = VARIANTS,
     max_queries: int = 256,
     progress: bool = True,
+    per_head: bool = False,
 ) -> tuple[RotationSet, dict[int, LayerChoice]]:
     """Pick each layer's K and V rotation variant and clip ratio; return the resulting rotations and the choices.
 
     ``batches`` should be a few rows of calibration tokens, longer than ``config.sink + config.recent``
     so that keys reach the history; errors are measured at up to ``max_queries`` query positions
-    per row, each costing one attention per candidate and layer.
+    per row, each costing one attention per candidate and layer. With ``per_head`` every variant is
+    built per KV head (its own C_Q^(h) and C_S^(h)); the choice of variant and clip stays per layer.
     """
-    built = {factors: rotations_from_covariances(covariances, "qqt_sst", factors) for factors in variants}
+    built = {factors: rotations_from_covariances(covariances, "qqt_sst", factors, per_head) for factors in variants}
     search = _Search(built, config, grid, max_queries)
     observe_attention(model, batches, search.observe, "OSCAR clip search", progress)
     choices = search.choices()

@@ -1,15 +1,20 @@
 """Rotation artifacts: our safetensors format, the official OSCAR RotationZoo files, and the hub.
 
 Our format is a directory with ``rotations.safetensors`` and ``config.json``. Tensors are float32,
-keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotation``,
-``layers.{i}.key_eigenvalues``, ``layers.{i}.value_eigenvalues`` and, when set, the per-layer clip
-ratios ``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` (one element each). A rotation is
-applied as ``x @ R`` exactly as stored (oscar-reference.md section 7.1). ``config.json`` records the
-format, head_dim, layer ids, description and whatever the caller adds (model, objective, data...).
+keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotation`` (``[D, D]``, or
+``[H_kv, D, D]`` for one R per KV head), ``layers.{i}.key_eigenvalues``,
+``layers.{i}.value_eigenvalues`` (``[D]`` or ``[H_kv, D]``) and, when set, the per-layer clip ratios
+``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` (one element each). A rotation is applied as
+``x @ R`` exactly as stored (oscar-reference.md section 7.1). ``config.json`` records the format,
+head_dim, ``kv_heads`` (per-head sets only), layer ids, description and whatever the caller adds
+(model, objective, data...).
 
 The official RotationZoo (hub repo ``Zhongzhu/OSCAR-RotationZoo``) keeps torch-saved dicts in
-``<Model>/<calibration tag>/{k_rotation_qqt_r_h_pbr.pt, v_rotation_sst_r_h_pbr.pt}``; they are read
-as they are (:func:`load_official`) or converted to our format (:func:`convert_official`).
+``<Model>/<calibration tag>/{k_rotation_qqt_r_h_pbr.pt, v_rotation_sst_r_h_pbr.pt}`` (format 1, one R
+per layer) and, for some models, ``{k_rotation_perhead.pt, v_rotation_perhead.pt}`` beside them
+(format 2, ``source_grouping: "per_kv_head"``, one R per KV head, oscar-reference.md Appendix C);
+they are read as they are (:func:`load_official`) or converted to our format (:func:`convert_official`).
+Where a folder holds both, the per-head files are read unless ``per_head=False`` asks for the shared ones.
 
 :func:`save_pretrained`, :func:`from_pretrained` and :func:`push_to_hub` follow the Hugging Face
 conventions; :func:`resolve_rotations` picks the rotations for a model (``OscarCache.from_zoo``).
@@ -37,7 +42,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .cache import head_dim_of
+from .cache import head_dim_of, kv_heads_of
 from .log import get_logger
 from .rotations import RotationSet
 
@@ -51,7 +56,9 @@ DEFAULT_ROTATIONS = "smollm2-135m-instruct"
 ROTATION_ZOO = "Zhongzhu/OSCAR-RotationZoo"
 OFFICIAL_KEY_FILE = "k_rotation_qqt_r_h_pbr.pt"
 OFFICIAL_VALUE_FILE = "v_rotation_sst_r_h_pbr.pt"
-ZOO_OPTIONS = frozenset({"subfolder", "revision", "local_files_only", "cache_dir", "calibration"})
+OFFICIAL_PER_HEAD_KEY_FILE = "k_rotation_perhead.pt"
+OFFICIAL_PER_HEAD_VALUE_FILE = "v_rotation_perhead.pt"
+ZOO_OPTIONS = frozenset({"subfolder", "revision", "local_files_only", "cache_dir", "calibration", "per_head"})
 
 _BUNDLED_ROOT = Path(__file__).resolve().parent / "assets" / "rotations"
 _BUNDLED_KEYWORD = "default"
@@ -65,11 +72,12 @@ _FIELDS = {
     "value_clip": "value_clip",
 }
 _TENSOR_KEY = re.compile(r"layers\.(\d+)\.(" + "|".join(_FIELDS) + ")")
-_RESERVED_KEYS = ("format", "format_version", "head_dim", "layer_ids", "description", "library_version")
+_RESERVED_KEYS = ("format", "format_version", "head_dim", "kv_heads", "layer_ids", "description", "library_version")
 # The official files are named after their objective; other objectives (hadamard, ktk_...) exist too.
 _OFFICIAL_KEY_PATTERN = "k_rotation_*.pt"
 _OFFICIAL_VALUE_PATTERN = "v_rotation_*.pt"
-_OFFICIAL_VERSIONS = (1, "identity-v1")
+# format_version -> source_grouping its files carry (format 2: one R per KV head).
+_OFFICIAL_GROUPING = {1: "layer", "identity-v1": "layer", 2: "per_kv_head"}
 _SIGNATURE_KEYS = (
     "model_type",
     "num_hidden_layers",
@@ -122,6 +130,7 @@ def save_pretrained(rotations: RotationSet, directory: str | Path, metadata: dic
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "head_dim": rotations.head_dim,
+        **({"kv_heads": rotations.kv_heads} if rotations.per_head else {}),
         "layer_ids": _layer_ids(rotations),
         "description": rotations.description,
         "library_version": _library_version(),
@@ -162,7 +171,7 @@ def load_rotation_config(directory: str | Path) -> dict[str, Any]:
     return config
 
 
-def _load_ours(directory: Path) -> RotationSet:
+def _load_ours(directory: Path, per_head: bool | None = None) -> RotationSet:
     config = load_rotation_config(directory)
     path = directory / TENSORS_FILE
     if not path.is_file():
@@ -178,7 +187,19 @@ def _load_ours(directory: Path) -> RotationSet:
     layer_ids = sorted(set().union(*tables.values()))
     if layer_ids != sorted(config["layer_ids"]):
         raise ValueError(f"{path} has tensors for layers {layer_ids} but {CONFIG_FILE} lists {config['layer_ids']}")
-    return RotationSet(head_dim=head_dim, description=config.get("description", ""), **tables)
+    rotations = RotationSet(head_dim=head_dim, description=config.get("description", ""), **tables)
+    if rotations.kv_heads != config.get("kv_heads"):
+        raise ValueError(
+            f"{path} has rotations for {rotations.kv_heads or 'no'} separate KV heads but {CONFIG_FILE} says "
+            f"kv_heads={config.get('kv_heads')}"
+        )
+    if per_head is not None and rotations.per_head != per_head:
+        held = "one rotation per KV head" if rotations.per_head else "rotations shared by all heads of a layer"
+        raise ValueError(
+            f"{directory} holds {held} only, but {'per-head' if per_head else 'shared'} rotations were asked for "
+            "(per_head=None takes what the folder holds)"
+        )
+    return rotations
 
 
 def _read_tensor(path: Path, name: str, kind: str, tensor: torch.Tensor, head_dim: int) -> torch.Tensor | float:
@@ -187,8 +208,9 @@ def _read_tensor(path: Path, name: str, kind: str, tensor: torch.Tensor, head_di
             raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected a single clip ratio")
         return _shortest_float(tensor)
     expected = (head_dim,) if kind.endswith("eigenvalues") else (head_dim, head_dim)
-    if tuple(tensor.shape) != expected:
-        raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+    shape = tuple(tensor.shape)
+    if shape != expected and not (len(shape) == len(expected) + 1 and shape[1:] == expected):
+        raise ValueError(f"{path}: {name} has shape {shape}, expected {expected} or (kv_heads, *{expected})")
     return tensor.to(torch.float32)
 
 
@@ -206,24 +228,31 @@ def _shortest_float(tensor: torch.Tensor) -> float:
 # The official RotationZoo files
 
 
-def load_official(directory: str | Path) -> RotationSet:
+def load_official(directory: str | Path, per_head: bool | None = None) -> RotationSet:
     """Read a RotationZoo directory holding ``k_rotation_*.pt`` (R_K) and ``v_rotation_*.pt`` (R_V).
+
+    ``per_head``: None reads, for K and for V, the per-KV-head file (``*_rotation_perhead.pt``, format
+    2) where the folder has one and the shared file (format 1) otherwise; True reads only per-head
+    files and False only shared ones, and raise ``FileNotFoundError`` where those are missing.
 
     Raises ``FileNotFoundError`` for a missing directory or file, ``ValueError`` for a file that
     is not a RotationZoo dict, wrong shapes, K and V files covering different layers, or
     non-orthogonal rotations.
     """
-    return _read_official_dir(Path(directory))[0]
+    return _read_official_dir(Path(directory), per_head)[0]
 
 
-def convert_official(src_dir: str | Path, dst_dir: str | Path, metadata: dict[str, Any] | None = None) -> Path:
+def convert_official(
+    src_dir: str | Path, dst_dir: str | Path, metadata: dict[str, Any] | None = None, per_head: bool | None = None
+) -> Path:
     """Convert a RotationZoo directory ``<Model>/<calibration tag>/`` to the oscar-hf format in ``dst_dir``.
 
-    The config records the objectives, the composition, the model and calibration tag (from the
-    folder names) and the source path; ``metadata`` adds to or overrides those entries.
+    ``per_head`` picks the files as in :func:`load_official`. The config records the objectives, the
+    composition, the model and calibration tag (from the folder names) and the source path;
+    ``metadata`` adds to or overrides those entries.
     """
     src = Path(src_dir).resolve()
-    rotations, info = _read_official_dir(src)
+    rotations, info = _read_official_dir(src, per_head)
     recorded = {
         "source_format": "OSCAR RotationZoo (torch.save)",
         "source_path": str(src),
@@ -248,11 +277,13 @@ def _objective_metadata(key_objective: str, value_objective: str) -> dict[str, s
     return {"objective": base, "composition": key_composition} if key_composition else {"objective": base}
 
 
-def _read_official_dir(directory: Path) -> tuple[RotationSet, dict[str, str]]:
+def _read_official_dir(directory: Path, per_head: bool | None = None) -> tuple[RotationSet, dict[str, str]]:
     if not directory.is_dir():
         raise FileNotFoundError(f"RotationZoo directory {directory} does not exist")
-    key_path = _official_file(directory, _OFFICIAL_KEY_PATTERN, OFFICIAL_KEY_FILE)
-    value_path = _official_file(directory, _OFFICIAL_VALUE_PATTERN, OFFICIAL_VALUE_FILE)
+    key_path = _official_file(directory, _OFFICIAL_KEY_PATTERN, OFFICIAL_KEY_FILE, OFFICIAL_PER_HEAD_KEY_FILE, per_head)
+    value_path = _official_file(
+        directory, _OFFICIAL_VALUE_PATTERN, OFFICIAL_VALUE_FILE, OFFICIAL_PER_HEAD_VALUE_FILE, per_head
+    )
     key_objective, key, key_eigenvalues = _read_official_file(key_path)
     value_objective, value, value_eigenvalues = _read_official_file(value_path)
     if sorted(key) != sorted(value):
@@ -260,11 +291,11 @@ def _read_official_dir(directory: Path) -> tuple[RotationSet, dict[str, str]]:
             f"{directory}: {key_path.name} has layers {_format_ids(sorted(key))} but "
             f"{value_path.name} has layers {_format_ids(sorted(value))}"
         )
-    head_dims = {tuple(r.shape) for r in [*key.values(), *value.values()]}
+    head_dims = {r.shape[-1] for r in [*key.values(), *value.values()]}
     if len(head_dims) != 1:
-        raise ValueError(f"{directory}: the K and V rotations have different shapes {sorted(head_dims)}")
+        raise ValueError(f"{directory}: the K and V rotations have different shapes (head dims {sorted(head_dims)})")
     rotations = RotationSet(
-        head_dim=head_dims.pop()[0],
+        head_dim=head_dims.pop(),
         key=key,
         value=value,
         description=(
@@ -278,12 +309,23 @@ def _read_official_dir(directory: Path) -> tuple[RotationSet, dict[str, str]]:
     return rotations, info
 
 
-def _official_file(directory: Path, pattern: str, preferred: str) -> Path:
-    files = sorted(directory.glob(pattern))
+def _official_file(directory: Path, pattern: str, preferred: str, per_head_name: str, per_head: bool | None) -> Path:
+    """The K (or V) file to read: the per-head one if present and not refused, else the shared one."""
+    per_head_file = directory / per_head_name
+    if per_head_file.is_file() and per_head is not False:
+        return per_head_file
+    if per_head:
+        raise FileNotFoundError(
+            f"{directory} holds no {per_head_name}: per-head rotations were asked for (per_head=True), and the "
+            f"shared ones it may hold are not taken in their place; pass per_head=None or False to use those"
+        )
+    files = sorted(f for f in directory.glob(pattern) if f != per_head_file)
     if not files:
         raise FileNotFoundError(
             f"{directory} holds no {preferred} (a RotationZoo folder <Model>/<calibration>/ holds "
-            f"{OFFICIAL_KEY_FILE} and {OFFICIAL_VALUE_FILE})"
+            f"{OFFICIAL_KEY_FILE} and {OFFICIAL_VALUE_FILE}"
+            + (f", and may hold {OFFICIAL_PER_HEAD_KEY_FILE} and {OFFICIAL_PER_HEAD_VALUE_FILE})" if per_head is False
+               else ")")
         )
     if len(files) == 1:
         return files[0]
@@ -307,10 +349,15 @@ def _read_official_file(path: Path) -> tuple[str, dict[int, torch.Tensor], dict[
             f"{path} has no 'layers' key; a RotationZoo file is a dict "
             "{format_version, objective, source_grouping, layers: {layer id: {rotation, eigenvalues}}}"
         )
-    if data.get("format_version") not in _OFFICIAL_VERSIONS:
-        raise ValueError(f"{path} has format_version {data.get('format_version')!r}; supported: {_OFFICIAL_VERSIONS}")
-    if data.get("source_grouping", "layer") != "layer":
-        raise ValueError(f"{path} has source_grouping {data['source_grouping']!r}; only 'layer' is supported")
+    version = data.get("format_version")
+    if version not in _OFFICIAL_GROUPING:
+        raise ValueError(f"{path} has format_version {version!r}; supported: {list(_OFFICIAL_GROUPING)}")
+    grouping = _OFFICIAL_GROUPING[version]
+    if data.get("source_grouping", "layer") != grouping:
+        raise ValueError(
+            f"{path} has source_grouping {data.get('source_grouping')!r}; format_version {version!r} files have "
+            f"{grouping!r}"
+        )
     layers = data["layers"]
     if not isinstance(layers, dict) or not layers:
         raise ValueError(f"{path}: 'layers' must be a non-empty dict of layer id -> entry")
@@ -320,7 +367,7 @@ def _read_official_file(path: Path) -> tuple[str, dict[int, torch.Tensor], dict[
         layer_id = _official_layer_id(path, key, entry)
         if layer_id in rotations:
             raise ValueError(f"{path} lists layer {layer_id} twice")
-        rotations[layer_id], eigenvalue = _official_entry(path, layer_id, entry)
+        rotations[layer_id], eigenvalue = _official_entry(path, layer_id, entry, per_head=grouping == "per_kv_head")
         if eigenvalue is not None:
             eigenvalues[layer_id] = eigenvalue
     return str(data.get("objective", "")), rotations, eigenvalues
@@ -336,18 +383,23 @@ def _official_layer_id(path: Path, key: Any, entry: Any) -> int:
     return layer_id
 
 
-def _official_entry(path: Path, layer_id: int, entry: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _official_entry(
+    path: Path, layer_id: int, entry: Any, per_head: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rotation, eigenvalues or None) of one layer: ``[D, D]`` and ``[D]``, or per KV head ``[H_kv, D, D]``
+    and ``[H_kv, D]`` (eigenvalues may also be absent there)."""
     rotation = entry.get("rotation") if isinstance(entry, dict) else None
     if not isinstance(rotation, torch.Tensor):
         raise ValueError(f"{path}: layer {layer_id} has no 'rotation' tensor")
-    if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1]:
-        raise ValueError(f"{path}: the rotation of layer {layer_id} has shape {tuple(rotation.shape)}, expected [D, D]")
+    if rotation.ndim != 2 + per_head or rotation.shape[-1] != rotation.shape[-2]:
+        expected = "[H_kv, D, D] (per_kv_head)" if per_head else "[D, D]"
+        raise ValueError(f"{path}: the rotation of layer {layer_id} has shape {tuple(rotation.shape)}, expected {expected}")
     eigenvalues = entry.get("eigenvalues")  # absent in the identity files; informational only
     if eigenvalues is None:
         return rotation.to(torch.float32), None
-    if not isinstance(eigenvalues, torch.Tensor) or tuple(eigenvalues.shape) != (rotation.shape[0],):
+    if not isinstance(eigenvalues, torch.Tensor) or tuple(eigenvalues.shape) != tuple(rotation.shape[:-1]):
         shape = tuple(eigenvalues.shape) if isinstance(eigenvalues, torch.Tensor) else type(eigenvalues).__name__
-        expected = (rotation.shape[0],)
+        expected = tuple(rotation.shape[:-1])
         raise ValueError(f"{path}: the eigenvalues of layer {layer_id} have shape {shape}, expected {expected}")
     return rotation.to(torch.float32), eigenvalues.to(torch.float32)
 
@@ -363,6 +415,7 @@ def from_pretrained(
     revision: str | None = None,
     local_files_only: bool | None = None,
     cache_dir: str | Path | None = None,
+    per_head: bool | None = None,
 ) -> RotationSet:
     """Load rotations from a local directory or a Hugging Face hub repo, in our or the RotationZoo layout.
 
@@ -372,6 +425,8 @@ def from_pretrained(
         revision: hub branch, tag or commit (ignored for local directories).
         local_files_only: only read the local hub cache; ``None`` follows ``HF_HUB_OFFLINE``.
         cache_dir: hub cache folder (default: huggingface_hub's).
+        per_head: None takes the best the folder holds (per-KV-head rotations where present);
+            True asks for per-head and False for shared rotations, an error where those are missing.
 
     Raises:
         RotationsNotFoundError: the hub cannot be reached (or offline mode is on) and the files
@@ -382,7 +437,7 @@ def from_pretrained(
     if local is not None:
         if revision is not None:
             logger.info("revision=%r is ignored for the local directory %s", revision, local)
-        return _load_directory(local / subfolder if subfolder else local)
+        return _load_directory(local / subfolder if subfolder else local, per_head)
     repo_id, patterns = str(name_or_path), _hub_patterns(subfolder)
     folder = subfolder.strip("/") if subfolder else None
     snapshot = _download(
@@ -395,7 +450,7 @@ def from_pretrained(
             f"the hub repo {repo_id}{f'@{revision}' if revision else ''} holds no rotation files matching {patterns}"
             + ("" if subfolder else "; for the RotationZoo layout pass subfolder='<Model>/<calibration>'")
         )
-    return _load_directory(directory)
+    return _load_directory(directory, per_head)
 
 
 def _local_directory(name_or_path: str | Path) -> Path | None:
@@ -418,14 +473,14 @@ def _is_repo_id(name: str) -> bool:
     return True
 
 
-def _load_directory(directory: Path) -> RotationSet:
+def _load_directory(directory: Path, per_head: bool | None = None) -> RotationSet:
     """Rotations in ``directory``, whichever layout (ours or RotationZoo) it holds."""
     if not directory.is_dir():
         raise FileNotFoundError(f"rotation directory {directory} does not exist")
     if (directory / CONFIG_FILE).is_file() or (directory / TENSORS_FILE).is_file():
-        return _load_ours(directory)
+        return _load_ours(directory, per_head)
     if _holds_official(directory):
-        return load_official(directory)
+        return load_official(directory, per_head)
     found = sorted(p.name for p in directory.iterdir())[:12]
     raise FileNotFoundError(
         f"{directory} holds no rotations: expected {TENSORS_FILE} + {CONFIG_FILE} (oscar-hf) or "
@@ -551,6 +606,7 @@ def resolve_rotations(
     local_files_only: bool | None = None,
     cache_dir: str | Path | None = None,
     calibration: str | None = None,
+    per_head: bool | None = None,
 ) -> RotationSet:
     """The rotations ``rotations`` names, checked against ``model``.
 
@@ -563,10 +619,11 @@ def resolve_rotations(
             (needed only when the zoo holds several calibrations for the model).
         subfolder, revision, local_files_only, cache_dir: as in :func:`from_pretrained`.
         calibration: RotationZoo calibration tag, e.g. ``"seq20000_prompt83_group128"``.
+        per_head: which rotations of a folder to take, as in :func:`from_pretrained`.
 
     Raises:
         ValueError: no bundled set fits the model, the zoo folder cannot be determined, or the
-            rotations' head_dim or layers differ from the model's full-attention layers.
+            rotations' head_dim, KV heads or layers differ from the model's full-attention layers.
     """
     config = _model_config(model)
     hub = {"revision": revision, "local_files_only": local_files_only, "cache_dir": cache_dir}
@@ -576,13 +633,13 @@ def resolve_rotations(
         if subfolder is not None or revision is not None or calibration is not None:
             raise ValueError("subfolder, revision and calibration apply to a directory or hub repo, not to 'default'")
         name = _bundled_for(config)
-        resolved, source = from_pretrained(bundled_rotations_dir(name)), f"the bundled set {name!r}"
+        resolved, source = from_pretrained(bundled_rotations_dir(name), per_head=per_head), f"the bundled set {name!r}"
     else:
         if subfolder is None:
             subfolder = _zoo_subfolder(config, rotations, calibration, hub)
         elif calibration is not None:
             raise ValueError("pass either subfolder= or calibration=, not both")
-        resolved = from_pretrained(rotations, subfolder=subfolder, **hub)
+        resolved = from_pretrained(rotations, subfolder=subfolder, per_head=per_head, **hub)
         source = f"{rotations}" + (f" (subfolder {subfolder})" if subfolder else "")
     _check_matches(resolved, config, source)
     return resolved
@@ -616,10 +673,16 @@ def model_signature(model: PreTrainedModel | PretrainedConfig) -> dict[str, Any]
 def _check_matches(rotations: RotationSet, config: PretrainedConfig, source: str) -> None:
     """Rotations must have the model's head_dim and cover exactly its full-attention layers."""
     model = _model_name(config) or "this model"
-    head_dim = head_dim_of(config.get_text_config(decoder=True))
+    text = config.get_text_config(decoder=True)
+    head_dim = head_dim_of(text)
     if rotations.head_dim != head_dim:
         raise ValueError(
             f"rotations from {source} have head_dim={rotations.head_dim} but {model} has head_dim={head_dim}"
+        )
+    if rotations.kv_heads not in (None, kv_heads_of(text)):
+        raise ValueError(
+            f"rotations from {source} hold one R per KV head for {rotations.kv_heads} KV heads but {model} has "
+            f"{kv_heads_of(text)} KV heads; they were made for another model"
         )
     expected, present = full_attention_layer_ids(config), _layer_ids(rotations)
     if present != expected:
