@@ -333,17 +333,21 @@ def input_device(model: PreTrainedModel) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def random_rotations(head_dim: int, layer_ids: list[int], seed: int = 0) -> RotationSet:
-    """A random orthogonal R_K and R_V per layer (QR of a Gaussian matrix), standing in for calibrated ones.
+def random_rotations(head_dim: int, layer_ids: list[int], seed: int = 0, kv_heads: int | None = None) -> RotationSet:
+    """A random orthogonal R_K and R_V per layer (QR of a Gaussian matrix), standing in for calibrated ones;
+    with ``kv_heads``, one per KV head (``[kv_heads, D, D]``).
 
     Speed does not depend on which orthogonal matrix it is, and ``oscar-int2`` with rotations runs
     exactly the code a calibrated model runs (rotate, clip at 0.96/0.92, quantize).
     """
     generator = torch.Generator().manual_seed(seed)
 
-    def orthogonal() -> torch.Tensor:
+    def one() -> torch.Tensor:
         q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))
         return (q * torch.sign(torch.diagonal(r))).float()
+
+    def orthogonal() -> torch.Tensor:
+        return one() if kv_heads is None else torch.stack([one() for _ in range(kv_heads)])
 
     return RotationSet(head_dim, {i: orthogonal() for i in layer_ids}, {i: orthogonal() for i in layer_ids},
                        "random orthogonal (benchmark)")  # fmt: skip

@@ -5,8 +5,8 @@
 
 ``python eval/bench_gpu.py --config eval/configs/bench_multigpu.json`` launches it this way. The
 config's ``tensor_parallel`` section (or the whole file, if it has none) gives the model (a preset
-name or Qwen3Config fields), ``context`` (prompt tokens), ``batch``, ``new_tokens``, ``caches`` and
-the timing repeats.
+name or Qwen3Config fields), ``context`` (prompt tokens), ``batch``, ``new_tokens``, ``caches``, the
+timing repeats and ``per_head_rotations`` (one random R per KV head instead of one per layer).
 
 Rank 0 saves a random-weight Qwen3 to a temporary directory; every rank loads it with the model's
 tensor-parallel plan (``tp_plan="auto"``). Per cache, each rank decodes greedily from the same random
@@ -136,7 +136,10 @@ def main() -> None:
     path = shared_model_dir(spec, dtype, rank)
     model = load_tensor_parallel(path, dtype)
     text = bench.text_config(model)
-    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model), config.get("seed", 0))
+    # per_head_rotations: one random R per KV head; each rank's cache then takes its own heads' R
+    kv_heads = text.num_key_value_heads if config.get("per_head_rotations") else None
+    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model), config.get("seed", 0),
+                                       kv_heads)  # fmt: skip
     batch, context, new_tokens = config["batch"], config["context"], config["new_tokens"]
     prompt = bench.random_tokens(model, batch, context + 1)
 

@@ -33,15 +33,17 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     covariances = collect_covariances(model, batches, progress=not args.json)
     choices: dict[int, LayerChoice] = {}
     if args.clip_search:
-        rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json)
+        rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json,
+                                           per_head=args.per_head)  # fmt: skip
     else:
-        rotations = rotations_from_covariances(covariances, args.objective, args.factors)
+        rotations = rotations_from_covariances(covariances, args.objective, args.factors, args.per_head)
     tokens = sum(b.numel() for b in batches)
     metadata = {
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
         "model_signature": model_signature(model),
         "objective": args.objective,
         "composition": "per-layer r_h_pbr or h_pbr (clip search)" if args.clip_search else COMPOSITION_NAMES[args.factors],
+        "source_grouping": "per_kv_head" if args.per_head else "layer",
         "group_size": rotations.head_dim,
         "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
         "sink": METHODS["oscar-int2"].sink,

@@ -21,13 +21,14 @@ from .rotations import RotationSet
 logger = get_logger(__name__)
 
 
-def _rotations_for(model_name: str, rotations_dir: str | None) -> RotationSet | None:
-    """Rotations from ``--rotations``, else the ones bundled for the default model, else none."""
+def _rotations_for(model_name: str, rotations_dir: str | None, shared: bool = False) -> RotationSet | None:
+    """Rotations from ``--rotations`` (its per-KV-head ones where it has them, unless ``shared``), else the
+    ones bundled for the default model, else none."""
     from .models import DEFAULT_MODEL
     from .zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained
 
     if rotations_dir:
-        return from_pretrained(rotations_dir)
+        return from_pretrained(rotations_dir, per_head=False if shared else None)
     if model_name == DEFAULT_MODEL:
         return from_pretrained(bundled_rotations_dir(DEFAULT_ROTATIONS))
     return None
@@ -61,7 +62,7 @@ def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
     from .demo import demo_prompt, format_run, run_method
 
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
     prompt = demo_prompt(tokenizer)
     if not args.json:
         print(f"Prompt: {prompt.shape[1]} tokens, model in {model.dtype}; question: the lighthouse keeper's dog "
@@ -80,7 +81,7 @@ def cmd_eval_kl(args: argparse.Namespace, argv: list[str]) -> None:
     from .evaluation import evaluate_methods, scores_to_markdown
 
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
     text = Path(args.text).read_text(encoding="utf-8")
     token_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     scores = evaluate_methods(
@@ -104,7 +105,7 @@ def cmd_memory(args: argparse.Namespace, argv: list[str]) -> None:
     from .demo import filled_context, prefill_report
 
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
     ids = filled_context(tokenizer, args.tokens, Path(args.text) if args.text else None)
     reports = [prefill_report(model, ids, method, rotations) for method in args.methods]
     if args.json:
@@ -140,7 +141,7 @@ def cmd_eval_tasks(args: argparse.Namespace, argv: list[str]) -> None:
 
     folder = _data_folder(args.data_dir) if args.data_dir else data_dir()  # neither: the public datasets
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
     summary = run_tasks(
         model, tokenizer, methods=args.methods, tasks=args.tasks, seeds=args.seeds, out_dir=args.out,
         limit=args.limit, data_dir=folder, max_gen_toks=args.max_gen_toks, temperature=args.temperature,
@@ -184,7 +185,7 @@ def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
         if args.needles < 1 or args.max_new_tokens < 1:
             raise NeedleError("--needles and --max-new-tokens must be at least 1")
         model, tokenizer = _load(args)
-        rotations = _rotations_for(args.model, args.rotations)
+        rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
         haystack = Haystack(tokenizer, read_haystack(files))
         seeds = list(range(args.seed, args.seed + args.needles))
         trials = run_niah(model, tokenizer, haystack, args.methods, args.lengths, args.depths, seeds, rotations,
@@ -224,7 +225,7 @@ def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
     limit = model_context(model)
     if limit is not None and args.ctx > limit:
         raise SystemExit(f"oscar-hf eval kl-curve: --ctx {args.ctx} exceeds the model's context of {limit} tokens")
-    rotations = _rotations_for(args.model, args.rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
     token_ids = tokenizer(text_path.read_text(encoding="utf-8"), return_tensors="pt",
                           add_special_tokens=False)["input_ids"][0]
     if token_ids.numel() < args.ctx:
@@ -254,6 +255,8 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir")
     parser.add_argument("--rotations", help="rotation directory (default: the bundled ones for the default model)")
+    parser.add_argument("--shared-rotations", action="store_true",
+                        help="from a folder that also holds per-KV-head rotations, take the shared (one per layer) ones")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="model dtype; auto = float32 on CPU, bfloat16 on GPU (windows are stored in it)")
 
@@ -349,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--objective", choices=["qqt_sst", "ktk_vtv"], default="qqt_sst")
     calibrate.add_argument("--factors", choices=["UHP", "UH", "UP", "HP", "H", "U", ""], default="UHP")
+    calibrate.add_argument("--per-head", action="store_true",
+                           help="one rotation per KV head, from that head's own C_Q and C_S (default: one per layer)")
     calibrate.add_argument("--json", action="store_true")
     calibrate.set_defaults(handler=cmd_calibrate)
 

@@ -92,6 +92,14 @@ def capture_qkv(model, batches: list[torch.Tensor]) -> dict[int, list[tuple[torc
 
 def naive_targets(chunks: list[tuple[torch.Tensor, ...]], grouping: str = "contiguous") -> tuple[torch.Tensor, ...]:
     """C_Q and C_S written as the reference codes them: tokens-first [n, H, D] float64 dumps, one shot."""
+    per_head_q, per_head_s, _ = naive_per_head_targets(chunks, grouping)
+    c_q = per_head_q.mean(0)
+    c_s = per_head_s.mean(0)
+    return (c_q + c_q.T) / 2, (c_s + c_s.T) / 2
+
+
+def naive_per_head_targets(chunks: list[tuple[torch.Tensor, ...]], grouping: str = "contiguous") -> tuple[torch.Tensor, ...]:
+    """C_Q^(h), C_S^(h) and K_h^T K_h / n of each KV head, ``[H_kv, D, D]``, before pooling."""
     q = torch.cat([c[0].transpose(1, 2).reshape(-1, c[0].shape[1], c[0].shape[3]) for c in chunks]).double()
     k = torch.cat([c[1].transpose(1, 2).reshape(-1, c[1].shape[1], c[1].shape[3]) for c in chunks]).double()
     v = torch.cat([c[2].transpose(1, 2).reshape(-1, c[2].shape[1], c[2].shape[3]) for c in chunks]).double()
@@ -108,9 +116,8 @@ def naive_targets(chunks: list[tuple[torch.Tensor, ...]], grouping: str = "conti
         w = w / max(w.sum().item(), 1e-12) * n
         scaled = v[:, h] * w.sqrt()[:, None]
         per_head_s.append(scaled.T @ scaled / n)
-    c_q = torch.stack(per_head_q).mean(0)
-    c_s = torch.stack(per_head_s).mean(0)
-    return (c_q + c_q.T) / 2, (c_s + c_s.T) / 2
+    key_grams = torch.einsum("thi,thj->hij", k, k) / n
+    return torch.stack(per_head_q), torch.stack(per_head_s), key_grams
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -174,6 +181,37 @@ def test_calibrate_returns_orthogonal_rotations() -> None:
         assert torch.allclose(rotations.key[layer_id], expected_key, atol=1e-5)
         assert torch.allclose(rotations.key_eigenvalues[layer_id], expected_eigenvalues)
         assert bool((rotations.value_eigenvalues[layer_id].diff() >= 0).all()), "eigenvalues must be ascending"
+
+
+def test_per_head_targets_and_rotations() -> None:
+    """Per KV head: C_Q^(h) of its own query group, C_S^(h) with its own weights, and R^(h) = U·H·P of each."""
+    model = tiny_qwen3()
+    batches = [random_rows(2, 12, seed=0), random_rows(1, 20, seed=1)]
+    covariances = collect_covariances(model, batches, progress=False)
+    captured = capture_qkv(model, batches)
+    for layer_id, layer in covariances.items():
+        c_q, c_s, key_grams = naive_per_head_targets(captured[layer_id])
+        assert layer.query_heads.shape == (2, HEAD_DIM, HEAD_DIM)
+        for actual, expected in ((layer.query_heads, c_q), (layer.value_heads, c_s), (layer.key_gram_heads, key_grams)):
+            assert relative_error(actual, expected) < 1e-10
+            assert torch.equal(actual, actual.mT)
+        assert relative_error(layer.key_gram, key_grams.mean(0)) < 1e-10
+        assert relative_error(c_q[0], c_q[1]) > 1e-2  # the heads differ, so per-head R differ from the pooled one
+    rotations = calibrate(model, batches, progress=False, per_head=True)
+    assert rotations.per_head and rotations.kv_heads == 2 and "one per KV head" in rotations.description
+    shared = calibrate(model, batches, progress=False)
+    for layer_id, layer in covariances.items():
+        assert rotations.key[layer_id].shape == rotations.value[layer_id].shape == (2, HEAD_DIM, HEAD_DIM)
+        assert rotations.key_eigenvalues[layer_id].shape == (2, HEAD_DIM)
+        for head in range(2):
+            expected_key, expected_eigenvalues = rotation_from_covariance(layer.query_heads[head])
+            assert torch.equal(rotations.key[layer_id][head], expected_key)
+            assert torch.equal(rotations.key_eigenvalues[layer_id][head], expected_eigenvalues)
+            assert torch.equal(rotations.value[layer_id][head], rotation_from_covariance(layer.value_heads[head])[0])
+        assert torch.equal(shared.key[layer_id], rotation_from_covariance(layer.query)[0])
+    ktk = calibration.rotations_from_covariances(covariances, "ktk_vtv", "UH", per_head=True)
+    for layer_id, layer in covariances.items():
+        assert torch.equal(ktk.key[layer_id][1], rotation_from_covariance(layer.key_gram_heads[1], "UH")[0])
 
 
 def test_only_full_attention_layers_are_calibrated() -> None:

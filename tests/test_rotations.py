@@ -83,3 +83,63 @@ def test_rotation_set_checks_shape_and_orthogonality_on_load():
         rotations.check_model(32, [0, 1])
     with pytest.raises(ValueError, match="layers \\[1\\]"):
         rotations.check_model(16, [0])
+
+
+def _orthogonal(dim: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))[0].float()
+
+
+def _per_head_set(kv_heads: int = 4, dim: int = 16) -> RotationSet:
+    key = {i: torch.stack([_orthogonal(dim, 10 * i + h) for h in range(kv_heads)]) for i in (0, 2)}
+    value = {i: torch.stack([_orthogonal(dim, 100 + 10 * i + h) for h in range(kv_heads)]) for i in (0, 2)}
+    eigenvalues = {i: torch.rand(kv_heads, dim).sort().values for i in (0, 2)}
+    return RotationSet(dim, key, value, "per head", eigenvalues, dict(eigenvalues), key_clip={0: 0.9})
+
+
+def test_per_head_rotation_set_validates_every_head():
+    rotations = _per_head_set()
+    assert rotations.per_head and rotations.kv_heads == 4
+    assert not RotationSet.hadamard(16, [0]).per_head and RotationSet.hadamard(16, [0]).kv_heads is None
+    bad = rotations.key[0].clone()
+    bad[2] *= 1.1
+    with pytest.raises(ValueError, match="R_K of layer 0, KV head 2 is not orthogonal"):
+        RotationSet(16, key={0: bad})
+    with pytest.raises(ValueError, match="expected \\(16, 16\\) \\(shared\\) or \\(kv_heads, 16, 16\\)"):
+        RotationSet(16, key={0: torch.eye(16).expand(2, 2, 16, 16)})
+    with pytest.raises(ValueError, match="one KV head count, got \\[2, 4\\]"):
+        RotationSet(16, key={0: rotations.key[0]}, value={0: rotations.value[0][:2]})
+    # shared and per-head layers may mix (e.g. a per-head R_K file beside a shared R_V file)
+    mixed = RotationSet(16, key={0: rotations.key[0]}, value={0: _orthogonal(16, 1)})
+    assert mixed.kv_heads == 4
+    rotations.check_model(16, [0, 1, 2], kv_heads=4)
+    with pytest.raises(ValueError, match="4 KV heads but the model has 2 KV heads"):
+        rotations.check_model(16, [0, 1, 2], kv_heads=2)
+    RotationSet.hadamard(16, [0]).check_model(16, [0], kv_heads=2)  # a shared R serves any head count
+
+
+def test_select_kv_heads_and_as_per_head():
+    rotations = _per_head_set()
+    part = rotations.select_kv_heads(2, 4)
+    assert part.kv_heads == 2 and part.key_clip == {0: 0.9}
+    for i in (0, 2):
+        assert torch.equal(part.key[i], rotations.key[i][2:4]) and torch.equal(part.value[i], rotations.value[i][2:])
+        assert torch.equal(part.key_eigenvalues[i], rotations.key_eigenvalues[i][2:4])
+    with pytest.raises(ValueError, match="not within the set's 4 KV heads"):
+        rotations.select_kv_heads(3, 5)
+    shared = RotationSet.hadamard(16, [0, 1])
+    assert shared.select_kv_heads(0, 1) is shared
+    expanded = shared.as_per_head(3)
+    assert expanded.kv_heads == 3 and all(torch.equal(expanded.key[i][h], shared.key[i]) for i in (0, 1) for h in range(3))
+    with pytest.raises(ValueError, match="already has per-head rotations for 4"):
+        rotations.as_per_head(3)
+
+
+def test_value_fingerprint_covers_every_head():
+    rotations = _per_head_set()
+    other = _per_head_set()
+    assert rotations.value_fingerprint() == other.value_fingerprint()
+    other.value[2] = other.value[2][[0, 1, 3, 2]]  # two heads swapped
+    assert rotations.value_fingerprint() != other.value_fingerprint()
+    shared = RotationSet.hadamard(16, [0])
+    assert shared.value_fingerprint() != shared.as_per_head(2).value_fingerprint()
