@@ -85,3 +85,41 @@ def test_calibrate_command_on_the_default_model(tmp_path, capsys):
     config = load_rotation_config(out)
     assert config["tokens"] == 1200 and config["model_signature"]["head_dim"] == 64
     assert len(config["calibration_data"]["files"]["text.txt"]) == 64  # sha256 of the data file
+
+
+def test_per_head_search_picks_per_layer_variants_of_per_head_rotations(searched):
+    model, covariances, _, _ = searched
+    batches = [torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    rotations, choices = search_layers(model, batches, covariances, SMALL, max_queries=32, progress=False, per_head=True)
+    assert rotations.kv_heads == 2
+    for layer_id, choice in choices.items():
+        key = rotations_from_covariances(covariances, "qqt_sst", choice.key_factors, per_head=True).key[layer_id]
+        value = rotations_from_covariances(covariances, "qqt_sst", choice.value_factors, per_head=True).value[layer_id]
+        assert torch.equal(rotations.key[layer_id], key) and torch.equal(rotations.value[layer_id], value)
+        assert rotations.key_clip[layer_id] == choice.key_clip
+    cache = OscarCache(model, "oscar-int2", rotations=rotations)
+    assert cache.layers[0].key_rotation.shape == (2, 16, 16)
+
+
+def test_calibrate_command_per_head(tmp_path, capsys):
+    """``oscar-hf calibrate --per-head --clip-search`` on a saved tiny model with the default model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from oscar_hf.cli import main
+    from oscar_hf.models import _default_checkpoint
+    from oscar_hf.zoo import from_pretrained, load_rotation_config
+
+    tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
+    model_dir = tmp_path / "model"
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    out = tmp_path / "rotations"
+    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
+          "--per-head", "--clip-search", "--out", str(out), "--json"])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 2 and "key" in summary["per_layer"][0]
+    rotations = from_pretrained(out)
+    assert rotations.kv_heads == 2 and len(rotations.key_clip) == 2
+    assert load_rotation_config(out)["source_grouping"] == "per_kv_head"

@@ -64,12 +64,14 @@ def test_equal_heads_give_the_shared_rotations_results(tiny):
     expanded = rotations.as_per_head(KV_HEADS)
     want = chunked_then_greedy(tiny, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), ids())
     got = chunked_then_greedy(tiny, OscarCache(tiny, "oscar-int2", rotations=expanded, **SMALL), ids())
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # batched per-head GEMMs may round another way
+    # a decode step's per-head product is a batched one-row GEMM on CPU, which float32 BLAS may round
+    # differently in the last bit from the shared R's single GEMM over all rows
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     prompt = ids(1, 48)
     tf_want = teacher_forced_logits(tiny, prompt, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL))
     tf_got = teacher_forced_logits(tiny, prompt, OscarCache(tiny, "oscar-int2", rotations=expanded, **SMALL))
-    torch.testing.assert_close(tf_got, tf_want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tf_got, tf_want)
 
 
 def test_equal_heads_give_the_shared_tokens_through_generate_and_static_decoding(tiny):

@@ -541,3 +541,115 @@ def test_from_zoo_default_model_offline(monkeypatch) -> None:
     assert cache.rotations.head_dim == 64 and len(cache.rotations.key) == 30
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     forward(model, ids, cache)
+
+
+# --- per-KV-head rotations ------------------------------------------------------------------------
+
+KV_HEADS = TINY_LLAMA["num_key_value_heads"]
+
+
+def per_head_set(layer_ids=(0, 1), kv_heads: int = KV_HEADS) -> RotationSet:
+    return RotationSet(
+        HEAD_DIM,
+        key={i: torch.stack([orthogonal(seed=10 * i + h) for h in range(kv_heads)]) for i in layer_ids},
+        value={i: torch.stack([orthogonal(seed=200 + 10 * i + h) for h in range(kv_heads)]) for i in layer_ids},
+        description="per head",
+        key_eigenvalues={i: torch.rand(kv_heads, HEAD_DIM).sort().values for i in layer_ids},
+        value_eigenvalues={i: torch.rand(kv_heads, HEAD_DIM).sort().values for i in layer_ids},
+        key_clip={i: 0.9 for i in layer_ids},
+    )
+
+
+def write_official_per_head(directory: Path, layer_ids=(0, 1), kv_heads: int = KV_HEADS, which: str = "kv") -> Path:
+    """The reference's format 2 files (oscar-reference.md Appendix C), torch.save'd as it writes them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for kind, seed in (("k", 0), ("v", 500)):
+        if kind not in which:
+            continue
+        layers = {i: {"layer_id": i, "rotation": torch.stack([orthogonal(seed=seed + 10 * i + h) for h in range(kv_heads)]),
+                      "eigenvalues": torch.rand(kv_heads, HEAD_DIM).sort().values} for i in layer_ids}
+        data = {"format_version": 2, "objective": f"{'qqt' if kind == 'k' else 'sst'}_perhead",
+                "source_grouping": "per_kv_head", "layers": layers}
+        torch.save(data, directory / f"{kind}_rotation_perhead.pt")
+    return directory
+
+
+def test_our_format_round_trips_per_head_rotations(tmp_path):
+    rotations = per_head_set()
+    out = save_pretrained(rotations, tmp_path / "heads", {"model_id": "tiny"})
+    assert load_rotation_config(out)["kv_heads"] == KV_HEADS
+    loaded = from_pretrained(out)
+    assert loaded.kv_heads == KV_HEADS
+    assert_same(loaded, rotations)
+    assert "kv_heads" not in load_rotation_config(save_pretrained(rotation_set(), tmp_path / "shared"))
+    assert from_pretrained(out, per_head=True).per_head
+    with pytest.raises(ValueError, match="holds one rotation per KV head only, but shared rotations were asked"):
+        from_pretrained(out, per_head=False)
+    with pytest.raises(ValueError, match="holds rotations shared by all heads of a layer only, but per-head"):
+        from_pretrained(tmp_path / "shared", per_head=True)
+    tensors = load_file(str(out / TENSORS_FILE))
+    tensors["layers.0.key_rotation"] = tensors["layers.0.key_rotation"][None]
+    save_file(tensors, str(out / TENSORS_FILE))
+    with pytest.raises(ValueError, match="has shape \\(1, 2, 16, 16\\), expected \\(16, 16\\) or \\(kv_heads"):
+        from_pretrained(out)
+
+
+def test_official_per_head_files_load_beside_the_shared_ones(tmp_path):
+    folder = write_official_per_head(write_official(tmp_path / "Qwen3-30B-A3B" / "calib"))
+    v2_key = torch.load(folder / "k_rotation_perhead.pt")["layers"]
+    heads = load_official(folder)  # both kinds present: the per-head files win
+    assert heads.kv_heads == KV_HEADS and "qqt_perhead" in heads.description
+    assert torch.equal(heads.key[1], v2_key[1]["rotation"])
+    assert torch.equal(heads.key_eigenvalues[1], v2_key[1]["eigenvalues"])
+    shared = load_official(folder, per_head=False)  # the V1 files, on request
+    assert not shared.per_head
+    assert torch.equal(shared.key[0], torch.load(folder / OFFICIAL_KEY_FILE)["layers"][0]["rotation"])
+    assert from_pretrained(folder, per_head=True).kv_heads == KV_HEADS
+    converted = from_pretrained(convert_official(folder, tmp_path / "ours"))
+    assert_same(converted, heads)
+    assert load_rotation_config(tmp_path / "ours")["source_files"] == ["k_rotation_perhead.pt", "v_rotation_perhead.pt"]
+
+
+def test_asking_for_missing_per_head_files_is_an_error_not_a_fallback(tmp_path):
+    only_v1 = write_official(tmp_path / "v1")
+    assert not load_official(only_v1).per_head  # V1 alone keeps loading
+    with pytest.raises(FileNotFoundError, match="no k_rotation_perhead.pt: per-head rotations were asked for"):
+        load_official(only_v1, per_head=True)
+    only_v2 = write_official_per_head(tmp_path / "v2")
+    assert load_official(only_v2).per_head
+    with pytest.raises(FileNotFoundError, match="holds no k_rotation_qqt_r_h_pbr.pt"):
+        load_official(only_v2, per_head=False)
+    # a per-head R_K file beside shared files: the best the folder allows is per-head K with shared V
+    mixed = write_official_per_head(write_official(tmp_path / "mixed"), which="k")
+    rotations = load_official(mixed)
+    assert rotations.key[0].shape == (KV_HEADS, HEAD_DIM, HEAD_DIM) and rotations.value[0].shape == (HEAD_DIM, HEAD_DIM)
+    with pytest.raises(FileNotFoundError, match="no v_rotation_perhead.pt"):
+        load_official(mixed, per_head=True)
+
+
+def test_official_per_head_files_are_validated(tmp_path):
+    folder = write_official_per_head(tmp_path / "bad")
+    data = torch.load(folder / "k_rotation_perhead.pt")
+    torch.save({**data, "source_grouping": "layer"}, folder / "k_rotation_perhead.pt")
+    with pytest.raises(ValueError, match="format_version 2 files have 'per_kv_head'"):
+        load_official(folder)
+    data["layers"][0]["rotation"] = data["layers"][0]["rotation"][0]
+    torch.save(data, folder / "k_rotation_perhead.pt")
+    with pytest.raises(ValueError, match="expected \\[H_kv, D, D\\] \\(per_kv_head\\)"):
+        load_official(folder)
+    data = torch.load(folder / "v_rotation_perhead.pt")
+    data["layers"][1]["rotation"][1] *= 2
+    torch.save(data, folder / "v_rotation_perhead.pt")
+    write_official_per_head(folder, which="k")
+    with pytest.raises(ValueError, match="layer 1, KV head 1 is not orthogonal"):
+        load_official(folder)
+
+
+def test_resolve_rotations_checks_the_kv_heads_and_from_zoo_takes_per_head(tmp_path):
+    model = tiny_llama()
+    folder = write_official_per_head(write_official(tmp_path / "zoo"))
+    assert OscarCache.from_zoo(model, folder).rotations.kv_heads == KV_HEADS
+    assert not OscarCache.from_zoo(model, folder, per_head=False).rotations.per_head
+    other = write_official_per_head(tmp_path / "four", kv_heads=4)
+    with pytest.raises(ValueError, match="for 4 KV heads but this model has 2 KV heads"):
+        resolve_rotations(model, other)
