@@ -89,6 +89,17 @@ def cache_heads(cache, batch: int, head_dim: int) -> list[int]:
     return [m.elements_per_token // (2 * batch * head_dim) for m in cache.memory_report().layers if m.kind == "oscar"]
 
 
+def own_head_rotations(cache, rotations, rank: int, world: int) -> bool:
+    """Whether every OscarCache layer of this rank holds the R_K and R_V of exactly its own KV heads."""
+    local = rotations.kv_heads // world
+    own = rotations.select_kv_heads(rank * local, (rank + 1) * local)
+    layers = [(i, layer) for i, layer in enumerate(cache.layers) if hasattr(layer, "key_rotation")]
+    return bool(layers) and all(
+        torch.equal(layer.key_rotation, own.key[i]) and torch.equal(layer.value_rotation, own.value[i])
+        for i, layer in layers
+    )
+
+
 def gather(value, world: int) -> list:
     """``value`` from every rank."""
     gathered = [None] * world
@@ -153,6 +164,8 @@ def main() -> None:
         if heads:
             row.update(heads_per_rank=sorted(set(heads)), frozen_on_every_rank=frozen,
                        heads_per_rank_ok=set(heads) == {text.num_key_value_heads // world})  # fmt: skip
+        if heads and rotations.per_head:
+            row["own_head_rotations_on_every_rank"] = all(gather(own_head_rotations(cache, rotations, rank, world), world))
         del cache
         bench.free_memory()
         row.update(bench.decode_case(model, cache_name, prefill_fill(model, prompt), prompt, config, rotations))

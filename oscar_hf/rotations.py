@@ -151,7 +151,8 @@ class RotationSet:
                         f"(shared) or (kv_heads, {dim}, {dim}) (per KV head) for head_dim={dim}"
                     )
                 for head, matrix in enumerate(heads_of(rotation)):
-                    check_orthogonal(matrix, f"{kind} of layer {layer_id}" + (f", KV head {head}" if rotation.ndim == 3 else ""))
+                    where = f", KV head {head}" if rotation.ndim == 3 else ""
+                    check_orthogonal(matrix, f"{kind} of layer {layer_id}{where}")
                 table[layer_id] = rotation.to(torch.float32)
         counts = {r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3}
         if len(counts) > 1:

@@ -276,13 +276,16 @@ def test_device_map_part_on_one_cpu(tmp_path, monkeypatch):
     assert rows[1]["buffers_on_layer_device"] and rows[1]["cache_devices"] == rows[1]["model_devices"]
 
 
-def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
-    """eval/tp_decode.py under torchrun with 2 CPU processes: sharded heads, identical tokens, JSON."""
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
+    """eval/tp_decode.py under torchrun with 2 CPU processes: sharded heads, identical tokens, JSON.
+    With per-head rotations each rank's cache takes its own KV head's R, or the tokens would leave the
+    unsharded model's."""
     model = {**TINY_MODEL, "hidden_size": 128, "intermediate_size": 256}
     config = tmp_path / "tp.json"
     config.write_text(json.dumps({"tensor_parallel": {
         "model": model, "context": 400, "batch": 2, "new_tokens": 4, "repeats": 1, "warmup_steps": 1, "steps": 2,
-        "dtype": "float32", "caches": ["dynamic", "oscar-int2", "oscar-int2+frozen"],
+        "dtype": "float32", "caches": ["dynamic", "oscar-int2", "oscar-int2+frozen"], "per_head_rotations": per_head,
     }}))  # fmt: skip
     out = tmp_path / "tp_result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU even beside a GPU
@@ -294,6 +297,7 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path):
     rows = {r["cache"]: r for r in result["rows"]}
     for name in ("oscar-int2", "oscar-int2+frozen"):
         assert rows[name]["heads_per_rank"] == [1] and rows[name]["heads_per_rank_ok"]
+        assert rows[name].get("own_head_rotations_on_every_rank") is (True if per_head else None)
     # each rank freezes its own cache (on CPU only when asked; on CUDA plain generate does it)
     assert rows["oscar-int2+frozen"]["frozen_on_every_rank"] and not rows["oscar-int2"]["frozen_on_every_rank"]
     for row in rows.values():
