@@ -569,8 +569,10 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, (*args, None, 4, 2, 0.125, 0, 16, 0, 0))
 
 
-def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
-    """A model decoding with OscarCache: kernels (write + decode) against the torch references, per step.
+@pytest.mark.parametrize("per_head", [False, True], ids=["hadamard", "per-head"])
+def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_head):
+    """A model decoding with OscarCache: kernels (write + decode) against the torch references, per step,
+    with a shared Hadamard R or a random R per KV head.
 
     Also: a decoding step demotes every layer's K and V rows in a single quantize launch.
     """
@@ -588,12 +590,20 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch):
     for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a))
+    from oscar_hf import RotationSet
+
     model = tiny_model("llama", hidden_size=128, head_dim=64, num_hidden_layers=2).to(DEVICE)
     prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    method, rotations = "quarot-int2", None
+    if per_head:
+        kv_heads = model.config.num_key_value_heads
+        method, rotations = "oscar-int2", RotationSet(64, *[
+            {i: torch.stack([_rotation(64, torch.float32, 10 * i + h + offset).cpu() for h in range(kv_heads)])
+             for i in (0, 1)} for offset in (0, 50)])  # fmt: skip
     outputs = []
     for enabled in (True, False):
         monkeypatch.setattr(_triton, "ENABLED", enabled)
-        cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2, decode_graphs=False)
+        cache = OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2, decode_graphs=False)
         outputs.append(generate(model, prompt, cache, max_new_tokens=12, output_scores=True,
                                 return_dict_in_generate=True))  # fmt: skip
         if enabled:
