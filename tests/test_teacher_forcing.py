@@ -25,6 +25,45 @@ def test_history_lengths_follow_a_real_layer():
     assert seen == expected
 
 
+@pytest.mark.parametrize("prefill", [2, 12, 13, 19, 30])
+def test_history_lengths_after_a_prefill_follow_a_real_layer(prefill):
+    config = OscarConfig(sink=4, recent=8, block=3)
+    layer = OscarLayer(config, None, None)
+    layer.update(*[torch.randn(1, 1, prefill, 16)] * 2)
+    seen = [0] * prefill  # the prefill chunk attends to its own unquantized K/V
+    for _ in range(30):
+        layer.update(*[torch.randn(1, 1, 1, 16)] * 2)
+        seen.append(layer.history_length)  # what the decoded query saw: demotion runs before its attention
+    assert seen == history_lengths(prefill + 30, config, prefill).tolist()
+
+
+@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "oscar-int2", "int4", "oscar-k4v2", "none"])
+@pytest.mark.parametrize("prefill", [30, 13])  # with and without a history right after the prefill
+def test_matches_prefill_then_step_by_step_decoding(tiny, method, prefill):
+    rotations = RotationSet.hadamard(16, [0, 1]) if method.startswith("oscar") else None
+    torch.manual_seed(0)
+    ids = torch.randint(3, 256, (2, prefill + 10))
+    answer = ids.shape[1] - prefill + 1  # the prefill's last position predicts the first decoded token
+    cache = OscarCache(tiny, method, rotations=rotations, **SMALL)
+    real = [forward(tiny, ids[:, :prefill], cache).logits[:, -1:]]
+    real += [forward(tiny, ids[:, i : i + 1], cache).logits for i in range(prefill, ids.shape[1])]
+    one_pass = teacher_forced_logits(tiny, ids, OscarCache(tiny, method, rotations=rotations, **SMALL), prefill,
+                                     logits_to_keep=answer)  # fmt: skip
+    torch.testing.assert_close(one_pass, torch.cat(real, dim=1), atol=2e-5, rtol=2e-5)
+    assert tiny.config._attn_implementation == "oscar"
+
+
+def test_a_prefill_schedule_differs_from_decoding_every_token(tiny):
+    torch.manual_seed(0)
+    ids = torch.randint(3, 256, (1, 40))
+    cache = OscarCache(tiny, "naive-int2", **SMALL)
+    decoded = teacher_forced_logits(tiny, ids, cache, logits_to_keep=5)
+    prefilled = teacher_forced_logits(tiny, ids, cache, prefill=35, logits_to_keep=5)
+    assert (decoded - prefilled).abs().max() > 1e-3  # the prefill's own queries saw no quantized key
+    with pytest.raises(ValueError, match="prefill"):
+        teacher_forced_logits(tiny, ids, cache, prefill=40)
+
+
 @pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "oscar-int2", "oscar-k4v2", "none"])
 def test_matches_token_by_token_decoding(tiny, method):
     rotations = RotationSet.hadamard(16, [0, 1]) if method.startswith("oscar") else None
