@@ -214,12 +214,12 @@ def build_prompt(
 # ----------------------------------------------------------------------------- scoring
 
 
-_NUMBER = re.compile(r"\d(?:[\d,]*\d)?")
+NUMBER = re.compile(r"\d(?:[\d,]*\d)?")
 
 
 def extract_number(answer: str) -> str | None:
     """The first number in ``answer`` with thousands separators removed (``"1,234,567."`` -> ``"1234567"``)."""
-    match = _NUMBER.search(answer)
+    match = NUMBER.search(answer)
     return match.group(0).replace(",", "") if match else None
 
 
