@@ -94,8 +94,16 @@ def per_context(config: dict) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------- recipes
 
 
+VARIANT_KEYS = {"label", "method", "rotations", "calibration", "calibrate", "clip_search", "overrides"}
+NEEDLE_KEYS = {"lengths", "depths", "needles", "seed", "haystack", "max_new_tokens", "chat", "batch_size"}
+
+
 def recipe_config(variant: dict) -> OscarConfig:
     """The variant's method with its ``overrides`` applied (nested dataclass fields as dicts, dtypes by name)."""
+    unknown = sorted(set(variant) - VARIANT_KEYS)
+    if unknown:
+        raise ValueError(f"variant {variant.get('label')!r}: unknown key(s) {unknown}; a variant takes "
+                         f"{sorted(VARIANT_KEYS)} (calibration options go in calibrate, cache fields in overrides)")
     method = variant["method"]
     if method not in METHODS:
         raise ValueError(f"variant {variant['label']!r}: unknown method {method!r}; choose from {sorted(METHODS)}")
@@ -180,10 +188,10 @@ def kl_scores(model, tokenizer, data_dir: Path, config: dict, caches: dict[str, 
 
 
 def needle_settings(spec: dict) -> dict:
+    unknown, missing = sorted(set(spec) - NEEDLE_KEYS), sorted({"lengths", "depths", "needles"} - set(spec))
+    if unknown or missing:
+        raise ValueError(f"needles: unknown key(s) {unknown}, missing {missing}; it takes {sorted(NEEDLE_KEYS)}")
     settings = {"haystack": "essays", "seed": 0, "max_new_tokens": 12, "chat": True, "batch_size": 1, **spec}
-    for key in ("lengths", "depths", "needles"):
-        if key not in settings:
-            raise ValueError(f"needles needs {key!r}")
     return settings
 
 

@@ -29,6 +29,10 @@ def test_overrides_reach_nested_fields_and_dtypes():
         ablate.recipe_config({"label": "x", "method": "int4", "overrides": {"recnet": 1}})
     with pytest.raises(ValueError, match="unknown method"):
         ablate.recipe_config({"label": "x", "method": "int3"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['factors'\]"):
+        ablate.recipe_config({"label": "x", "method": "oscar-int2", "factors": "HP"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['depth'\], missing \['depths'\]"):
+        ablate.needle_settings({"lengths": [2048], "depth": [50], "needles": 1})
 
 
 def test_windows_per_context():
