@@ -13,14 +13,16 @@ with ``prefill`` = the prompt's length reproduces that schedule in one pass). Tw
   text so far is judged the way :func:`oscar_hf.niah.is_correct` judges a generated answer (the first
   number in it, commas removed): a wrong digit or a finished wrong number is a miss, an EOS ends the
   answer; a detour that can still lead to the right number (a lead-in such as ``":"``, or a thousands
-  comma) becomes the next draft, verified by another pass of that trial only.
+  comma) becomes the next draft, verified by another pass of that trial only. Each detour costs a
+  whole pass, so ``max_passes`` caps them: a trial still undecided then counts as a miss and is
+  marked ``capped`` (an answer that wanders for several tokens before the number).
 
 The token after the number decides whether the number is finished: the greedy answer counts only if
 that token begins with neither a digit nor a comma followed by a digit (``"80560201"`` and
 ``"8056020,1"`` are other numbers), or is EOS, or the ``max_new_tokens`` budget of real generation
 ends there. A bare comma after the number is verified one token further. So exact match equals that
 of greedy generation with ``max_new_tokens`` new tokens, up to argmax ties within rounding of the
-two computations, at one pass per trial in the common case and never more passes than new tokens.
+two computations (and capped trials), at one pass per trial in the common case.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class GreedyWalk:
     answer: list[int] = field(default_factory=list)  # greedy tokens up to the decision
     answer_logprob: float | None = None
     passes: int = 0
+    capped: bool = False  # stopped undecided at the pass limit (counted as a miss)
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -111,13 +114,16 @@ def score_walks(
     batch_size: int = 1,
     progress: bool = True,
     description: str = "needle passes",
+    max_passes: int = 4,
 ) -> None:
     """Decide every walk's exact match (and, on its first pass, its answer log-probability) in place.
 
     Walks whose prompt and draft have the same lengths share batched passes of up to ``batch_size`` rows.
+    A walk still undecided after ``max_passes`` passes is a miss marked ``capped``; ``max_passes`` =
+    ``max_new_tokens`` decides every walk exactly.
     """
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be at least 1")
+    if min(batch_size, max_new_tokens, max_passes) < 1:
+        raise ValueError("batch_size, max_new_tokens and max_passes must be at least 1")
     stop, device = eos_ids(model), next(model.parameters()).device
     for walk in walks:
         walk.draft = walk.draft[:max_new_tokens]
@@ -138,6 +144,8 @@ def score_walks(
                         walk.answer_logprob = _answer_logprob(walk, log_probs[row], tokenizer)
                     walk.passes += 1
                     step(walk, greedy[row], tokenizer, stop, max_new_tokens)
+                    if walk.correct is None and walk.passes >= max_passes:
+                        walk.correct, walk.capped = False, True
                     bar.update(walk.correct is not None)
                 del logits, log_probs
     bar.close()
@@ -156,6 +164,7 @@ class ForcedTrial:
     answer_logprob: float  # nats, summed over the number's tokens
     answer: str  # the greedy answer up to the token that decided it
     passes: int
+    capped: bool
     needle_position: int
     actual_depth: float
 
@@ -171,6 +180,7 @@ def score_prompts(
     max_new_tokens: int = 12,
     batch_size: int = 1,
     progress: bool = True,
+    max_passes: int = 4,
 ) -> tuple[list[ForcedTrial], dict[str, dict[int, float]]]:
     """Every (recipe, prompt) trial, and the seconds each recipe's passes took per prompt length."""
     trials, seconds = [], {}
@@ -181,14 +191,14 @@ def score_prompts(
             walks = [GreedyWalk(p.input_ids, p.needle.value, encode(tokenizer, " " + p.needle.value)) for p in chosen]
             started = time.perf_counter()
             score_walks(model, tokenizer, walks, cache, max_new_tokens, batch_size, progress,
-                        f"needles {label} at {length} tokens")  # fmt: skip
+                        f"needles {label} at {length} tokens", max_passes)  # fmt: skip
             seconds[label][length] = round(time.perf_counter() - started, 2)
             for prompt, walk in zip(chosen, walks):
                 trial = ForcedTrial(
                     recipe=label, length=length, depth=prompt.depth, seed=prompt.seed, expected=prompt.needle.value,
                     correct=bool(walk.correct), answer_logprob=round(walk.answer_logprob, 4),
                     answer=tokenizer.decode(walk.answer, skip_special_tokens=True), passes=walk.passes,
-                    needle_position=prompt.needle_start, actual_depth=round(prompt.actual_depth, 2),
+                    capped=walk.capped, needle_position=prompt.needle_start, actual_depth=round(prompt.actual_depth, 2),
                 )  # fmt: skip
                 logger.info("%s length %d depth %g seed %d: %r, log p %.2f (%s)", label, length, prompt.depth,
                             prompt.seed, trial.answer, trial.answer_logprob,
@@ -200,12 +210,14 @@ def score_prompts(
 def needle_summary(trials: Sequence[ForcedTrial]) -> dict[str, dict]:
     """``{recipe: {"by_length": {length: {...}}, "by_depth": {length: {depth: exact match}}, "all": {...}}}``.
 
-    Each aggregate holds ``exact_match`` (share of trials), ``answer_logprob`` (mean, nats) and ``trials``.
+    Each aggregate holds ``exact_match`` (share of trials), ``answer_logprob`` (mean, nats), ``trials``
+    and ``capped`` (trials counted as misses at the pass limit).
     """
 
     def aggregate(group: list[ForcedTrial]) -> dict:
         return {"exact_match": round(sum(t.correct for t in group) / len(group), 4),
-                "answer_logprob": round(sum(t.answer_logprob for t in group) / len(group), 4), "trials": len(group)}
+                "answer_logprob": round(sum(t.answer_logprob for t in group) / len(group), 4), "trials": len(group),
+                "capped": sum(t.capped for t in group)}
 
     out: dict[str, dict] = {}
     for recipe in dict.fromkeys(t.recipe for t in trials):
