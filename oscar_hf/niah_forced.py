@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache import OscarCache
 from .log import get_logger
-from .niah import NUMBER, NeedlePrompt, extract_number
+from .niah import NUMBER, NeedlePrompt, encode, extract_number
 from .teacher_forcing import teacher_forced_logits
 
 logger = get_logger(__name__)
@@ -56,10 +56,6 @@ class GreedyWalk:
     answer_logprob: float | None = None
     passes: int = 0
     capped: bool = False  # stopped undecided at the pass limit (counted as a miss)
-
-
-def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
 def eos_ids(model: PreTrainedModel) -> set[int]:
@@ -101,7 +97,7 @@ def _answer_logprob(walk: GreedyWalk, log_probs: torch.Tensor, tokenizer: PreTra
     """Summed log-probability of the first draft's tokens from its first digit on (the number)."""
     first = next((i for i, t in enumerate(walk.draft) if any(c.isdigit() for c in tokenizer.decode([t]))), 0)
     targets = torch.tensor(walk.draft, device=log_probs.device)
-    return float(log_probs[torch.arange(len(walk.draft)), targets][first:].sum())
+    return float(log_probs[torch.arange(len(walk.draft), device=log_probs.device), targets][first:].sum())
 
 
 @torch.no_grad()
