@@ -11,7 +11,7 @@ A config holds (every section but ``model`` and ``variants`` is optional):
 * ``calibrations``: ``{name: {"files", "tokens", "chars"?, "chat"?, "seq_len"?, "seed"?}}``, each
   run once (covariances) for every variant that names it;
 * ``needles``: ``{"lengths", "depths", "needles", "seed"?, "haystack"?, "max_new_tokens"?, "chat"?,
-  "batch_size"?, "max_passes"?}``: needle-in-a-haystack trials scored teacher-forced under the real
+  "batch_size"?}``: needle-in-a-haystack trials scored teacher-forced under the real
   prefill-then-decode schedule (:mod:`oscar_hf.niah_forced`): exact match of the greedy answer and
   the log-probability of the number, one forward pass per trial in the common case;
 * ``variants`` (recipes): ``{"label", "method"}`` plus where the rotations come from, one of
@@ -95,7 +95,7 @@ def per_context(config: dict) -> list[tuple[int, int]]:
 
 
 VARIANT_KEYS = {"label", "method", "rotations", "calibration", "calibrate", "clip_search", "overrides"}
-NEEDLE_KEYS = {"lengths", "depths", "needles", "seed", "haystack", "max_new_tokens", "chat", "batch_size", "max_passes"}
+NEEDLE_KEYS = {"lengths", "depths", "needles", "seed", "haystack", "max_new_tokens", "chat", "batch_size"}
 
 
 def recipe_config(variant: dict) -> OscarConfig:
@@ -191,8 +191,7 @@ def needle_settings(spec: dict) -> dict:
     unknown, missing = sorted(set(spec) - NEEDLE_KEYS), sorted({"lengths", "depths", "needles"} - set(spec))
     if unknown or missing:
         raise ValueError(f"needles: unknown key(s) {unknown}, missing {missing}; it takes {sorted(NEEDLE_KEYS)}")
-    settings = {"haystack": "essays", "seed": 0, "max_new_tokens": 12, "chat": True, "batch_size": 1, "max_passes": 4,
-                **spec}
+    settings = {"haystack": "essays", "seed": 0, "max_new_tokens": 12, "chat": True, "batch_size": 1, **spec}
     return settings
 
 
@@ -204,7 +203,7 @@ def needle_scores(model, tokenizer, data_dir: Path, settings: dict, caches: dict
     prompts = [build_prompt(tokenizer, haystack, n, d, s, settings["chat"])
                for n in settings["lengths"] for s in seeds for d in settings["depths"]]  # fmt: skip
     trials, seconds = score_prompts(model, tokenizer, prompts, caches, settings["max_new_tokens"],
-                                    settings["batch_size"], max_passes=settings["max_passes"])  # fmt: skip
+                                    settings["batch_size"])  # fmt: skip
     return {"summary": needle_summary(trials), "seconds": seconds, "trials": [t.to_dict() for t in trials]}
 
 
@@ -249,15 +248,18 @@ def _needle_markdown(result: dict) -> list[str]:
     settings, needles = result["needle_settings"], result["needles"]
     lengths = [str(n) for n in settings["lengths"]]
     head = (["recipe"] + [f"EM {tokens_label(int(n))}" for n in lengths] + ["EM all"]
-            + [f"log p {tokens_label(int(n))}" for n in lengths] + ["capped", "s / trial"])  # fmt: skip
+            + [f"log p {tokens_label(int(n))}" for n in lengths] + ["passes / trial", "s / trial"])  # fmt: skip
     rows = [_row(head), _row(["---"] * len(head))]
+    passes = {label: 0.0 for label in result["variants"]}
+    for trial in needles["trials"]:
+        passes[trial["recipe"]] += trial["passes"] / needles["summary"][trial["recipe"]]["all"]["trials"]
     for label in result["variants"]:
         summary, seconds = needles["summary"][label], needles["seconds"][label]
         per_trial = sum(seconds.values()) / summary["all"]["trials"]
         rows.append(_row([label] + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
                          + [f"{summary['all']['exact_match']:.2f}"]
                          + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
-                         + [str(summary["all"]["capped"]), f"{per_trial:.2f}"]))
+                         + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]))
     depths = [f"{d:g}" for d in settings["depths"]]
     depth_rows = [_row(["recipe", "length"] + [f"{d}%" for d in depths]), _row(["---"] * (len(depths) + 2))]
     for label in result["variants"]:
@@ -268,8 +270,8 @@ def _needle_markdown(result: dict) -> list[str]:
             "length, teacher-forced under the real schedule (prompt prefilled in one chunk, answer decoded against "
             "the quantized cache): EM is the exact match of the greedy answer "
             f"(max {settings['max_new_tokens']} new tokens), log p the summed log-probability of the number's "
-            "tokens (nats); capped: trials counted as misses after "
-            f"{settings['max_passes']} passes (a greedy answer that wanders before the number); s / trial counts every pass.")
+            "tokens (nats); a trial takes one pass with the prompt, and one "
+            "pass of the answer's rows per greedy detour (passes / trial counts both).")
     return [note, "\n".join(rows), "Exact match per needle depth (% of the haystack):", "\n".join(depth_rows)]
 
 

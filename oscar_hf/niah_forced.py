@@ -13,16 +13,16 @@ with ``prefill`` = the prompt's length reproduces that schedule in one pass). Tw
   text so far is judged the way :func:`oscar_hf.niah.is_correct` judges a generated answer (the first
   number in it, commas removed): a wrong digit or a finished wrong number is a miss, an EOS ends the
   answer; a detour that can still lead to the right number (a lead-in such as ``":"``, or a thousands
-  comma) becomes the next draft, verified by another pass of that trial only. Each detour costs a
-  whole pass, so ``max_passes`` caps them: a trial still undecided then counts as a miss and is
-  marked ``capped`` (an answer that wanders for several tokens before the number).
+  comma) becomes the next draft, verified by another pass of that trial only. That pass reuses the
+  prompt's K/V kept from the first (``teacher_forced_logits(..., past_key_values=...)``), so it
+  costs the answer's few rows, not another prefill.
 
 The token after the number decides whether the number is finished: the greedy answer counts only if
 that token begins with neither a digit nor a comma followed by a digit (``"80560201"`` and
 ``"8056020,1"`` are other numbers), or is EOS, or the ``max_new_tokens`` budget of real generation
 ends there. A bare comma after the number is verified one token further. So exact match equals that
 of greedy generation with ``max_new_tokens`` new tokens, up to argmax ties within rounding of the
-two computations (and capped trials), at one pass per trial in the common case.
+two computations, at one prefill per trial and never more passes than new tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache import OscarCache
 from .log import get_logger
@@ -55,7 +55,7 @@ class GreedyWalk:
     answer: list[int] = field(default_factory=list)  # greedy tokens up to the decision
     answer_logprob: float | None = None
     passes: int = 0
-    capped: bool = False  # stopped undecided at the pass limit (counted as a miss)
+    prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the prompt's K/V per layer while undecided
 
 
 def eos_ids(model: PreTrainedModel) -> set[int]:
@@ -93,6 +93,32 @@ def step(walk: GreedyWalk, greedy: Sequence[int], tokenizer: PreTrainedTokenizer
     walk.draft = (generated + encode(tokenizer, continuation))[:max_new_tokens]
 
 
+def _verify(model: PreTrainedModel, cache: OscarCache, batch: list[GreedyWalk], first: bool,
+            device: torch.device) -> tuple[torch.Tensor, list[list[int]]]:  # fmt: skip
+    """One pass over the batch's drafts: log-probabilities and ``greedy[row][j]``, the argmax before ``draft[j]``.
+
+    A first pass prefills the prompts and keeps each undecided row's prompt K/V; a later pass runs
+    only the drafts after those (its ``greedy[row][0]`` is a placeholder: the first token is verified).
+    """
+    prompt_length, draft_length = len(batch[0].prompt), len(batch[0].draft)
+    past = DynamicCache(config=model.config)
+    if first:
+        ids = torch.tensor([w.prompt + w.draft for w in batch], device=device)
+        logits = teacher_forced_logits(model, ids, cache, prompt_length, draft_length + 1, past)
+        past.crop(-draft_length)
+        for row, walk in enumerate(batch):
+            walk.prefix = [(layer.keys[row : row + 1].clone(), layer.values[row : row + 1].clone()) for layer in past.layers]
+    else:
+        for index in range(len(batch[0].prefix)):
+            past.update(torch.cat([w.prefix[index][0] for w in batch]), torch.cat([w.prefix[index][1] for w in batch]),
+                        index)  # fmt: skip
+        ids = torch.tensor([w.draft for w in batch], device=device)
+        logits = teacher_forced_logits(model, ids, cache, prompt_length, past_key_values=past)
+        logits = torch.cat([logits[:, :1], logits], dim=1)  # position 0: the verified first token's placeholder
+    log_probs = logits.float().log_softmax(-1)
+    return log_probs, log_probs.argmax(-1).tolist()
+
+
 def _answer_logprob(walk: GreedyWalk, log_probs: torch.Tensor, tokenizer: PreTrainedTokenizerBase) -> float:
     """Summed log-probability of the first draft's tokens from its first digit on (the number)."""
     first = next((i for i, t in enumerate(walk.draft) if any(c.isdigit() for c in tokenizer.decode([t]))), 0)
@@ -110,40 +136,33 @@ def score_walks(
     batch_size: int = 1,
     progress: bool = True,
     description: str = "needle passes",
-    max_passes: int = 4,
 ) -> None:
     """Decide every walk's exact match (and, on its first pass, its answer log-probability) in place.
 
     Walks whose prompt and draft have the same lengths share batched passes of up to ``batch_size`` rows.
-    A walk still undecided after ``max_passes`` passes is a miss marked ``capped``; ``max_passes`` =
-    ``max_new_tokens`` decides every walk exactly.
     """
-    if min(batch_size, max_new_tokens, max_passes) < 1:
-        raise ValueError("batch_size, max_new_tokens and max_passes must be at least 1")
+    if min(batch_size, max_new_tokens) < 1:
+        raise ValueError("batch_size and max_new_tokens must be at least 1")
     stop, device = eos_ids(model), next(model.parameters()).device
     for walk in walks:
         walk.draft = walk.draft[:max_new_tokens]
     bar = tqdm(total=len(walks), desc=description, disable=not progress)
     while pending := [w for w in walks if w.correct is None]:
-        groups: dict[tuple[int, int], list[GreedyWalk]] = {}
+        groups: dict[tuple[int, int, bool], list[GreedyWalk]] = {}
         for walk in pending:
-            groups.setdefault((len(walk.prompt), len(walk.draft)), []).append(walk)
-        for (prompt_length, draft_length), group in groups.items():
+            groups.setdefault((len(walk.prompt), len(walk.draft), walk.prefix is None), []).append(walk)
+        for (prompt_length, draft_length, first), group in groups.items():
             for start in range(0, len(group), batch_size):
                 batch = group[start : start + batch_size]
-                ids = torch.tensor([w.prompt + w.draft for w in batch], device=device)
-                logits = teacher_forced_logits(model, ids, cache, prefill=prompt_length, logits_to_keep=draft_length + 1)
-                log_probs = logits.float().log_softmax(-1)
-                greedy = log_probs.argmax(-1).tolist()
+                log_probs, greedy = _verify(model, cache, batch, first, device)
                 for row, walk in enumerate(batch):
-                    if walk.answer_logprob is None:
+                    if first:
                         walk.answer_logprob = _answer_logprob(walk, log_probs[row], tokenizer)
                     walk.passes += 1
                     step(walk, greedy[row], tokenizer, stop, max_new_tokens)
-                    if walk.correct is None and walk.passes >= max_passes:
-                        walk.correct, walk.capped = False, True
-                    bar.update(walk.correct is not None)
-                del logits, log_probs
+                    if walk.correct is not None:
+                        walk.prefix = None
+                        bar.update()
     bar.close()
 
 
@@ -160,7 +179,6 @@ class ForcedTrial:
     answer_logprob: float  # nats, summed over the number's tokens
     answer: str  # the greedy answer up to the token that decided it
     passes: int
-    capped: bool
     needle_position: int
     actual_depth: float
 
@@ -176,7 +194,6 @@ def score_prompts(
     max_new_tokens: int = 12,
     batch_size: int = 1,
     progress: bool = True,
-    max_passes: int = 4,
 ) -> tuple[list[ForcedTrial], dict[str, dict[int, float]]]:
     """Every (recipe, prompt) trial, and the seconds each recipe's passes took per prompt length."""
     trials, seconds = [], {}
@@ -187,14 +204,14 @@ def score_prompts(
             walks = [GreedyWalk(p.input_ids, p.needle.value, encode(tokenizer, " " + p.needle.value)) for p in chosen]
             started = time.perf_counter()
             score_walks(model, tokenizer, walks, cache, max_new_tokens, batch_size, progress,
-                        f"needles {label} at {length} tokens", max_passes)  # fmt: skip
+                        f"needles {label} at {length} tokens")  # fmt: skip
             seconds[label][length] = round(time.perf_counter() - started, 2)
             for prompt, walk in zip(chosen, walks):
                 trial = ForcedTrial(
                     recipe=label, length=length, depth=prompt.depth, seed=prompt.seed, expected=prompt.needle.value,
                     correct=bool(walk.correct), answer_logprob=round(walk.answer_logprob, 4),
                     answer=tokenizer.decode(walk.answer, skip_special_tokens=True), passes=walk.passes,
-                    capped=walk.capped, needle_position=prompt.needle_start, actual_depth=round(prompt.actual_depth, 2),
+                    needle_position=prompt.needle_start, actual_depth=round(prompt.actual_depth, 2),
                 )  # fmt: skip
                 logger.info("%s length %d depth %g seed %d: %r, log p %.2f (%s)", label, length, prompt.depth,
                             prompt.seed, trial.answer, trial.answer_logprob,
@@ -206,14 +223,12 @@ def score_prompts(
 def needle_summary(trials: Sequence[ForcedTrial]) -> dict[str, dict]:
     """``{recipe: {"by_length": {length: {...}}, "by_depth": {length: {depth: exact match}}, "all": {...}}}``.
 
-    Each aggregate holds ``exact_match`` (share of trials), ``answer_logprob`` (mean, nats), ``trials``
-    and ``capped`` (trials counted as misses at the pass limit).
+    Each aggregate holds ``exact_match`` (share of trials), ``answer_logprob`` (mean, nats) and ``trials``.
     """
 
     def aggregate(group: list[ForcedTrial]) -> dict:
         return {"exact_match": round(sum(t.correct for t in group) / len(group), 4),
-                "answer_logprob": round(sum(t.answer_logprob for t in group) / len(group), 4), "trials": len(group),
-                "capped": sum(t.capped for t in group)}
+                "answer_logprob": round(sum(t.answer_logprob for t in group) / len(group), 4), "trials": len(group)}
 
     out: dict[str, dict] = {}
     for recipe in dict.fromkeys(t.recipe for t in trials):

@@ -17,11 +17,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .cache import OscarCache, OscarLayer
+from .compat import cache_keyword
 from .config import OscarConfig
 
 TEACHER_FORCED = "oscar_teacher_forced"
@@ -64,9 +65,11 @@ def _teacher_forced_attention(module, query, key, value, attention_mask, scaling
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.any(-1).all()):
         raise ValueError("teacher-forced evaluation takes unpadded sequences")
-    length = query.shape[2]
-    if prefill >= length:
-        raise ValueError(f"prefill {prefill} leaves no decoded token in a sequence of {length}")
+    first = key.shape[2] - query.shape[2]  # tokens held by a cache passed in: the queries start there
+    if first:
+        if first < prefill:
+            raise ValueError(f"a cache passed in must hold at least the {prefill} prefill tokens, it holds {first}")
+        return _mixed_attention(layer, query, key, value, prefill, first, scaling), None
     outputs = []
     if prefill:
         # The prefill chunk attends to its own unquantized K/V, exactly as OscarCache's first chunk does.
@@ -74,13 +77,13 @@ def _teacher_forced_attention(module, query, key, value, attention_mask, scaling
         prefilled, _ = sdpa_attention_forward(module, query[:, :, :prefill], key[:, :, :prefill],
                                               value[:, :, :prefill], mask, scaling=scaling, **kwargs)  # fmt: skip
         outputs.append(prefilled)
-    outputs.append(_mixed_attention(layer, query[:, :, prefill:], key, value, prefill, scaling))
+    outputs.append(_mixed_attention(layer, query[:, :, prefill:], key, value, prefill, prefill, scaling))
     return torch.cat(outputs, dim=1) if prefill else outputs[0], None
 
 
-def _mixed_attention(layer: OscarLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _mixed_attention(layer: OscarLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefill: int,
                      first: int, scaling: float | None) -> torch.Tensor:  # fmt: skip
-    """``[B, n, Hq, D]`` attention of the decoded queries ``first..`` over the quantized and high-precision keys."""
+    """``[B, n, Hq, D]`` attention of the decoded queries at ``first..`` over the quantized and high-precision keys."""
     keys_hp, values_hp = layer.rotate_keys(key), layer.rotate_values(value)
     keys_q, values_q = layer.history_roundtrip(keys_hp, values_hp)
     batch, q_heads, _, head_dim = query.shape
@@ -89,7 +92,7 @@ def _mixed_attention(layer: OscarLayer, query: torch.Tensor, key: torch.Tensor, 
     # One fused softmax over two copies of every key: the quantized copy is visible to query i for the
     # keys in its history, the high-precision copy for every other causal key. Each (i, j) is counted
     # once, so this is exactly the mixed attention, without [T, T] score tensors per head.
-    from_history = quantized_key_mask(length, layer.config, query.device, first)[first:]
+    from_history = quantized_key_mask(length, layer.config, query.device, prefill)[first:]
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()[first:]
     mask = torch.cat([from_history, causal & ~from_history], dim=1)
     keys = torch.cat([keys_q, keys_hp], dim=2).float().repeat_interleave(groups, dim=1)
@@ -120,7 +123,12 @@ def _teacher_forced(model: PreTrainedModel, cache: OscarCache, prefill: int) -> 
 
 @torch.no_grad()
 def teacher_forced_logits(
-    model: PreTrainedModel, input_ids: torch.Tensor, cache: OscarCache, prefill: int = 0, logits_to_keep: int = 0
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: OscarCache,
+    prefill: int = 0,
+    logits_to_keep: int = 0,
+    past_key_values: DynamicCache | None = None,
 ) -> torch.Tensor:
     """Logits ``[batch, length, vocab]`` that ``cache``'s configuration gives ``input_ids`` in real use.
 
@@ -128,9 +136,16 @@ def teacher_forced_logits(
     prefilled in one chunk and the rest decoded one at a time (the logits at ``P - 1`` predict the
     first decoded token). ``logits_to_keep`` N > 0 returns only the last N positions (the LM head
     over every position of a long prompt costs more memory than the rest of the pass).
-    ``cache`` only supplies the configuration and rotations; it is not filled.
+
+    ``past_key_values``: a DynamicCache, which the pass fills with the unquantized K/V of
+    ``input_ids``. Cropped back to the prefill (``crop(P - length)``) and passed with only the decoded
+    tokens as ``input_ids``, it continues the same schedule without running the prefill again
+    (e.g. to verify another continuation of one prompt). ``cache`` only supplies the configuration and
+    rotations; it is not filled.
     """
-    if not 0 <= prefill < input_ids.shape[1]:
-        raise ValueError(f"prefill must be in [0, {input_ids.shape[1]}), got {prefill}")
+    past = 0 if past_key_values is None else past_key_values.get_seq_length()
+    if not 0 <= prefill < past + input_ids.shape[1]:
+        raise ValueError(f"prefill must be in [0, {past + input_ids.shape[1]}), got {prefill}")
     with _teacher_forced(model, cache, prefill):
-        return model(input_ids, use_cache=False, logits_to_keep=logits_to_keep).logits
+        past = {} if past_key_values is None else {cache_keyword(model): past_key_values}
+        return model(input_ids, use_cache=past_key_values is not None, logits_to_keep=logits_to_keep, **past).logits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet
 from oscar_hf.cache import OscarLayer
@@ -51,6 +52,24 @@ def test_matches_prefill_then_step_by_step_decoding(tiny, method, prefill):
                                      logits_to_keep=answer)  # fmt: skip
     torch.testing.assert_close(one_pass, torch.cat(real, dim=1), atol=2e-5, rtol=2e-5)
     assert tiny.config._attn_implementation == "oscar"
+
+
+@pytest.mark.parametrize("method", ["oscar-int2", "none"])
+def test_a_cropped_prefill_cache_continues_the_schedule(tiny, method):
+    rotations = RotationSet.hadamard(16, [0, 1]) if method.startswith("oscar") else None
+    cache = OscarCache(tiny, method, rotations=rotations, **SMALL)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 256, (2, 40))
+    past = DynamicCache(config=tiny.config)
+    whole = teacher_forced_logits(tiny, ids, cache, prefill=30, logits_to_keep=10, past_key_values=past)
+    assert past.get_seq_length() == 40
+    past.crop(-10)
+    continued = teacher_forced_logits(tiny, ids[:, 30:], cache, prefill=30, past_key_values=past)
+    torch.testing.assert_close(continued, whole, atol=2e-5, rtol=2e-5)
+    past.crop(-20)  # the continuation extended it to 40 again
+    if method != "none":
+        with pytest.raises(ValueError, match="at least the 30 prefill tokens"):
+            teacher_forced_logits(tiny, ids[:, 20:], cache, prefill=30, past_key_values=past)
 
 
 def test_a_prefill_schedule_differs_from_decoding_every_token(tiny):
