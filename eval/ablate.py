@@ -111,7 +111,9 @@ def recipe_config(variant: dict) -> OscarConfig:
     overrides = {}
     for name, value in variant.get("overrides", {}).items():
         current = getattr(base, name, None)
-        if isinstance(value, dict) and dataclasses.is_dataclass(current):
+        if isinstance(value, dict):
+            if not dataclasses.is_dataclass(current):
+                raise ValueError(f"variant {variant['label']!r}: override {name!r} of {method} takes no fields")
             value = dataclasses.replace(current, **value)
         elif isinstance(current, torch.dtype) and isinstance(value, str):
             value = getattr(torch, value)

@@ -27,6 +27,8 @@ def test_overrides_reach_nested_fields_and_dtypes():
     assert config.value.clip_ratio == 0.0 and config.value.bits == 2 and config.metadata_dtype == torch.float32
     with pytest.raises(ValueError, match="unknown OscarCache option"):
         ablate.recipe_config({"label": "x", "method": "int4", "overrides": {"recnet": 1}})
+    with pytest.raises(ValueError, match="override 'key' of none takes no fields"):
+        ablate.recipe_config({"label": "x", "method": "none", "overrides": {"key": {"bits": 4}}})
     with pytest.raises(ValueError, match="unknown method"):
         ablate.recipe_config({"label": "x", "method": "int3"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['factors'\]"):
