@@ -151,7 +151,7 @@ def score_walks(
         groups: dict[tuple[int, int, bool], list[GreedyWalk]] = {}
         for walk in pending:
             groups.setdefault((len(walk.prompt), len(walk.draft), walk.prefix is None), []).append(walk)
-        for (prompt_length, draft_length, first), group in groups.items():
+        for (_, _, first), group in groups.items():
             for start in range(0, len(group), batch_size):
                 batch = group[start : start + batch_size]
                 log_probs, greedy = _verify(model, cache, batch, first, device)
