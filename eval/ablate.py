@@ -1,22 +1,41 @@
-"""Compare cache variants by teacher-forced KL and perplexity, driven by a JSON config.
+"""Compare cache recipes by memory, held-out KL and perplexity and needle retrieval, driven by a JSON config.
 
-    python eval/ablate.py --config eval/configs/rotation_ablation.json [--data-dir DIR]
+    python eval/ablate.py --config eval/configs/quality.json [--device cuda --dtype bfloat16] [--out STEM]
 
-A config names calibration data sets, held-out evaluation texts and variants (a method plus
-optional calibration, objective, factors, clip search, group size, clip ratios or rotation kind).
-Each calibration runs once and serves every variant that uses it. Results go to
-``eval/results/<config name>.{json,md,png}`` with the command, machine and date.
+A config holds (every section but ``model`` and ``variants`` is optional):
+
+* ``context`` (one window length or a list, e.g. ``[2048, 8192]``) and ``windows`` (windows per
+  text, one number or one per context) of the teacher-forced KL/perplexity evaluation, run on each
+  of ``eval_texts`` (``{name: {"file": path under the data dir, "chars": [start, end]}}``): text no
+  rotation was calibrated on;
+* ``calibrations``: ``{name: {"files", "tokens", "chars"?, "chat"?, "seq_len"?, "seed"?}}``, each
+  run once (covariances) for every variant that names it;
+* ``needles``: ``{"lengths", "depths", "needles", "seed"?, "haystack"?, "max_new_tokens"?, "chat"?,
+  "batch_size"?}``: needle-in-a-haystack trials scored teacher-forced under the real
+  prefill-then-decode schedule (:mod:`oscar_hf.niah_forced`): exact match of the greedy answer and
+  the log-probability of the number, one forward pass per trial in the common case;
+* ``variants`` (recipes): ``{"label", "method"}`` plus where the rotations come from, one of
+  ``"rotations"`` (``"default"``: the set bundled for the model, or a directory) or
+  ``"calibration"`` (a name above) with ``"calibrate"`` (keyword arguments of
+  ``rotations_from_covariances``, e.g. ``{"objective": "ktk_vtv", "factors": "HP"}``) or
+  ``"clip_search"`` (true, or keyword arguments of ``clip_search.search_layers``; it searches on
+  the two longest calibration batches); and ``"overrides"``: OscarConfig fields, nested ones as
+  dicts (``{"recent": 128, "key": {"group_size": 32, "clip_ratio": 0.0}}``, dtypes by name).
+
+Every recipe gets its bits per element at each evaluated length and at 128K tokens for head_dim 128.
+Results go to ``--out`` (default ``eval/results/<config name>``) ``.json``, ``.md`` and ``.png``,
+with the command, machine and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
-import platform
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,15 +43,27 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
+import bench_gpu as bench  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
+from oscar_hf.cache import head_dim_of  # noqa: E402
 from oscar_hf.calibration import collect_covariances, rotations_from_covariances  # noqa: E402
 from oscar_hf.calibration_data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
 from oscar_hf.clip_search import search_layers  # noqa: E402
-from oscar_hf.config import METHODS  # noqa: E402
-from oscar_hf.evaluation import evaluate_caches  # noqa: E402
-from oscar_hf.models import load_model  # noqa: E402
+from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
+from oscar_hf.evaluation import evaluate_caches, tokens_label, write_outputs  # noqa: E402
+from oscar_hf.log import get_logger  # noqa: E402
+from oscar_hf.memory import bits_per_element  # noqa: E402
+from oscar_hf.models import DTYPES, load_model, model_context  # noqa: E402
+from oscar_hf.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
+from oscar_hf.niah_forced import needle_summary, score_prompts  # noqa: E402
+from oscar_hf.zoo import resolve_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
+LONG_CONTEXT, LONG_HEAD_DIM = 131072, 128  # the paper's BPE point
+logger = get_logger("oscar_hf.ablate")
+
+
+# ----------------------------------------------------------------------------------------- inputs
 
 
 def read_text(data_dir: Path, spec: dict) -> str:
@@ -51,96 +82,291 @@ def calibration_inputs(tokenizer, data_dir: Path, spec: dict) -> list[torch.Tens
     return calibration_batches(tokenizer, texts, spec["tokens"], spec.get("seq_len", 2048), spec.get("seed", 0))
 
 
-def variant_cache(model, variant: dict, calibrated: dict) -> OscarCache:
-    config = METHODS[variant["method"]]
-    if "group_size" in variant:
-        config = replace(config, key=replace(config.key, group_size=variant["group_size"]),
-                         value=replace(config.value, group_size=variant["group_size"]))
-    if "key_clip" in variant:
-        config = replace(config, key=replace(config.key, clip_ratio=variant["key_clip"]),
-                         value=replace(config.value, clip_ratio=variant["value_clip"]))
-    if "rotation" in variant:
-        config = replace(config, rotation=variant["rotation"])
+def per_context(config: dict) -> list[tuple[int, int]]:
+    """``[(context, windows)]`` of the KL/perplexity evaluation."""
+    contexts = config["context"] if isinstance(config["context"], list) else [config["context"]]
+    windows = config["windows"] if isinstance(config["windows"], list) else [config["windows"]] * len(contexts)
+    if len(windows) != len(contexts):
+        raise ValueError(f"windows {config['windows']} must be one number or one per context {contexts}")
+    return list(zip(contexts, windows))
+
+
+# ---------------------------------------------------------------------------------------- recipes
+
+
+VARIANT_KEYS = {"label", "method", "rotations", "calibration", "calibrate", "clip_search", "overrides"}
+NEEDLE_KEYS = {"lengths", "depths", "needles", "seed", "haystack", "max_new_tokens", "chat", "batch_size"}
+
+
+def recipe_config(variant: dict) -> OscarConfig:
+    """The variant's method with its ``overrides`` applied (nested dataclass fields as dicts, dtypes by name)."""
+    unknown = sorted(set(variant) - VARIANT_KEYS)
+    if unknown:
+        raise ValueError(f"variant {variant.get('label')!r}: unknown key(s) {unknown}; a variant takes "
+                         f"{sorted(VARIANT_KEYS)} (calibration options go in calibrate, cache fields in overrides)")
+    method = variant["method"]
+    if method not in METHODS:
+        raise ValueError(f"variant {variant['label']!r}: unknown method {method!r}; choose from {sorted(METHODS)}")
+    base = METHODS[method]
+    overrides = {}
+    for name, value in variant.get("overrides", {}).items():
+        current = getattr(base, name, None)
+        if isinstance(value, dict):
+            if not dataclasses.is_dataclass(current):
+                raise ValueError(f"variant {variant['label']!r}: override {name!r} of {method} takes no fields")
+            value = dataclasses.replace(current, **value)
+        elif isinstance(current, torch.dtype) and isinstance(value, str):
+            value = getattr(torch, value)
+        overrides[name] = value
+    return resolve_method(base, **overrides)
+
+
+class Calibrations:
+    """Covariances (and clip-search batches) of each named calibration, collected on first use."""
+
+    def __init__(self, model, tokenizer, data_dir: Path, specs: dict) -> None:
+        self.model, self.tokenizer, self.data_dir, self.specs = model, tokenizer, data_dir, specs
+        self.done: dict[str, tuple[dict, list[torch.Tensor]]] = {}
+
+    def __getitem__(self, name: str) -> tuple[dict, list[torch.Tensor]]:
+        if name not in self.specs:
+            raise ValueError(f"unknown calibration {name!r}; the config defines {sorted(self.specs)}")
+        if name not in self.done:
+            logger.info("calibration %s", name)
+            batches = calibration_inputs(self.tokenizer, self.data_dir, self.specs[name])
+            self.done[name] = (collect_covariances(self.model, batches), batches)
+        return self.done[name]
+
+
+def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCache:
+    """A cache of the variant's recipe (see the module docstring); it only supplies configuration and rotations."""
+    config, label = recipe_config(variant), variant["label"]
+    sources = [key for key in ("rotations", "calibration") if key in variant]
+    if len(sources) > 1:
+        raise ValueError(f"variant {label!r}: give either rotations or calibration, not both")
+    if "calibration" not in variant and ("calibrate" in variant or "clip_search" in variant):
+        raise ValueError(f"variant {label!r}: calibrate and clip_search need a calibration")
     rotations = None
-    if "calibration" in variant:
-        covariances, batches = calibrated[variant["calibration"]]
-        if variant.get("clip_search"):
-            rotations, _ = search_layers(model, sorted(batches, key=lambda b: -b.shape[1])[:2], covariances)
+    if "rotations" in variant:
+        rotations = resolve_rotations(model, variant["rotations"])
+    elif "calibration" in variant:
+        covariances, batches = calibrations[variant["calibration"]]
+        search = variant.get("clip_search")
+        if search:
+            if "calibrate" in variant:
+                raise ValueError(f"variant {label!r}: clip_search builds its own rotations; put its options in clip_search")
+            options = search if isinstance(search, dict) else {}
+            longest = sorted(batches, key=lambda b: -b.shape[1])[:2]
+            rotations, _ = search_layers(model, longest, covariances, config=config, **options)
         else:
-            rotations = rotations_from_covariances(covariances, variant.get("objective", "qqt_sst"),
-                                                   variant.get("factors", "UHP"))
+            rotations = rotations_from_covariances(covariances, **variant.get("calibrate", {}))
     return OscarCache(model, config, rotations=rotations)
 
 
+def memory_table(caches: dict[str, OscarCache], lengths: list[int], head_dim: int) -> dict[str, dict[str, float]]:
+    """Bits per element of every recipe at each length (this model's head_dim) and at 128K for head_dim 128."""
+    long_key = f"{LONG_CONTEXT}@hd{LONG_HEAD_DIM}"
+    return {
+        label: {**{str(n): round(bits_per_element(cache.oscar_config, n, head_dim), 4) for n in lengths},
+                long_key: round(bits_per_element(cache.oscar_config, LONG_CONTEXT, LONG_HEAD_DIM), 4)}
+        for label, cache in caches.items()
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ evaluations
+
+
+def kl_scores(model, tokenizer, data_dir: Path, config: dict, caches: dict[str, OscarCache]) -> dict:
+    """``{text: {context: {label: MethodScore dict}}}``."""
+    scores = {}
+    for name, spec in config.get("eval_texts", {}).items():
+        ids = tokenizer(read_text(data_dir, spec), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        scores[name] = {}
+        for context, windows in per_context(config):
+            logger.info("KL and perplexity on %s, %d windows of %d tokens", name, windows, context)
+            results = evaluate_caches(model, ids, caches, context, windows)
+            scores[name][str(context)] = {s.method: s.to_dict() for s in results}
+    return scores
+
+
+def needle_settings(spec: dict) -> dict:
+    unknown, missing = sorted(set(spec) - NEEDLE_KEYS), sorted({"lengths", "depths", "needles"} - set(spec))
+    if unknown or missing:
+        raise ValueError(f"needles: unknown key(s) {unknown}, missing {missing}; it takes {sorted(NEEDLE_KEYS)}")
+    settings = {"haystack": "essays", "seed": 0, "max_new_tokens": 12, "chat": True, "batch_size": 1, **spec}
+    return settings
+
+
+def needle_scores(model, tokenizer, data_dir: Path, settings: dict, caches: dict[str, OscarCache]) -> dict:
+    """Trials, per-recipe summaries and seconds of the teacher-forced needle test."""
+    check_lengths(settings["lengths"], model_context(model), settings["max_new_tokens"])
+    haystack = Haystack(tokenizer, read_haystack(haystack_files(data_dir, settings["haystack"])))
+    seeds = range(settings["seed"], settings["seed"] + settings["needles"])
+    prompts = [build_prompt(tokenizer, haystack, n, d, s, settings["chat"])
+               for n in settings["lengths"] for s in seeds for d in settings["depths"]]  # fmt: skip
+    trials, seconds = score_prompts(model, tokenizer, prompts, caches, settings["max_new_tokens"],
+                                    settings["batch_size"])  # fmt: skip
+    return {"summary": needle_summary(trials), "seconds": seconds, "trials": [t.to_dict() for t in trials]}
+
+
+# ---------------------------------------------------------------------------------------- reports
+
+
 def to_markdown(result: dict) -> str:
-    texts = list(result["eval_texts"])
-    head = "| variant | BPE | " + " | ".join(f"{t} KL | {t} PPL" for t in texts) + " |"
-    rows = [head, "|---|---|" + "---|---|" * len(texts)]
+    labels, memory = result["variants"], result["bits_per_element"]
+    bpe_keys = list(memory[labels[0]])
+    texts = list(result["scores"])
+    contexts = [str(c) for c, _ in result["kl_windows"]] if texts else []
+    head = ["recipe"] + [f"BPE {_length_label(k)}" for k in bpe_keys]
+    head += [f"{t} {tokens_label(int(c))} {m}" for t in texts for c in contexts for m in ("KL", "PPL")]
+    rows = [_row(head), _row(["---"] * len(head))]
+    for label in labels:
+        cells = [label] + [f"{memory[label][k]:.3f}" for k in bpe_keys]
+        for t in texts:
+            for c in contexts:
+                score = result["scores"][t][c][label]
+                cells += [f"{score['kl_from_none']:.4f}", f"{score['perplexity']:.3f}"]
+        rows.append(_row(cells))
+    parts = [result["description"], "\n".join(rows)]
+    if texts:
+        parts.append("KL in nats from BF16 and perplexity, teacher-forced with token-by-token decoding, over positions "
+                     f"after sink + recent; windows per context: {dict((str(c), w) for c, w in result['kl_windows'])}.")
+    if result.get("needles"):
+        parts += _needle_markdown(result)
+    meta = (f"`{result['command']}` on {result['machine']} ({bench.machine_line(result['machine_info'])}), "
+            f"{result['date']}, {result['seconds']} s; model {result['model']} in {result['dtype']} on {result['device']}.")
+    return "\n\n".join(parts + [meta]) + "\n"
+
+
+def _length_label(key: str) -> str:
+    return "128K hd128" if "@" in key else tokens_label(int(key))
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _needle_markdown(result: dict) -> list[str]:
+    settings, needles = result["needle_settings"], result["needles"]
+    lengths = [str(n) for n in settings["lengths"]]
+    head = (["recipe"] + [f"EM {tokens_label(int(n))}" for n in lengths] + ["EM all"]
+            + [f"log p {tokens_label(int(n))}" for n in lengths] + ["passes / trial", "s / trial"])  # fmt: skip
+    rows = [_row(head), _row(["---"] * len(head))]
+    passes = {label: 0.0 for label in result["variants"]}
+    for trial in needles["trials"]:
+        passes[trial["recipe"]] += trial["passes"] / needles["summary"][trial["recipe"]]["all"]["trials"]
     for label in result["variants"]:
-        scores = [result["scores"][t][label] for t in texts]
-        cells = " | ".join(f"{s['kl_from_none']:.4f} | {s['perplexity']:.3f}" for s in scores)
-        rows.append(f"| {label} | {scores[0]['bits_per_element']:.2f} | {cells} |")
-    meta = f"\n\n`{result['command']}` on {result['machine']}, {result['date']}; {result['context']}-token windows x {result['windows']} per text, KL in nats from BF16 over positions after sink + recent."
-    return result["description"] + "\n\n" + "\n".join(rows) + meta + "\n"
+        summary, seconds = needles["summary"][label], needles["seconds"][label]
+        per_trial = sum(seconds.values()) / summary["all"]["trials"]
+        rows.append(_row([label] + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
+                         + [f"{summary['all']['exact_match']:.2f}"]
+                         + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
+                         + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]))
+    depths = [f"{d:g}" for d in settings["depths"]]
+    depth_rows = [_row(["recipe", "length"] + [f"{d}%" for d in depths]), _row(["---"] * (len(depths) + 2))]
+    for label in result["variants"]:
+        for n in lengths:
+            cells = needles["summary"][label]["by_depth"][n]
+            depth_rows.append(_row([label, tokens_label(int(n))] + [f"{cells[d]:.2f}" for d in depths]))
+    note = (f"Needle in a haystack ({settings['haystack']}), {settings['needles']} needle(s) x {len(depths)} depths per "
+            "length, teacher-forced under the real schedule (prompt prefilled in one chunk, answer decoded against "
+            "the quantized cache): EM is the exact match of the greedy answer "
+            f"(max {settings['max_new_tokens']} new tokens), log p the summed log-probability of the number's "
+            "tokens (nats); a trial takes one pass with the prompt, and one "
+            "pass of the answer's rows per greedy detour (passes / trial counts both).")
+    return [note, "\n".join(rows), "Exact match per needle depth (% of the haystack):", "\n".join(depth_rows)]
 
 
 def plot(result: dict, path: Path) -> None:
+    """KL from BF16 per recipe and context; needle exact match and answer log-probability per length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [v for v in result["variants"] if result["scores"][next(iter(result["eval_texts"]))][v]["kl_from_none"] > 0]
-    texts = list(result["eval_texts"])
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))
-    height = 0.8 / len(texts)
-    for i, text in enumerate(texts):
-        values = [result["scores"][text][label]["kl_from_none"] for label in labels]
-        ax.barh([y + i * height for y in range(len(labels))], values, height=height, label=text)
-    ax.set_yticks([y + height * (len(texts) - 1) / 2 for y in range(len(labels))], labels)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("KL divergence from BF16 (nats, log scale; lower is better)")
-    ax.set_title(f"{Path(result['config']).stem}: {result['model']} at {result['context']} tokens")
-    ax.legend()
+    labels = result["variants"]
+    panels = (1 if result["scores"] else 0) + (2 if result.get("needles") else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 0.45 * len(labels) + 2.5), squeeze=False)
+    axes = list(axes[0])
+    if result["scores"]:
+        ax = axes.pop(0)
+        series = [(t, c) for t in result["scores"] for c in result["scores"][t]]
+        quantized = [label for label in labels if any(result["scores"][t][c][label]["kl_from_none"] > 0 for t, c in series)]
+        height = 0.8 / len(series)
+        for i, (t, c) in enumerate(series):
+            values = [result["scores"][t][c][label]["kl_from_none"] for label in quantized]
+            ax.barh([y + i * height for y in range(len(quantized))], values, height=height,
+                    label=f"{t} {tokens_label(int(c))}")  # fmt: skip
+        ax.set_yticks([y + height * (len(series) - 1) / 2 for y in range(len(quantized))], quantized)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("KL from BF16 (nats, log; lower is better)")
+        ax.legend(fontsize=7)
+    if result.get("needles"):
+        lengths = [str(n) for n in result["needle_settings"]["lengths"]]
+        summary = result["needles"]["summary"]
+        for ax, key, name in zip(axes, ("exact_match", "answer_logprob"), ("needle exact match", "answer log p (nats)")):
+            for label in labels:
+                ax.plot(range(len(lengths)), [summary[label]["by_length"][n][key] for n in lengths], marker="o", label=label)
+            ax.set_xticks(range(len(lengths)), [tokens_label(int(n)) for n in lengths])
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylim(-0.05, 1.05)
+        axes[0].legend(fontsize=7)
+    fig.suptitle(f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
+                 f"{result['command']}\n{result['machine']}, {result['date']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--data-dir", type=Path,
                         default=Path(os.environ.get("OSCAR_HF_DATA_DIR", REPO.parent / "shared" / "data")))
-    args = parser.parse_args()
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                        help="model dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
+    parser.add_argument("--model", help="override the config's model (a name or directory)")
+    parser.add_argument("--batch-size", type=int, help="override needles.batch_size (rows per teacher-forced pass)")
+    parser.add_argument("--out", type=Path, help="output stem (default eval/results/<config name>)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress and every needle answer")
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = json.loads(args.config.read_text())
     started = time.perf_counter()
-    model, tokenizer = load_model(config["model"])
-    calibrated = {}
-    for name, spec in config["calibrations"].items():
-        batches = calibration_inputs(tokenizer, args.data_dir, spec)
-        calibrated[name] = (collect_covariances(model, batches), batches)
-    caches = {v["label"]: variant_cache(model, v, calibrated) for v in config["variants"]}
-    scores = {}
-    for name, spec in config["eval_texts"].items():
-        ids = tokenizer(read_text(args.data_dir, spec), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-        results = evaluate_caches(model, ids, caches, config["context"], config["windows"])
-        scores[name] = {s.method: s.to_dict() for s in results}
+    model, tokenizer = load_model(args.model or config["model"], dtype=DTYPES[args.dtype], device=args.device)
+    calibrations = Calibrations(model, tokenizer, args.data_dir, config.get("calibrations", {}))
+    caches = {v["label"]: variant_cache(model, v, calibrations) for v in config["variants"]}
+    needles = needle_settings(config["needles"]) if "needles" in config else None
+    if needles and args.batch_size:
+        needles["batch_size"] = args.batch_size
+    kl_windows = per_context(config) if config.get("eval_texts") else []
+    lengths = sorted({c for c, _ in kl_windows} | set(needles["lengths"] if needles else []))
+    machine, head_dim = bench.machine_info(), head_dim_of(model.config.get_text_config(decoder=True))
     result = {
-        "config": str(args.config), "description": config["description"], "model": config["model"],
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, "
-                   f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.perf_counter() - started),
-        "context": config["context"], "windows": config["windows"], "eval_texts": config["eval_texts"],
-        "variants": [v["label"] for v in config["variants"]], "scores": scores,
+        "config": str(args.config), "description": config["description"], "model": args.model or config["model"],
+        "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine["host"], "machine_info": machine, "date": bench.utc_date(),
+        "kl_windows": kl_windows, "eval_texts": config.get("eval_texts", {}), "needle_settings": needles,
+        "calibrations": config.get("calibrations", {}), "recipes": config["variants"],
+        "variants": list(caches), "bits_per_element": memory_table(caches, lengths, head_dim),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / args.config.stem
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    stem.with_suffix(".md").write_text(to_markdown(result))
-    plot(result, stem.with_suffix(".png"))
+    result["scores"] = kl_scores(model, tokenizer, args.data_dir, config, caches)
+    result["needles"] = needle_scores(model, tokenizer, args.data_dir, needles, caches) if needles else None
+    result["seconds"] = round(time.perf_counter() - started)
+    stem = args.out or RESULTS / args.config.stem
+    for path in write_outputs(result, stem, to_markdown(result), plot):
+        logger.info("wrote %s", path)
     print(to_markdown(result))
+    return result
 
 
 if __name__ == "__main__":

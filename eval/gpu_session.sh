@@ -8,7 +8,7 @@
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
 # autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
-# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s and multigpu-tests (both need 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s,
+# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s and multigpu-tests (both need 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s, quality (not timed yet),
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
 # /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
 # against the Triton stage 1).
@@ -125,6 +125,8 @@ for step in "$@"; do
             run ncu_call_b1 150 ncu --kernel-name "regex:history_kernel|_decode_stage" --launch-skip 3 --launch-count 3 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --print-details all \
                 python3 eval/ncu_decode.py --batch 1 ;;
+        quality)  # the recipes' memory, held-out KL/PPL at 2K and 8K and teacher-forced needles (eval/ablate.py)
+            run quality 580 python3 eval/ablate.py --config eval/configs/quality.json --device cuda --out "$work/quality" -v ;;
         *) echo "unknown step $step" >&2 ;;
     esac
 done

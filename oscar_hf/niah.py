@@ -143,7 +143,8 @@ class Haystack:
 # ----------------------------------------------------------------------------- prompts
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (none for an empty text)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
@@ -161,9 +162,9 @@ def prompt_frame(tokenizer: PreTrainedTokenizerBase, needle: Needle, chat: bool 
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
         before, after = rendered.split(_PLACEHOLDER)
-        return _encode(tokenizer, before), _encode(tokenizer, after + answer)
+        return encode(tokenizer, before), encode(tokenizer, after + answer)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and _adds_bos(tokenizer) else []
-    return bos + _encode(tokenizer, INSTRUCTION + "\n"), _encode(tokenizer, f"\n{question}\n{answer}")
+    return bos + encode(tokenizer, INSTRUCTION + "\n"), encode(tokenizer, f"\n{question}\n{answer}")
 
 
 def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -188,7 +189,7 @@ def build_prompt(
         raise NeedleError(f"depth must be a percentage in [0, 100], got {depth}")
     needle = Needle.from_seed(seed)
     before, after = prompt_frame(tokenizer, needle, chat)
-    needle_ids = _encode(tokenizer, " " + NEEDLE.format(key=needle.key, value=needle.value))
+    needle_ids = encode(tokenizer, " " + NEEDLE.format(key=needle.key, value=needle.value))
     room = length - len(before) - len(after) - len(needle_ids)
     if room < 1:
         raise NeedleError(f"length {length} is too short: instruction, needle and question alone take "
@@ -214,12 +215,12 @@ def build_prompt(
 # ----------------------------------------------------------------------------- scoring
 
 
-_NUMBER = re.compile(r"\d(?:[\d,]*\d)?")
+NUMBER = re.compile(r"\d(?:[\d,]*\d)?")
 
 
 def extract_number(answer: str) -> str | None:
     """The first number in ``answer`` with thousands separators removed (``"1,234,567."`` -> ``"1234567"``)."""
-    match = _NUMBER.search(answer)
+    match = NUMBER.search(answer)
     return match.group(0).replace(",", "") if match else None
 
 

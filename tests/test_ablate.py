@@ -1,0 +1,102 @@
+"""eval/ablate.py: recipe configs (overrides, calibration options, rotations) and a whole run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "eval"))
+
+import ablate  # noqa: E402
+from oscar_hf.config import METHODS  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.test_niah import VOCAB, byte_tokenizer, write_essays  # noqa: E402
+
+SMALL = {"sink": 4, "recent": 16, "block": 4}
+
+
+def test_overrides_reach_nested_fields_and_dtypes():
+    config = ablate.recipe_config({"label": "x", "method": "oscar-int2", "overrides": {
+        "recent": 128, "key": {"group_size": 32}, "value": {"clip_ratio": 0.0}, "metadata_dtype": "float32"}})
+    assert config.recent == 128 and config.key.group_size == 32 and config.key.clip_ratio == METHODS["oscar-int2"].key.clip_ratio
+    assert config.value.clip_ratio == 0.0 and config.value.bits == 2 and config.metadata_dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown OscarCache option"):
+        ablate.recipe_config({"label": "x", "method": "int4", "overrides": {"recnet": 1}})
+    with pytest.raises(ValueError, match="override 'key' of none takes no fields"):
+        ablate.recipe_config({"label": "x", "method": "none", "overrides": {"key": {"bits": 4}}})
+    with pytest.raises(ValueError, match="unknown method"):
+        ablate.recipe_config({"label": "x", "method": "int3"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['factors'\]"):
+        ablate.recipe_config({"label": "x", "method": "oscar-int2", "factors": "HP"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['depth'\], missing \['depths'\]"):
+        ablate.needle_settings({"lengths": [2048], "depth": [50], "needles": 1})
+
+
+def test_windows_per_context():
+    assert ablate.per_context({"context": 2048, "windows": 3}) == [(2048, 3)]
+    assert ablate.per_context({"context": [2048, 8192], "windows": [6, 2]}) == [(2048, 6), (8192, 2)]
+    with pytest.raises(ValueError, match="one per context"):
+        ablate.per_context({"context": [2048, 8192], "windows": [6]})
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A whole run of every section on a tiny Llama with the byte tokenizer and synthetic data."""
+    root = tmp_path_factory.mktemp("ablate")
+    model_dir = root / "model"
+    tiny_model("llama", vocab_size=VOCAB).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    data = write_essays(root / "data")
+    (data / "held_out.txt").write_text(" ".join(f"Line {k} of the held-out text." for k in range(200)))
+    (data / "calibration.txt").write_text(" ".join(f"Calibration sentence {k}." for k in range(300)))
+    config = {
+        "description": "tiny run", "model": str(model_dir), "context": [96, 128], "windows": [2, 1],
+        "calibrations": {"text": {"files": ["calibration.txt"], "chars": [0, None], "tokens": 600, "seq_len": 200}},
+        "eval_texts": {"held_out": {"file": "held_out.txt", "chars": [100, None]}},
+        "needles": {"lengths": [480, 520], "depths": [0, 50], "needles": 1, "max_new_tokens": 4, "batch_size": 2},
+        "variants": [
+            {"label": "none", "method": "none", "overrides": SMALL},
+            {"label": "naive G=8", "method": "naive-int2", "overrides": {**SMALL, "key": {"group_size": 8}}},
+            {"label": "calibrated HP", "method": "oscar-int2", "calibration": "text", "calibrate": {"factors": "HP"},
+             "overrides": SMALL},
+            {"label": "clip search", "method": "oscar-int2", "calibration": "text",
+             "clip_search": {"grid": [1.0, 0.9], "max_queries": 16}, "overrides": SMALL},
+        ],
+    }
+    path = root / "tiny.json"
+    path.write_text(json.dumps(config))
+    stem = root / "out" / "tiny"
+    result = ablate.main(["--config", str(path), "--data-dir", str(data), "--device", "cpu", "--out", str(stem)])
+    return result, stem
+
+
+def test_a_run_reports_memory_kl_and_needles_per_recipe(run):
+    result, stem = run
+    labels = ["none", "naive G=8", "calibrated HP", "clip search"]
+    assert result["variants"] == labels
+    memory = result["bits_per_element"]
+    assert set(memory["none"]) == {"96", "128", "480", "520", "131072@hd128"} and memory["none"]["128"] == 16.0
+    assert memory["naive G=8"]["131072@hd128"] > memory["clip search"]["131072@hd128"]  # 8 channels per scale and zero
+    assert set(result["scores"]["held_out"]) == {"96", "128"}
+    assert result["scores"]["held_out"]["128"]["none"]["kl_from_none"] == 0.0
+    assert all(result["scores"]["held_out"]["96"][label]["kl_from_none"] > 0 for label in labels[1:])
+    summary = result["needles"]["summary"]
+    assert set(summary) == set(labels) and summary["clip search"]["by_length"]["520"]["trials"] == 2
+    assert len(result["needles"]["trials"]) == 16 and result["needles"]["seconds"]["none"].keys() == {480, 520}
+    saved = json.loads(stem.with_suffix(".json").read_text())
+    assert saved["date"].endswith("UTC") and saved["machine_info"]["cpu_count"] and saved["dtype"] == "float32"
+    markdown = stem.with_suffix(".md").read_text()
+    assert "| calibrated HP |" in markdown and "EM 480" in markdown and "BPE 128K hd128" in markdown
+    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_recipes_raise_clear_errors():
+    with pytest.raises(ValueError, match="either rotations or calibration"):
+        ablate.variant_cache(None, {"label": "x", "method": "oscar-int2", "rotations": "default", "calibration": "a"}, {})
+    with pytest.raises(ValueError, match="need a calibration"):
+        ablate.variant_cache(None, {"label": "x", "method": "oscar-int2", "clip_search": True}, {})
