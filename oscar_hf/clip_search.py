@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from .absorption import _attention_modules
 from .cache import roundtrip_rows
 from .calibration import LayerCovariances, observe_attention, rotations_from_covariances
 from .config import METHODS, OscarConfig
@@ -24,6 +25,8 @@ from .teacher_forcing import quantized_key_mask
 
 CLIP_GRID = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80, 0.75)
 VARIANTS = ("UHP", "HP")
+# "attention": error of the attention output; "residual": of what o_proj adds to the residual stream.
+SEARCH_OBJECTIVES = ("attention", "residual")
 
 
 @dataclass
@@ -56,10 +59,23 @@ class _LayerErrors:
 
 class _Search:
     def __init__(
-        self, variants: dict[str, RotationSet], config: OscarConfig, grid: Sequence[float], max_queries: int
+        self,
+        variants: dict[str, RotationSet],
+        config: OscarConfig,
+        grid: Sequence[float],
+        max_queries: int,
+        output_weights: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.variants, self.config, self.grid, self.max_queries = variants, config, grid, max_queries
+        self.output_weights = output_weights
         self.errors: dict[int, _LayerErrors] = {}
+
+    def _size(self, layer_id: int, output: torch.Tensor) -> float:
+        """Squared norm of attention outputs ``[B, H_kv, g, Q, D]``, through each query head's o_proj block if weighted."""
+        if self.output_weights is None:
+            return output.pow(2).sum().item()
+        blocks = self.output_weights[layer_id].to(output.device)  # [H_kv, g, hidden, D]
+        return torch.einsum("bhgqd,hgod->bhgqo", output, blocks).pow(2).sum().item()
 
     def _queries(self, from_history: torch.Tensor) -> torch.Tensor:
         """Evenly spaced query positions among those that see quantized keys (the cost is linear in them)."""
@@ -83,7 +99,7 @@ class _Search:
         exact_scores = (q @ k.transpose(-1, -2)) * scale
         probs = exact_scores.masked_fill(~causal, float("-inf")).softmax(-1)
         reference = probs @ v
-        errors.reference += reference.pow(2).sum().item()
+        errors.reference += self._size(layer_id, reference)
         for factors, rotations in self.variants.items():
             r_k, r_v = rotations.key[layer_id].to(q.device), rotations.value[layer_id].to(q.device)
             q_rot, k_rot, v_rot = q @ r_k, k @ r_k, v @ r_v
@@ -91,10 +107,10 @@ class _Search:
                 k_hat = roundtrip_rows(k_rot, replace(self.config.key, clip_ratio=ratio), self.config.metadata_dtype)
                 scores = torch.where(from_history, (q_rot @ k_hat.transpose(-1, -2)) * scale, exact_scores)
                 output = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
-                errors.add(errors.key, (factors, ratio), (output - reference).pow(2).sum().item())
+                errors.add(errors.key, (factors, ratio), self._size(layer_id, output - reference))
                 v_hat = roundtrip_rows(v_rot, replace(self.config.value, clip_ratio=ratio), self.config.metadata_dtype)
                 mixed = (probs * from_history) @ v_hat + (probs * ~from_history) @ v_rot
-                errors.add(errors.value, (factors, ratio), (mixed - reference @ r_v).pow(2).sum().item())
+                errors.add(errors.value, (factors, ratio), self._size(layer_id, (mixed - reference @ r_v) @ r_v.T))
 
     def choices(self) -> dict[int, LayerChoice]:
         result = {}
@@ -109,6 +125,19 @@ class _Search:
         return result
 
 
+def output_blocks(model: PreTrainedModel, layer_ids: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Each layer's ``o_proj`` weight cut into per-query-head blocks ``[H_kv, g, hidden, D]`` (contiguous GQA groups), float32."""
+    text_config = model.config.get_text_config()
+    query_heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+    modules = _attention_modules(model, list(layer_ids))
+    blocks = {}
+    for layer_id in layer_ids:
+        weight = modules[layer_id].o_proj.weight.detach().float()  # [hidden, H_q * D]
+        per_head = weight.unflatten(1, (query_heads, weight.shape[1] // query_heads)).transpose(0, 1)
+        blocks[layer_id] = per_head.unflatten(0, (kv_heads, query_heads // kv_heads)).cpu()
+    return blocks
+
+
 def search_layers(
     model: PreTrainedModel,
     batches: Sequence[torch.LongTensor],
@@ -118,15 +147,21 @@ def search_layers(
     variants: Sequence[str] = VARIANTS,
     max_queries: int = 256,
     progress: bool = True,
+    objective: str = "attention",
 ) -> tuple[RotationSet, dict[int, LayerChoice]]:
     """Pick each layer's K and V rotation variant and clip ratio; return the resulting rotations and the choices.
 
     ``batches`` should be a few rows of calibration tokens, longer than ``config.sink + config.recent``
     so that keys reach the history; errors are measured at up to ``max_queries`` query positions
-    per row, each costing one attention per candidate and layer.
+    per row, each costing one attention per candidate and layer. ``objective`` (one of
+    :data:`SEARCH_OBJECTIVES`) measures the error of the attention output itself, or of its image
+    through the layer's ``o_proj`` (what the layer adds to the residual stream).
     """
+    if objective not in SEARCH_OBJECTIVES:
+        raise ValueError(f"objective must be one of {SEARCH_OBJECTIVES}, got {objective!r}")
     built = {factors: rotations_from_covariances(covariances, "qqt_sst", factors) for factors in variants}
-    search = _Search(built, config, grid, max_queries)
+    weights = output_blocks(model, list(covariances)) if objective == "residual" else None
+    search = _Search(built, config, grid, max_queries, weights)
     observe_attention(model, batches, search.observe, "OSCAR clip search", progress)
     choices = search.choices()
     base = built[variants[0]]
