@@ -16,6 +16,7 @@ from .calibration import LayerCovariances, collect_covariances, rotations_from_c
 from .calibration_data import calibration_batches, read_calibration_files
 from .clip_search import LayerChoice, search_layers
 from .config import K_CLIP, METHODS, V_CLIP
+from .refine import refine_rotations
 from .rotations import COMPOSITION_NAMES, RotationSet
 
 SEARCH_ROWS = 2  # calibration rows the clip search measures errors on (~20 s each on the default model, CPU)
@@ -34,6 +35,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     choices: dict[int, LayerChoice] = {}
     if args.clip_search:
         rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json)
+        if args.refine:
+            rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
     else:
         rotations = rotations_from_covariances(covariances, args.objective, args.factors)
     tokens = sum(b.numel() for b in batches)
@@ -41,7 +44,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
         "model_signature": model_signature(model),
         "objective": args.objective,
-        "composition": "per-layer r_h_pbr or h_pbr (clip search)" if args.clip_search else COMPOSITION_NAMES[args.factors],
+        "composition": _composition(args),
         "group_size": rotations.head_dim,
         "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
         "sink": METHODS["oscar-int2"].sink,
@@ -75,6 +78,19 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "per_layer": _per_layer(covariances, rotations, choices),
     }
     return out, summary
+
+
+def _composition(args: argparse.Namespace) -> str:
+    if not args.clip_search:
+        return COMPOSITION_NAMES[args.factors]
+    chosen = "per-layer r_h_pbr or h_pbr (clip search)"
+    return chosen + " refined on the orthogonal group" if args.refine else chosen
+
+
+def _refine_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The search rows of the longest length: refinement stacks its rows, so they must be equally long."""
+    rows = _search_rows(batches)
+    return [r for r in rows if r.shape[1] == rows[0].shape[1]]
 
 
 def _search_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -28,23 +28,25 @@ from .config import METHODS, OscarConfig, TensorQuantConfig
 from .rotations import RotationSet
 from .teacher_forcing import quantized_key_mask
 
-REFIT_CLIP_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.86, 0.84, 0.82, 0.80, 0.77, 0.74, 0.70)
+# Clip ratios tried around the starting one once a rotation is fitted (each costs one hard evaluation).
+CLIP_OFFSETS = (0.04, 0.02, 0.0, -0.02, -0.04, -0.06)
 
 
 @dataclass(frozen=True)
 class RefineSettings:
     """How hard each matrix is fitted.
 
-    ``queries`` query positions per row are drawn (seeded) at each of ``steps`` Adam steps of
-    learning rate ``lr``; ``clip_grid`` is searched once the rotation is fitted (empty: keep the
-    starting clip ratio).
+    ``queries`` of the ``max_queries`` captured query positions per row are drawn (seeded) at each
+    of ``steps`` Adam steps of learning rate ``lr``; once the rotation is fitted, the clip ratios
+    ``start + offset`` for ``clip_offsets`` (within (0, 1]) are searched again (empty: keep the
+    starting ratio).
     """
 
     steps: int = 60
     lr: float = 2e-3
     queries: int = 96
     max_queries: int = 256
-    clip_grid: tuple[float, ...] = REFIT_CLIP_GRID
+    clip_offsets: tuple[float, ...] = CLIP_OFFSETS
     seed: int = 0
 
 
@@ -237,7 +239,7 @@ def refine_matrix(
         optimizer.step()
     with torch.no_grad():
         fitted = start @ cayley(parameters)
-    ratios = settings.clip_grid or (clip_ratio,)
+    ratios = {clip_ratio} | {round(clip_ratio + o, 4) for o in settings.clip_offsets if 0 < clip_ratio + o <= 1}
     errors = {r: _hard_error(kind, rows, fitted, spec, r, config.metadata_dtype, full_reference) for r in ratios}
     best = min(errors, key=errors.get)
     if errors[best] >= before:

@@ -22,7 +22,7 @@ from oscar_hf.rotations import check_orthogonal
 from tests.conftest import tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
-QUICK = RefineSettings(steps=15, lr=5e-3, queries=16, max_queries=32, clip_grid=(0.96, 0.9, 0.8))
+QUICK = RefineSettings(steps=15, lr=5e-3, queries=16, max_queries=32, clip_offsets=(0.04, -0.04))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_refinement_lowers_the_hard_error_and_keeps_rotations_orthogonal(setup):
 def test_a_fit_that_does_not_help_keeps_the_start(setup):
     model, batches, rotations = setup
     rows = capture_rows(model, batches[:2], SMALL, 32, progress=False)[0]
-    still = refine_matrix("key", rows, rotations.key[0], 0.9, SMALL, RefineSettings(steps=0, clip_grid=()))
+    still = refine_matrix("key", rows, rotations.key[0], 0.9, SMALL, RefineSettings(steps=0, clip_offsets=()))
     assert still.error_after == still.error_before and torch.equal(still.rotation, rotations.key[0].float())
 
 
