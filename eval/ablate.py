@@ -3,7 +3,8 @@
     python eval/ablate.py --config eval/configs/rotation_ablation.json [--data-dir DIR]
 
 A config names calibration data sets, held-out evaluation texts and variants (a method plus
-optional calibration, objective, factors, clip search, group size, clip ratios or rotation kind).
+optional calibration, objective, factors, clip search (its objective, and refinement of its rotations),
+group size, clip ratios or rotation kind).
 Each calibration runs once and serves every variant that uses it. Results go to
 ``eval/results/<config name>.{json,md,png}`` with the command, machine and date.
 """
@@ -31,6 +32,7 @@ from oscar_hf.clip_search import search_layers  # noqa: E402
 from oscar_hf.config import METHODS  # noqa: E402
 from oscar_hf.evaluation import evaluate_caches  # noqa: E402
 from oscar_hf.models import load_model  # noqa: E402
+from oscar_hf.refine import refine_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 
@@ -65,7 +67,10 @@ def variant_cache(model, variant: dict, calibrated: dict) -> OscarCache:
     if "calibration" in variant:
         covariances, batches = calibrated[variant["calibration"]]
         if variant.get("clip_search"):
-            rotations, _ = search_layers(model, sorted(batches, key=lambda b: -b.shape[1])[:2], covariances)
+            rows = sorted(batches, key=lambda b: -b.shape[1])[:2]
+            rotations, _ = search_layers(model, rows, covariances, objective=variant.get("search_objective", "attention"))
+            if variant.get("refine"):
+                rotations, _ = refine_rotations(model, [r for r in rows if r.shape[1] == rows[0].shape[1]], rotations)
         else:
             rotations = rotations_from_covariances(covariances, variant.get("objective", "qqt_sst"),
                                                    variant.get("factors", "UHP"))

@@ -88,3 +88,10 @@ def test_bad_kind_is_refused(setup):
     rows = capture_rows(model, batches[:2], SMALL, 32, progress=False)[0]
     with pytest.raises(ValueError, match="kind must be"):
         refine_matrix("query", rows, rotations.key[0], 0.9, SMALL, QUICK)
+
+
+def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
+    from oscar_hf.cli import main
+
+    with pytest.raises(SystemExit, match="add --clip-search"):
+        main(["calibrate", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"), "--refine"])
