@@ -29,7 +29,7 @@ from .rotations import RotationSet
 from .teacher_forcing import quantized_key_mask
 
 # Clip ratios tried around the starting one once a rotation is fitted (each costs one hard evaluation).
-CLIP_OFFSETS = (0.04, 0.02, 0.0, -0.02, -0.04, -0.06)
+CLIP_OFFSETS = (0.04, 0.02, 0.0, -0.02, -0.04, -0.06, -0.08)
 
 
 @dataclass(frozen=True)
