@@ -65,7 +65,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     }
     if choices:
         metadata["layer_choices"] = {
-            str(i): {"key": f"{c.key_factors}@{c.key_clip}", "value": f"{c.value_factors}@{c.value_clip}"}
+            str(i): {"key": f"{c.key_factors}@{rotations.key_clip[i]}",
+                     "value": f"{c.value_factors}@{rotations.value_clip[i]}"}
             for i, c in choices.items()
         }
     out = save_pretrained(rotations, args.out, metadata)
@@ -125,7 +126,9 @@ def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet,
                "c_s_condition": round(s_ratio, 1)}
         if layer_id in choices:
             c = choices[layer_id]
-            row |= {"key": f"{c.key_factors} clip {c.key_clip}", "value": f"{c.value_factors} clip {c.value_clip}"}
+            # The stored ratios: the search's, or those searched again after --refine.
+            row |= {"key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
+                    "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}"}
         rows.append(row)
     return rows
 

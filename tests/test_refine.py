@@ -95,3 +95,23 @@ def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
 
     with pytest.raises(SystemExit, match="add --clip-search"):
         main(["calibrate", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"), "--refine"])
+
+
+@pytest.mark.slow
+def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
+    import json
+
+    from oscar_hf.cli import main
+    from oscar_hf.zoo import from_pretrained, load_rotation_config
+
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
+    out = tmp_path / "rotations"
+    main(["calibrate", "--model", "default", "--data", str(data), "--tokens", "1200", "--seq-len", "600",
+          "--clip-search", "--refine", "--out", str(out), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    rotations = from_pretrained(out)
+    config = load_rotation_config(out)
+    assert summary["layers"] == 30 and "refined" in config["composition"]
+    for row in summary["per_layer"]:
+        assert row["key"].endswith(f"clip {rotations.key_clip[row['layer']]}")
