@@ -132,6 +132,8 @@ def output_blocks(model: PreTrainedModel, layer_ids: Sequence[int]) -> dict[int,
     modules = _attention_modules(model, list(layer_ids))
     blocks = {}
     for layer_id in layer_ids:
+        if getattr(modules[layer_id], "o_proj", None) is None:
+            raise ValueError(f"layer {layer_id} has no o_proj, so the 'residual' search objective cannot weigh its output")
         weight = modules[layer_id].o_proj.weight.detach().float()  # [hidden, H_q * D]
         per_head = weight.unflatten(1, (query_heads, weight.shape[1] // query_heads)).transpose(0, 1)
         blocks[layer_id] = per_head.unflatten(0, (kv_heads, query_heads // kv_heads)).cpu()

@@ -81,11 +81,6 @@ class AttentionRows:
         return scores, probs, probs @ self.value
 
 
-def _pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Stack ``[1, H, 1, T_i, D]`` rows of different lengths; padded keys lie beyond every query's causal range."""
-    return torch.cat([torch.nn.functional.pad(r, (0, 0, 0, length - r.shape[-2])) for r in rows])
-
-
 class _Capture:
     """Keeps each layer's queries at evenly spaced history-seeing positions, and all keys and values."""
 
@@ -109,15 +104,14 @@ class _Capture:
     def rows(self) -> dict[int, AttentionRows]:
         result = {}
         for layer_id, parts in self.parts.items():
-            length = max(k.shape[-2] for _, k, _, _ in parts)
-            positions = parts[0][3]
-            if any(p.numel() != positions.numel() or not torch.equal(p, positions) for *_, p in parts):
-                raise ValueError("refinement rows must all have the same length")
+            lengths = {k.shape[-2] for _, k, _, _ in parts}
+            if len(lengths) > 1:
+                raise ValueError(f"refinement rows must all have the same length, got {sorted(lengths)}")
+            length, positions = lengths.pop(), parts[0][3]
             history = quantized_key_mask(length, self.config, torch.device("cpu"))[positions]
             causal = positions[:, None] >= torch.arange(length)[None, :]
             result[layer_id] = AttentionRows(
-                torch.cat([q for q, *_ in parts]), _pad_rows([k for _, k, _, _ in parts], length),
-                _pad_rows([v for _, _, v, _ in parts], length), history, causal,
+                *(torch.cat([part[i] for part in parts]) for i in range(3)), history, causal
             )
         return result
 
@@ -261,7 +255,6 @@ def refine_rotations(
     A layer's starting clip ratio is its stored one, else ``config``'s. Layers missing from
     ``rotations`` start from the identity.
     """
-    torch.manual_seed(settings.seed)
     captured = capture_rows(model, batches, config, settings.max_queries, progress)
     eye = torch.eye(rotations.head_dim)
     key, value, key_clip, value_clip, fits = {}, {}, {}, {}, {}

@@ -85,3 +85,16 @@ def test_calibrate_command_on_the_default_model(tmp_path, capsys):
     config = load_rotation_config(out)
     assert config["tokens"] == 1200 and config["model_signature"]["head_dim"] == 64
     assert len(config["calibration_data"]["files"]["text.txt"]) == 64  # sha256 of the data file
+
+
+def test_the_residual_objective_weighs_errors_through_o_proj():
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    batches = [torch.randint(3, 256, (1, 64)) for _ in range(2)]
+    covariances = collect_covariances(model, batches, progress=False)
+    _, plain = search_layers(model, batches, covariances, SMALL, max_queries=32, progress=False)
+    _, weighted = search_layers(model, batches, covariances, SMALL, max_queries=32, progress=False, objective="residual")
+    assert plain[0].key_errors != weighted[0].key_errors
+    assert all(0 < e < 1 for choice in weighted.values() for e in choice.key_errors.values())
+    with pytest.raises(ValueError, match="objective must be"):
+        search_layers(model, batches, covariances, SMALL, progress=False, objective="logits")

@@ -115,3 +115,10 @@ def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
     assert summary["layers"] == 30 and "refined" in config["composition"]
     for row in summary["per_layer"]:
         assert row["key"].endswith(f"clip {rotations.key_clip[row['layer']]}")
+
+
+def test_rows_of_different_lengths_are_refused():
+    model = tiny_model("llama")
+    batches = [torch.randint(3, 256, (1, 64)), torch.randint(3, 256, (1, 48))]
+    with pytest.raises(ValueError, match="same length"):
+        capture_rows(model, batches, SMALL, 16, progress=False)
