@@ -56,6 +56,7 @@ from oscar_hf.memory import bits_per_element  # noqa: E402
 from oscar_hf.models import DTYPES, load_model, model_context  # noqa: E402
 from oscar_hf.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
 from oscar_hf.niah_forced import needle_summary, score_prompts  # noqa: E402
+from oscar_hf.refine import refine_rotations  # noqa: E402
 from oscar_hf.zoo import resolve_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
@@ -94,7 +95,7 @@ def per_context(config: dict) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------- recipes
 
 
-VARIANT_KEYS = {"label", "method", "rotations", "calibration", "calibrate", "clip_search", "overrides"}
+VARIANT_KEYS = {"label", "method", "rotations", "calibration", "calibrate", "clip_search", "refine", "overrides"}
 NEEDLE_KEYS = {"lengths", "depths", "needles", "seed", "haystack", "max_new_tokens", "chat", "batch_size"}
 
 
@@ -146,6 +147,8 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         raise ValueError(f"variant {label!r}: give either rotations or calibration, not both")
     if "calibration" not in variant and ("calibrate" in variant or "clip_search" in variant):
         raise ValueError(f"variant {label!r}: calibrate and clip_search need a calibration")
+    if variant.get("refine") and not variant.get("clip_search"):
+        raise ValueError(f"variant {label!r}: refine starts from the clip search's rotations; set clip_search too")
     rotations = None
     if "rotations" in variant:
         rotations = resolve_rotations(model, variant["rotations"])
@@ -158,6 +161,9 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
             options = search if isinstance(search, dict) else {}
             longest = sorted(batches, key=lambda b: -b.shape[1])[:2]
             rotations, _ = search_layers(model, longest, covariances, config=config, **options)
+            if variant.get("refine"):  # refinement stacks its rows, so they must be equally long
+                rows = [r for r in longest if r.shape[1] == longest[0].shape[1]]
+                rotations, _ = refine_rotations(model, rows, rotations, config=config)
         else:
             rotations = rotations_from_covariances(covariances, **variant.get("calibrate", {}))
     return OscarCache(model, config, rotations=rotations)

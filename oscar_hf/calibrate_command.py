@@ -16,6 +16,7 @@ from .calibration import LayerCovariances, collect_covariances, rotations_from_c
 from .calibration_data import calibration_batches, read_calibration_files
 from .clip_search import LayerChoice, search_layers
 from .config import K_CLIP, METHODS, V_CLIP
+from .refine import refine_rotations
 from .rotations import COMPOSITION_NAMES, RotationSet
 
 SEARCH_ROWS = 2  # calibration rows the clip search measures errors on (~20 s each on the default model, CPU)
@@ -35,6 +36,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     if args.clip_search:
         rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json,
                                            per_head=args.per_head)  # fmt: skip
+        if args.refine:
+            rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
     else:
         rotations = rotations_from_covariances(covariances, args.objective, args.factors, args.per_head)
     tokens = sum(b.numel() for b in batches)
@@ -42,7 +45,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
         "model_signature": model_signature(model),
         "objective": args.objective,
-        "composition": "per-layer r_h_pbr or h_pbr (clip search)" if args.clip_search else COMPOSITION_NAMES[args.factors],
+        "composition": _composition(args),
         "source_grouping": "per_kv_head" if args.per_head else "layer",
         "group_size": rotations.head_dim,
         "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
@@ -64,7 +67,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     }
     if choices:
         metadata["layer_choices"] = {
-            str(i): {"key": f"{c.key_factors}@{c.key_clip}", "value": f"{c.value_factors}@{c.value_clip}"}
+            str(i): {"key": f"{c.key_factors}@{rotations.key_clip[i]}",
+                     "value": f"{c.value_factors}@{rotations.value_clip[i]}"}
             for i, c in choices.items()
         }
     out = save_pretrained(rotations, args.out, metadata)
@@ -77,6 +81,19 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "per_layer": _per_layer(covariances, rotations, choices),
     }
     return out, summary
+
+
+def _composition(args: argparse.Namespace) -> str:
+    if not args.clip_search:
+        return COMPOSITION_NAMES[args.factors]
+    chosen = "per-layer r_h_pbr or h_pbr (clip search)"
+    return chosen + " refined on the orthogonal group" if args.refine else chosen
+
+
+def _refine_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The search rows of the longest length: refinement stacks its rows, so they must be equally long."""
+    rows = _search_rows(batches)
+    return [r for r in rows if r.shape[1] == rows[0].shape[1]]
 
 
 def _search_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -111,7 +128,9 @@ def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet,
                "c_s_condition": round(s_ratio, 1)}
         if layer_id in choices:
             c = choices[layer_id]
-            row |= {"key": f"{c.key_factors} clip {c.key_clip}", "value": f"{c.value_factors} clip {c.value_clip}"}
+            # The stored ratios: the search's, or those searched again after --refine.
+            row |= {"key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
+                    "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}"}
         rows.append(row)
     return rows
 

@@ -247,6 +247,8 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
 
     if args.clip_search and (args.objective != "qqt_sst" or args.factors != "UHP"):
         raise SystemExit("--clip-search chooses between U·H·P and H·P itself; leave --objective and --factors alone")
+    if args.refine and not args.clip_search:
+        raise SystemExit("--refine starts from the clip search's rotations and ratios; add --clip-search")
     model, tokenizer = _load(args)
     _, summary = run_calibration(args, model, tokenizer, argv)
     print(json.dumps({**_environment(argv), **summary}) if args.json else format_summary(summary))
@@ -347,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", required=True, help="directory to write the rotations to")
     calibrate.add_argument("--clip-search", action="store_true",
                            help="choose each layer's clip ratios and rotation variant by attention-output error")
+    calibrate.add_argument("--refine", action="store_true",
+                           help="after --clip-search, fit each R_K/R_V on the orthogonal group to the quantized "
+                                "attention-output error and search its clip ratio again (slower)")
     calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
     calibrate.add_argument("--seq-len", type=int, default=2048)
     calibrate.add_argument("--seed", type=int, default=0)
