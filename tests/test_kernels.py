@@ -136,7 +136,7 @@ def test_cached_launches_follow_alignment_and_lengths():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("clip_ratio", [0.0, 0.5, 0.92])  # 0.5: bisection; 0.92: peeling (256: bisection)
 @pytest.mark.parametrize("groups", [1, 2])
@@ -178,7 +178,7 @@ def test_quantize_pack_falls_back_and_validates():
         quantize_pack(rows, 3, 96)
 
 
-@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True)])
+@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False)])
 def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
     """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
     monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
@@ -612,7 +612,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
 @gpu_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits, symmetric, clip_ratio, groups", [(2, False, 0.96, 1), (2, False, 0.92, 2),
-                                                                   (4, False, 0.96, 1), (2, True, 0.0, 4)])  # fmt: skip
+                                                                   (4, False, 0.96, 1), (2, True, 0.0, 4),
+                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2)])  # fmt: skip
 def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, groups):
     rows = (torch.randn(8, 8, 4096, head_dim, device=DEVICE) * 3).bfloat16()
     group_size = head_dim // groups
