@@ -322,6 +322,11 @@ DECODE_CASES = {
     # block_n 0: the launcher's tiles (128 keys), here with a partial last tile
     "default-tiles-int2-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (2, 2), (1, 1)),
     "default-tiles-int4-head-dim-256": (1, 8, 2, 256, 4, 200, 5, 1, 0, 0, [1], (4, 4), (1, 1)),
+    # 3-bit codes: a 2-bit plane and a 1-bit plane, unpacked in 4 column blocks like 2-bit codes
+    "int3-keys-head-dim-64-padded": (2, 6, 2, 64, 5, 70, 9, 1, 2, 16, [0, 3], (3, 2), (1, 1)),
+    "int3-keys-default-tiles-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (3, 2), (1, 1)),
+    "int3-both-grouped-no-windows": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (3, 3), (2, 4)),
+    "int3-keys-int4-values-gqa8": (1, 16, 2, 128, 4, 100, 5, 1, 2, 16, [1], (3, 4), (4, 2)),
 }
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
