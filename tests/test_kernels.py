@@ -464,19 +464,21 @@ def test_decode_attention_dispatcher_and_masked_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads", [
-    (40, 72, 5, 9, 3, [0, 3]),  # the ring wraps around its end
-    (0, 16, 0, 4, 1, None),  # nothing quantized yet
-    (33, 33, 8, 11, 0, [2, 0]),  # history at capacity, ring full (with the new row)
+@pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads, k_bits", [
+    (40, 72, 5, 9, 3, [0, 3], 2),  # the ring wraps around its end
+    (0, 16, 0, 4, 1, None, 2),  # nothing quantized yet
+    (33, 33, 8, 11, 0, [2, 0], 2),  # history at capacity, ring full (with the new row)
+    (40, 72, 5, 9, 3, [0, 3], 3),  # 3-bit keys
 ])  # fmt: skip
-def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads, dtype):
+def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads,
+                                                             k_bits, dtype):  # fmt: skip
     """Static decoding: history allocated at capacity, recent rows in a ring, lengths in a device tensor.
 
     The same keys laid out plainly give the reference; garbage fills every slot past the lengths and
     the new row's slot, which the call fills (the ring's lengths count the new row).
     """
     batch, sink, ring_size = 2, 4, 12
-    args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, 2, 2, pads=pads, seed=5)
+    args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, k_bits, 2, pads=pads, seed=5)
     q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
     want = decode_attention_reference(*args, sm_scale=0.125, **options)
 
@@ -496,20 +498,20 @@ def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, 
     sink_mask = None if options["key_mask"] is None else options["key_mask"][:, :sink].contiguous()
     for attend in (_static_kernel, _static_reference):
         static_rings = [ring.clone() for ring in rings]
-        got = attend(q, sink_k, sink_v, *static_packed, *static_rings, new_k, new_v, sink_mask, splits, lengths)
+        got = attend(q, sink_k, sink_v, *static_packed, *static_rings, new_k, new_v, sink_mask, splits, lengths, k_bits)
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
         for ring, new in zip(static_rings, (new_k, new_v)):
             assert torch.equal(ring[:, :, new_slot], new[:, :, 0])  # stored by the call
 
 
 def _static_kernel(*args):
-    *tensors, sink_mask, splits, lengths = args
-    return torch.ops.oscar.decode_attention(*tensors, sink_mask, 2, 2, 0.125, splits, 16, 0, 0, lengths)
+    *tensors, sink_mask, splits, lengths, k_bits = args
+    return torch.ops.oscar.decode_attention(*tensors, sink_mask, k_bits, 2, 0.125, splits, 16, 0, 0, lengths)
 
 
 def _static_reference(*args):
-    *tensors, sink_mask, _, lengths = args
-    return decode_attention_reference(*tensors, k_bits=2, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
+    *tensors, sink_mask, _, lengths, k_bits = args
+    return decode_attention_reference(*tensors, k_bits=k_bits, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
                                       lengths=lengths)  # fmt: skip
 
 
