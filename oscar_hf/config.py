@@ -116,6 +116,10 @@ METHODS: dict[str, OscarConfig] = {
     "oscar-k4v2": OscarConfig(
         "oscar-k4v2", TensorQuantConfig(4), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
     ),
+    # ~3 bits per element in the history at head_dim 64: K 3 + 32/64 = 3.5 bits, V 2.5.
+    "oscar-k3v2": OscarConfig(
+        "oscar-k3v2", TensorQuantConfig(3, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
+    ),
 }
 
 
