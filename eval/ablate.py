@@ -3,7 +3,8 @@
     python eval/ablate.py --config eval/configs/rotation_ablation.json [--data-dir DIR]
 
 A config names calibration data sets, held-out evaluation texts and variants (a method plus
-optional calibration, objective, factors, clip search, group size, clip ratios or rotation kind).
+optional calibration, objective, factors, clip search, group size, clip ratios or rotation kind;
+``"rotations": "bundled"`` uses the rotations shipped for the default model instead of a calibration).
 Each calibration runs once and serves every variant that uses it. Results go to
 ``eval/results/<config name>.{json,md,png}`` with the command, machine and date.
 """
@@ -31,6 +32,7 @@ from oscar_hf.clip_search import search_layers  # noqa: E402
 from oscar_hf.config import METHODS  # noqa: E402
 from oscar_hf.evaluation import evaluate_caches  # noqa: E402
 from oscar_hf.models import load_model  # noqa: E402
+from oscar_hf.zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 
@@ -62,7 +64,9 @@ def variant_cache(model, variant: dict, calibrated: dict) -> OscarCache:
     if "rotation" in variant:
         config = replace(config, rotation=variant["rotation"])
     rotations = None
-    if "calibration" in variant:
+    if variant.get("rotations") == "bundled":
+        rotations = from_pretrained(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    elif "calibration" in variant:
         covariances, batches = calibrated[variant["calibration"]]
         if variant.get("clip_search"):
             rotations, _ = search_layers(model, sorted(batches, key=lambda b: -b.shape[1])[:2], covariances)

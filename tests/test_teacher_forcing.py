@@ -25,7 +25,7 @@ def test_history_lengths_follow_a_real_layer():
     assert seen == expected
 
 
-@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "oscar-int2", "oscar-k4v2", "none"])
+@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "oscar-int2", "oscar-k4v2", "oscar-k3v2", "none"])
 def test_matches_token_by_token_decoding(tiny, method):
     rotations = RotationSet.hadamard(16, [0, 1]) if method.startswith("oscar") else None
     torch.manual_seed(0)
