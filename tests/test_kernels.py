@@ -642,3 +642,14 @@ def test_decode_attention_large(batch, history, q_heads, kv_heads, head_dim):
     args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, pads=pads)
     got = decode_attention(*args, **options)
     torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch, history", [(1, 100_000), (3, 4_099)])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64)])
+def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, head_dim):
+    pads = [index * 7 % 64 for index in range(batch)]
+    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
+                                   pads=pads)  # fmt: skip
+    got = decode_attention(*args, **options)
+    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
