@@ -200,18 +200,24 @@ def _load_code_blocks(C, c_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, 
 def _code_blocks3(low, high, D: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
     """3-bit codes as 4 column blocks ``OFFSET + code`` (factor 1): ``low`` the 2-bit plane ``[N, D/4]``,
     ``high`` the 1-bit plane's byte ``c % (D/8)`` at column ``c``."""
-    low, high = low.to(tl.int16), high.to(tl.int16)
-    half = (tl.arange(0, D // 4) >= D // 8).to(tl.int16)[None, :]  # block j's second half: bit 2j + 1
-    c0 = _code3(low, high, half, 0, DTYPE, MAGIC)
-    c1 = _code3(low, high, half, 1, DTYPE, MAGIC)
-    c2 = _code3(low, high, half, 2, DTYPE, MAGIC)
-    c3 = _code3(low, high, half, 3, DTYPE, MAGIC)
+    low = low.to(tl.int16)
+    # Block j's second half reads bit 2j + 1: one shift of the tile puts every block's bit at 2j.
+    high = high.to(tl.int16) >> (tl.arange(0, D // 4) >= D // 8).to(tl.int16)[None, :]
+    c0 = _code3(low, high, 0, DTYPE, MAGIC)
+    c1 = _code3(low, high, 1, DTYPE, MAGIC)
+    c2 = _code3(low, high, 2, DTYPE, MAGIC)
+    c3 = _code3(low, high, 3, DTYPE, MAGIC)
     return c0, c1, c2, c3
 
 
 @triton.jit
-def _code3(low, high, half, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-    codes = ((low >> (2 * J)) & 3) | (((high >> (2 * J + half)) & 1) << 2)
+def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """Block ``J``'s codes: bits ``2J, 2J + 1`` of ``low`` and bit ``2J`` of ``high`` moved to bit 2."""
+    if J == 0:
+        top = (high << 2) & 4
+    else:
+        top = (high >> (2 * J - 2)) & 4
+    codes = ((low >> (2 * J)) & 3) | top
     if MAGIC == 0:
         values = codes.to(DTYPE)
     else:
