@@ -175,7 +175,7 @@ def test_quantize_pack_falls_back_and_validates():
     with pytest.raises(ValueError, match="group_size"):
         quantize_pack(rows, 2, 40)
     with pytest.raises(ValueError, match="bit width"):
-        quantize_pack(rows, 3, 96)
+        quantize_pack(rows, 5, 96)
 
 
 @pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False)])
