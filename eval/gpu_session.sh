@@ -9,6 +9,8 @@
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
 # autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
 # (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s and multigpu-tests (both need 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s, quality (not timed yet),
+# threebit-tests ~200 s (3-bit write path, decode, static decoding, compiled), kernel-bits ~6 x 60 s (decode
+# attention at 100K, batches 1 and 8, keys at 2, 3 and 4 bits, head_dim 128 and 64),
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
 # /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
 # against the Triton stage 1).
@@ -37,6 +39,19 @@ for step in "$@"; do
         tests) run tests 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_static.py ;;
         tune) run tune 300 python3 eval/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
+        threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
+            tests/test_gluon_history.py tests/test_static.py tests/test_quant.py \
+            -k "int3 or k3v2 or 3bit or bit_exact or into_many or static_lengths or bit_widths or matches_reference" ;;
+        kernel-bits)  # decode attention at 100K by key bit width (V 2-bit), Triton stage 1 throughout, and the Gluon span's 2/2
+            one="--config eval/configs/bench_kernel.json --set contexts=[100000] --set batches=[1,8] --set methods=[\"oscar_triton\"]"
+            d64="--set shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":64}"
+            run kernel_k2_gluon 120 $bench $one --name kernel_k2_gluon
+            for k in 2 3 4; do
+                run kernel_k${k}_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set k_bits=$k --name kernel_k${k}_triton
+            done
+            for k in 2 3; do
+                run kernel_k${k}_d64 120 env OSCAR_DECODE_HISTORY=triton $bench $one $d64 --set k_bits=$k --name kernel_k${k}_d64
+            done ;;
         decode-graphs) run gpu_test_decode_graphs 150 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
         step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8
             for batch in 1 8; do

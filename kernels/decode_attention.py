@@ -3,7 +3,7 @@
 The key sequence of one layer is four tiers, in this order of positions:
 
 * ``sink``    dense rows ``[B, Hkv, S, D]`` (the first real tokens; with left padding some are pads),
-* history     packed INT2/INT4 codes ``[B, Hkv, L, D*bits/8]`` + scale/zero ``[B, Hkv, L, D/G]``,
+* history     packed INT2/INT3/INT4 codes ``[B, Hkv, L, D*bits/8]`` + scale/zero ``[B, Hkv, L, D/G]``,
               K and V with their own bit widths and groups (``oscar-k4v2``: K 4-bit, V 2-bit),
 * ``recent``  dense rows ``[B, Hkv, R, D]``,
 * ``new``     dense rows ``[B, Hkv, T, D]`` (the token being decoded, not stored yet).
@@ -23,7 +23,10 @@ into the same corrections. A first version dequantized each element in float32 (
 int-to-float conversion, a subtract, a multiply and a cast) and was bound by that arithmetic, not
 by memory. Byte ``c`` of a packed row holds dims ``c, c + D/k, ...`` (k codes per
 byte), so shift ``j`` of the byte tile is the column block ``j`` of the rows: every tile (q, K, V, the
-accumulator) is handled as k column blocks, and ``q·k`` as a sum of k dots. Only loads, shifts and
+accumulator) is handled as k column blocks, and ``q·k`` as a sum of k dots. 3-bit codes are 2-bit
+codes (their low bits, in that layout) plus a 1-bit plane of their high bits (byte ``c`` holding dims
+``c + i*D/8``): block ``j`` takes bits ``2j`` and ``2j + 1`` of the plane's bytes for its two halves,
+so they are handled as 4 column blocks too, each code assembled whole before its one dot. Only loads, shifts and
 ``tl.dot`` are used: a first version that rebuilt full-width tiles with ``tl.interleave`` passed in
 the interpreter but gave wrong results compiled on an H200 for some tile shapes.
 Each slot stores its running max ``m``, sum ``l`` and unnormalised accumulator ``acc`` (float32).
@@ -177,6 +180,52 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 
 
 @triton.jit
+def _load_code_blocks(C, c_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr,
+                      MAGIC: tl.constexpr, FREE: tl.constexpr, UNPACK: tl.constexpr):  # fmt: skip
+    """The column blocks of packed rows ``rows`` of one head (``C`` its row 0), as :func:`_code_blocks`."""
+    if BITS == 3:
+        DP: tl.constexpr = D // 4
+        columns = tl.arange(0, DP)
+        low = tl.load(C + rows[:, None] * c_n + columns[None, :], mask=valid[:, None], other=0)
+        # Both halves of a block read the same high-plane bytes (different bits): a [N, D/4] tile of them.
+        high = tl.load(C + rows[:, None] * c_n + DP + (columns % (D // 8))[None, :], mask=valid[:, None], other=0)
+        c0, c1, c2, c3 = _code_blocks3(low, high, D, DTYPE, MAGIC)
+    else:
+        raw = tl.load(C + rows[:, None] * c_n + tl.arange(0, D * BITS // 8)[None, :], mask=valid[:, None], other=0)
+        c0, c1, c2, c3 = _code_blocks(raw, BITS, DTYPE, MAGIC, FREE, UNPACK)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _code_blocks3(low, high, D: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """3-bit codes as 4 column blocks ``OFFSET + code`` (factor 1): ``low`` the 2-bit plane ``[N, D/4]``,
+    ``high`` the 1-bit plane's byte ``c % (D/8)`` at column ``c``."""
+    low = low.to(tl.int16)
+    # Block j's second half reads bit 2j + 1: one shift of the tile puts every block's bit at 2j.
+    high = high.to(tl.int16) >> (tl.arange(0, D // 4) >= D // 8).to(tl.int16)[None, :]
+    c0 = _code3(low, high, 0, DTYPE, MAGIC)
+    c1 = _code3(low, high, 1, DTYPE, MAGIC)
+    c2 = _code3(low, high, 2, DTYPE, MAGIC)
+    c3 = _code3(low, high, 3, DTYPE, MAGIC)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """Block ``J``'s codes: bits ``2J, 2J + 1`` of ``low`` and bit ``2J`` of ``high`` moved to bit 2."""
+    if J == 0:
+        top = (high << 2) & 4
+    else:
+        top = (high >> (2 * J - 2)) & 4
+    codes = ((low >> (2 * J)) & 3) | top
+    if MAGIC == 0:
+        values = codes.to(DTYPE)
+    else:
+        values = (codes | MAGIC).to(DTYPE, bitcast=True)
+    return values
+
+
+@triton.jit
 def _metadata(KS, ks_n, KZ, kz_n, K_GROUPS: tl.constexpr, VS, vs_n, VZ, vz_n, V_GROUPS: tl.constexpr, rows, end):
     """K's and V's ``scale`` and ``zero`` tiles ``[rows, groups]`` (0 from row ``end`` on)."""
     k_scales, k_zeros = _scale_zero(KS, ks_n, KZ, kz_n, rows, rows < end, K_GROUPS)
@@ -202,7 +251,8 @@ def _group_column(tile, GROUP: tl.constexpr, GROUPS: tl.constexpr):
 
 @triton.jit
 def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
-    return (J * D * BITS // 8) // (D // GROUPS)
+    """The group of column block ``J``'s dims (``4 // (BITS // 2)``: 4 blocks for 2- and 3-bit codes, 2 for 4)."""
+    return (J * D // (4 // (BITS // 2))) // (D // GROUPS)
 
 
 @triton.jit
@@ -227,7 +277,7 @@ def _packed_scores(
     that block's dot; ``scales`` and ``zeros`` are the keys' ``[rows, GROUPS]`` metadata. Each column
     block lies within one group (the dispatcher checks that groups are that wide).
     """
-    PARTS: tl.constexpr = 8 // BITS
+    PARTS: tl.constexpr = 4 // (BITS // 2)  # column blocks: 4 for 2- and 3-bit codes, 2 for 4-bit
     d0 = dot(q0, tl.trans(k0), INTERPRETED)
     d1 = dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
@@ -278,7 +328,7 @@ def _packed_span(
     HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
-    V_PARTS: tl.constexpr = 8 // V_BITS
+    V_PARTS: tl.constexpr = 4 // (V_BITS // 2)
     dtype = q0.dtype
     q0, q1 = _divided(q0, 0, K_BITS, K_FREE), _divided(q1, 1, K_BITS, K_FREE)
     q2, q3 = _divided(q2, 2, K_BITS, K_FREE), _divided(q3, 3, K_BITS, K_FREE)
@@ -296,15 +346,13 @@ def _packed_span(
         rows = block + tl.arange(0, BLOCK_N)
         valid = _key_valid(rows, end, MASK, position, HAS_MASK)
         ahead = _metadata(KS, ks_n, KZ, kz_n, K_GROUPS, VS, vs_n, VZ, vz_n, V_GROUPS, rows + BLOCK_N, end)
-        raw_k = tl.load(KC + rows[:, None] * kc_n + tl.arange(0, D * K_BITS // 8)[None, :], mask=valid[:, None], other=0)
-        k0, k1, k2, k3 = _code_blocks(raw_k, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
+        k0, k1, k2, k3 = _load_code_blocks(KC, kc_n, rows, valid, D, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
             q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, k_scales, k_zeros,
             D, K_BITS, K_GROUPS, INTERPRETED,
         )  # fmt: skip
         m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i)
-        raw_v = tl.load(VC + rows[:, None] * vc_n + tl.arange(0, D * V_BITS // 8)[None, :], mask=valid[:, None], other=0)
-        v0, v1, v2, v3 = _code_blocks(raw_v, V_BITS, dtype, MAGIC, V_FREE, V_UNPACK)
+        v0, v1, v2, v3 = _load_code_blocks(VC, vc_n, rows, valid, D, V_BITS, dtype, MAGIC, V_FREE, V_UNPACK)
         w0, sw0, sz0 = _value_weights(p, v_scales, v_zeros, _group_of(0, D, V_BITS, V_GROUPS), V_GROUPS, dtype,
                                       INTERPRETED)  # fmt: skip
         w1, sw1, sz1, w2, sw2, sz2, w3, sw3, sz3 = w0, sw0, sz0, w0, sw0, sz0, w0, sw0, sz0
@@ -410,9 +458,10 @@ def _decode_stage1_kernel(
         # sat behind the last dense program's work: 25.1 us against 24.9 at batch 1 and 100K, 14.1 against
         # 13.8 at 32K (eval/results/gluon_dense_trigger*.md).
         tl.extra.cuda.gdc_launch_dependents()
-    # K tiles (and q) split in as many column blocks as K codes per byte, V tiles (and acc) as V's.
-    K_PARTS: tl.constexpr = 8 // K_BITS
-    V_PARTS: tl.constexpr = 8 // V_BITS
+    # K tiles (and q) split in as many column blocks as K's codes unpack in (4 for 2- and 3-bit codes,
+    # 2 for 4-bit), V tiles (and acc) as V's.
+    K_PARTS: tl.constexpr = 4 // (K_BITS // 2)
+    V_PARTS: tl.constexpr = 4 // (V_BITS // 2)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     local = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -776,8 +825,10 @@ def _shift_free_blocks(bits: int, dtype: torch.dtype) -> int:
 
     Such a block's codes are masked where they are, without a shift: ``OFFSET + 2**(j*bits) * c``
     (:func:`_part_factor`). bf16 with 2-bit codes: blocks 0-2 of 4, a quarter fewer unpacking
-    instructions than shifting each block down.
+    instructions than shifting each block down. None for 3-bit codes, assembled from two planes.
     """
+    if bits == 3:
+        return 0
     return min(8 // bits, _CODE_MAGIC[dtype][2] // bits)
 
 
@@ -790,10 +841,10 @@ def _unpack_asm(bits: int, dtype: torch.dtype) -> str:
     ``j*bits`` for blocks outside the mantissa, :func:`_shift_free_blocks`) then yields two codes,
     the same values as :func:`_code_block`. Output element ``i`` depends on input byte ``i`` only, so
     the result does not depend on how the compiler lays the bytes out across threads and registers.
-    Empty (the portable path) for float32; the interpreter runs the portable path too.
+    Empty (the portable path) for float32 and for 3-bit codes; the interpreter runs the portable path too.
     """
     magic = _CODE_MAGIC[dtype][0]
-    if magic == 0:
+    if magic == 0 or bits == 3:
         return ""
     free, magic2 = _shift_free_blocks(bits, dtype), magic * 0x10001
     lines = [".reg .b32 lo, hi, t;", "prmt.b32 lo, $IN, 0, 0x1100;", "prmt.b32 hi, $IN, 0, 0x3322;"]
@@ -961,13 +1012,20 @@ def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits
         raise ValueError(f"key_mask has shape {tuple(key_mask.shape)}, expected [{batch}, {masked}]")
 
 
+def column_blocks(bits: int) -> int:
+    """Column blocks that ``bits``-bit codes unpack in: 4 for 2- and 3-bit codes, 2 for 4-bit."""
+    check_bits(bits)
+    return 2 if bits == 4 else 4
+
+
 def kernel_supports_decode(head_dim: int, k_bits: int = 2, v_bits: int = 2, k_groups: int = 1, v_groups: int = 1) -> bool:
-    """Tiles are column blocks of ``D * bits / 8`` dims: a power of two, at least 16 for ``tl.dot``, and
-    each within one quantization group (``groups`` per row, at most ``8 / bits``)."""
+    """Tiles are column blocks of ``D / column_blocks(bits)`` dims: a power of two, at least 16 for
+    ``tl.dot``, and each within one quantization group (``groups`` per row, at most that many blocks)."""
+    blocks = (column_blocks(k_bits), column_blocks(v_bits))
     return (
         is_power_of_two(head_dim)
-        and head_dim * min(k_bits, v_bits) // 8 >= 16
-        and all(is_power_of_two(g) and g <= 8 // bits for g, bits in ((k_groups, k_bits), (v_groups, v_bits)))
+        and head_dim // max(blocks) >= 16
+        and all(is_power_of_two(g) and g <= n for g, n in zip((k_groups, v_groups), blocks))
     )
 
 
@@ -1002,7 +1060,7 @@ def decode_attention(
         k_codes, v_codes: packed history ``uint8 [B, Hkv, L, D*bits/8]`` (the layout of
             :func:`oscar_hf.quant.pack`); ``L`` may be 0.
         k_scale, k_zero, v_scale, v_zero: ``[B, Hkv, L, D/G]`` per-group metadata (any float dtype).
-        k_bits, v_bits: 2 or 4 each.
+        k_bits, v_bits: 2, 3 or 4 each.
         sm_scale: score scale, ``1/sqrt(D)`` by default.
         key_mask: optional ``bool [B, S+L+R+T]``, True where a key may be attended (left-padding pads
             are False).

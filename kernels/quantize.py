@@ -8,7 +8,8 @@ One program loads ``BLOCK_N`` rows ``[BLOCK_N, D]`` in float32 and does, in regi
    bisection);
 2. per group of ``G`` channels, min/max (or max|x| when symmetric) -> float scale and zero-point;
 3. ``code = floor(x / scale + zero + 0.5)`` clamped to ``[0, 2^bits - 1]``;
-4. pack ``8 / bits`` codes per byte, byte ``c`` holding dims ``c, c + D/k, ...`` from the low bits up;
+4. pack ``8 / bits`` codes per byte, byte ``c`` holding dims ``c, c + D/k, ...`` from the low bits up
+   (3-bit codes: their low two bits so, then their high bits as a 1-bit plane, see :func:`oscar_hf.quant.pack`);
 5. store the codes and the scale/zero cast to the metadata dtype.
 
 Codes are bit-exact against the torch reference on the same device: the kernel uses the same float32
@@ -77,13 +78,13 @@ def _quantize_tile(
     x, clip_index, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     SYMMETRIC: tl.constexpr, RECIPROCAL: tl.constexpr,
 ):  # fmt: skip
-    """Float32 rows ``[BLOCK_N, D]`` -> (packed ``uint8 [BLOCK_N, D*BITS/8]``, scale, zero ``[BLOCK_N, D/G]``).
+    """Float32 rows ``[BLOCK_N, D]`` -> (packed ``uint8 [BLOCK_N, D*BITS/8]`` as two planes, scale, zero ``[BLOCK_N, D/G]``).
 
+    The planes are ``[BLOCK_N, D/4]`` low bits and ``[BLOCK_N, D/8]`` high bits for 3-bit codes; for
+    2 and 4 bits the first holds all the bytes and the second repeats it (unused).
     ``clip_index`` < 0 disables clipping (a constexpr or a runtime value).
     """
     NG: tl.constexpr = D // G
-    PER_BYTE: tl.constexpr = 8 // BITS
-    DP: tl.constexpr = D // PER_BYTE
     LEVELS: tl.constexpr = (1 << BITS) - 1
 
     if clip_index >= 0:
@@ -119,11 +120,23 @@ def _quantize_tile(
     codes = tl.floor(codes + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int32)
 
+    if BITS == 3:
+        packed = _pack_plane(codes & 3, BLOCK_N, D, 2)
+        high = _pack_plane(codes >> 2, BLOCK_N, D, 1)
+    else:
+        packed = _pack_plane(codes, BLOCK_N, D, BITS)
+        high = packed
+    return packed, high, scale, zero
+
+
+@triton.jit
+def _pack_plane(codes, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
+    """``WIDTH``-bit codes ``[BLOCK_N, D]`` (int32) packed ``8 / WIDTH`` to a byte ``[BLOCK_N, D*WIDTH/8]``."""
+    PER_BYTE: tl.constexpr = 8 // WIDTH
     # Row-major reshape puts dim j * DP + c at [j, c]: summing the shifted parts over j packs byte c.
-    parts = tl.reshape(codes, (BLOCK_N, PER_BYTE, DP))
-    shifts = tl.arange(0, PER_BYTE) * BITS
-    packed = tl.sum(parts << shifts[None, :, None], axis=1).to(tl.uint8)
-    return packed, scale, zero
+    parts = tl.reshape(codes, (BLOCK_N, PER_BYTE, D // PER_BYTE))
+    shifts = tl.arange(0, PER_BYTE) * WIDTH
+    return tl.sum(parts << shifts[None, :, None], axis=1).to(tl.uint8)
 
 
 @triton.jit
@@ -136,16 +149,22 @@ def _quantize_pack_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rows < n_rows
     x = tl.load(X + rows[:, None] * stride_x + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-    packed, scale, zero = _quantize_tile(x.to(tl.float32), CLIP_INDEX, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
-    _store_tile(packed, scale, zero, CODES + rows[:, None] * stride_codes, SCALE + rows[:, None] * stride_meta,
+    packed, high, scale, zero = _quantize_tile(x.to(tl.float32), CLIP_INDEX, BLOCK_N, D, G, BITS, SYMMETRIC,
+                                               RECIPROCAL)  # fmt: skip
+    _store_tile(packed, high, scale, zero, CODES + rows[:, None] * stride_codes, SCALE + rows[:, None] * stride_meta,
                 ZERO + rows[:, None] * stride_meta, valid, D, G, BITS, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
-def _store_tile(packed, scale, zero, CODES, SCALE, ZERO, valid, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                INTERPRETED: tl.constexpr):  # fmt: skip
-    """Store a tile's codes and metadata; ``CODES``/``SCALE``/``ZERO`` point at each row's start ``[BLOCK_N, 1]``."""
-    tl.store(CODES + tl.arange(0, D * BITS // 8)[None, :], packed, mask=valid[:, None])
+def _store_tile(packed, high, scale, zero, CODES, SCALE, ZERO, valid, D: tl.constexpr, G: tl.constexpr,
+                BITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Store a tile's codes (``high``: 3-bit codes' 1-bit plane, after the rest) and metadata;
+    ``CODES``/``SCALE``/``ZERO`` point at each row's start ``[BLOCK_N, 1]``."""
+    if BITS == 3:
+        tl.store(CODES + tl.arange(0, D // 4)[None, :], packed, mask=valid[:, None])
+        tl.store(CODES + D // 4 + tl.arange(0, D // 8)[None, :], high, mask=valid[:, None])
+    else:
+        tl.store(CODES + tl.arange(0, D * BITS // 8)[None, :], packed, mask=valid[:, None])
     groups = tl.arange(0, D // G)[None, :]
     tl.store(SCALE + groups, to_dtype(scale, SCALE.dtype.element_ty, INTERPRETED), mask=valid[:, None])
     tl.store(ZERO + groups, to_dtype(zero, ZERO.dtype.element_ty, INTERPRETED), mask=valid[:, None])
@@ -195,14 +214,14 @@ def _quantize_job(
     offsets = b * tl.load(job + 1) + h * tl.load(job + 2) + source_row * tl.load(job + 3)
     x = tl.load(src + offsets[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     clip_index = tl.load(job + 13).to(tl.int32)
-    packed, scale, zero = _quantize_tile(x, clip_index, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
+    packed, high, scale, zero = _quantize_tile(x, clip_index, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
 
     codes = tl.load(job + 4).to(tl.pointer_type(tl.uint8))
     codes_rows = b * tl.load(job + 5) + h * tl.load(job + 6) + target_row * tl.load(job + 7)
     meta_rows = b * tl.load(job + 10) + h * tl.load(job + 11) + target_row * tl.load(job + 12)
     scale_base = tl.load(job + 8).to(tl.pointer_type(META_DTYPE))
     zero_base = tl.load(job + 9).to(tl.pointer_type(META_DTYPE))
-    _store_tile(packed, scale, zero, codes + codes_rows[:, None], scale_base + meta_rows[:, None],
+    _store_tile(packed, high, scale, zero, codes + codes_rows[:, None], scale_base + meta_rows[:, None],
                 zero_base + meta_rows[:, None], valid, D, G, BITS, INTERPRETED)  # fmt: skip
 
 

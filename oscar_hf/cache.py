@@ -548,7 +548,7 @@ class OscarCache(Cache):
     Args:
         config: the model (or its config) this cache serves.
         method: a name from :data:`oscar_hf.config.METHODS` (``none``, ``naive-int2``, ``quarot-int2``,
-            ``oscar-int2``, ``int4``, ``oscar-k4v2``) or an :class:`OscarConfig`.
+            ``oscar-int2``, ``int4``, ``oscar-k4v2``, ``oscar-k3v2``) or an :class:`OscarConfig`.
         rotations: per-layer R_K/R_V, required by calibrated methods (``oscar-*``).
         max_cache_len: optional most tokens (prompt and generated) the cache will hold; the history is
             then allocated once at that size, as static decoding (:func:`oscar_hf.generate`) wants.

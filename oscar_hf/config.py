@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .quant import check_bits
+from .quant import check_bits, pack_unit
 
 ROTATION_KINDS = ("identity", "hadamard", "calibrated")
 
@@ -18,7 +18,7 @@ ROTATION_KINDS = ("identity", "hadamard", "calibrated")
 class TensorQuantConfig:
     """How one of K or V is quantized once it leaves the BF16 windows.
 
-    ``bits`` is 2 or 4; ``group_size`` ``None`` means one (scale, zero) per row (G = head_dim);
+    ``bits`` is 2, 3 or 4; ``group_size`` ``None`` means one (scale, zero) per row (G = head_dim);
     ``clip_ratio`` 0 disables clipping.
     """
 
@@ -31,11 +31,11 @@ class TensorQuantConfig:
         check_bits(self.bits)
         if not 0.0 <= self.clip_ratio <= 1.0:
             raise ValueError(f"{name}: clip_ratio must be in [0, 1], got {self.clip_ratio}")
-        group = self.group_of(head_dim)
-        if group <= 0 or head_dim % group or group % (8 // self.bits):
+        group, unit = self.group_of(head_dim), pack_unit(self.bits)
+        if group <= 0 or head_dim % group or group % unit:
             raise ValueError(
                 f"{name}: group_size {self.group_size} must be a positive divisor of head_dim {head_dim} "
-                f"and a multiple of {8 // self.bits}"
+                f"and a multiple of {unit}"
             )
 
     def group_of(self, head_dim: int) -> int:
@@ -115,6 +115,10 @@ METHODS: dict[str, OscarConfig] = {
     "int4": OscarConfig("int4", TensorQuantConfig(4), TensorQuantConfig(4), "hadamard"),
     "oscar-k4v2": OscarConfig(
         "oscar-k4v2", TensorQuantConfig(4), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
+    ),
+    # ~3 bits per element in the history at head_dim 64: K 3 + 32/64 = 3.5 bits, V 2.5.
+    "oscar-k3v2": OscarConfig(
+        "oscar-k3v2", TensorQuantConfig(3, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
     ),
 }
 

@@ -149,7 +149,8 @@ def bits_per_element(config: OscarConfig, context: int, head_dim: int, window_bi
     """BPE of ``config`` holding ``context`` tokens right after a prefill (``sink + recent`` high-precision tokens).
 
     Metadata bits come from ``config.metadata_dtype``; the paper's 2.28 at 128K is
-    ``bits_per_element(METHODS["oscar-int2"], 131072, 128)``.
+    ``bits_per_element(METHODS["oscar-int2"], 131072, 128)``. A history of ``oscar-k3v2`` at head_dim
+    64 takes (3 + 32/64 + 2 + 32/64) / 2 = 3.0 bits per element.
     """
     if not config.quantized:
         return float(window_bits)

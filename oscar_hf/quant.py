@@ -11,6 +11,10 @@ A *row* is one token of one KV head, ``head_dim`` values. Each row is split into
 
 Codes are computed with float32 scale/zero and stored with 16-bit metadata by default, as the
 reference's decode kernel reads them.
+
+2- and 4-bit codes pack ``8 / bits`` to a byte. 3-bit codes are stored as two bit planes, so that
+kernels unpack them with the same column blocks as 2-bit codes: the low two bits in the 2-bit
+layout (``D/4`` bytes), then the high bit in a 1-bit plane (``D/8`` bytes), ``3D/8`` bytes a row.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (2, 4)
+SUPPORTED_BITS = (2, 3, 4)
 SCALE_FLOOR = 1e-8
 
 
@@ -36,6 +40,13 @@ class QuantizedRows:
 def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"unsupported bit width {bits}: the cache quantizes to {SUPPORTED_BITS} bits")
+
+
+def pack_unit(bits: int) -> int:
+    """Dims a packed row (and a quantization group) must be a multiple of: the codes of one byte,
+    8 for 3-bit codes (one byte of their 1-bit plane)."""
+    check_bits(bits)
+    return 8 if bits == 3 else 8 // bits
 
 
 def clip_index(ratio: float, head_dim: int) -> int:
@@ -102,23 +113,39 @@ def dequantize(quantized: QuantizedRows, bits: int, group_size: int, dtype: torc
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``uint8`` codes ``[..., D]`` into ``[..., D * bits / 8]`` bytes.
 
-    Byte ``c`` holds dims ``c, c + D/k, c + 2D/k, ...`` (k = 8 / bits codes per byte) from the low
-    bits up: for INT2 that is the reference's "quartered" layout, which lets a kernel unpack k
-    contiguous ``[N, D/k]`` tiles.
+    For 2 and 4 bits, byte ``c`` holds dims ``c, c + D/k, c + 2D/k, ...`` (k = 8 / bits codes per
+    byte) from the low bits up: for INT2 that is the reference's "quartered" layout, which lets a
+    kernel unpack k contiguous ``[N, D/k]`` tiles. 3-bit codes are the 2-bit plane of their low bits
+    in that layout followed by the 1-bit plane of their high bits (byte ``c`` holding dims ``c,
+    c + D/8, ..., c + 7D/8``): ``code = low + 4 * high``.
     """
-    check_bits(bits)
-    per_byte = 8 // bits
-    if codes.shape[-1] % per_byte:
-        raise ValueError(f"head_dim {codes.shape[-1]} is not a multiple of {per_byte}")
-    parts = codes.unflatten(-1, (per_byte, codes.shape[-1] // per_byte))
-    packed = parts[..., 0, :].clone()
-    for j in range(1, per_byte):
-        packed |= parts[..., j, :] << (bits * j)
-    return packed
+    unit = pack_unit(bits)
+    if codes.shape[-1] % unit:
+        raise ValueError(f"head_dim {codes.shape[-1]} is not a multiple of {unit}")
+    if bits == 3:
+        return torch.cat([_pack_plane(codes & 3, 2), _pack_plane(codes >> 2, 1)], dim=-1)
+    return _pack_plane(codes, bits)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., D * bits / 8]`` bytes to ``uint8`` codes ``[..., D]``."""
     check_bits(bits)
-    mask = 2**bits - 1
-    return torch.cat([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1)
+    if bits == 3:
+        low, high = packed.split([packed.shape[-1] * 2 // 3, packed.shape[-1] // 3], dim=-1)
+        return _unpack_plane(low, 2) | (_unpack_plane(high, 1) << 2)
+    return _unpack_plane(packed, bits)
+
+
+def _pack_plane(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """``width``-bit codes ``[..., D]``, ``8 / width`` to a byte: byte ``c`` holds dims ``c, c + D/k, ...``."""
+    per_byte = 8 // width
+    parts = codes.unflatten(-1, (per_byte, codes.shape[-1] // per_byte))
+    packed = parts[..., 0, :].clone()
+    for j in range(1, per_byte):
+        packed |= parts[..., j, :] << (width * j)
+    return packed
+
+
+def _unpack_plane(packed: torch.Tensor, width: int) -> torch.Tensor:
+    mask = 2**width - 1
+    return torch.cat([(packed >> (width * j)) & mask for j in range(8 // width)], dim=-1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from oscar_hf import OscarCache, OscarConfig, RotationSet
+from oscar_hf import OscarCache, OscarConfig, RotationSet, TensorQuantConfig
 from oscar_hf.cache import OscarLayer
 from tests.conftest import forward, generate, tiny_model
 
@@ -76,7 +76,10 @@ def test_none_beam_search_with_several_returned_sequences_is_token_identical(tin
 
 
 # ----------------------------------------------------------------- quantized methods in generate
-@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "int4"])
+@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "int4",
+                                    pytest.param(OscarConfig("k3v2", TensorQuantConfig(3, clip_ratio=0.96),
+                                                             TensorQuantConfig(2, clip_ratio=0.92), "hadamard"),
+                                                 id="k3v2")])  # fmt: skip
 def test_quantized_methods_run_every_generate_feature(tiny, method):
     ids, mask = left_pad(prompts([9, 17, 30]))
     for kwargs in (

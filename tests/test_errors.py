@@ -33,8 +33,8 @@ def test_calibrated_method_without_rotations():
 
 
 def test_unsupported_bits():
-    with pytest.raises(ValueError, match="unsupported bit width 3"):
-        OscarCache(config(), OscarConfig(key=TensorQuantConfig(3), rotation="identity"))
+    with pytest.raises(ValueError, match="unsupported bit width 5"):
+        OscarCache(config(), OscarConfig(key=TensorQuantConfig(5), rotation="identity"))
     with pytest.raises(ValueError, match="both be quantized"):
         OscarCache(config(), OscarConfig(key=None, rotation="identity"))
 
@@ -50,6 +50,8 @@ def test_negative_windows(field):
 def test_bad_group_size_and_clip():
     with pytest.raises(ValueError, match="group_size 5"):
         OscarCache(config(), OscarConfig(key=TensorQuantConfig(group_size=5), rotation="identity"))
+    with pytest.raises(ValueError, match="group_size 4 .* multiple of 8"):  # 3-bit groups: whole 1-bit-plane bytes
+        OscarCache(config(), OscarConfig(key=TensorQuantConfig(3, group_size=4), rotation="identity"))
     with pytest.raises(ValueError, match="clip_ratio"):
         OscarCache(config(), OscarConfig(value=TensorQuantConfig(clip_ratio=1.5), rotation="identity"))
 

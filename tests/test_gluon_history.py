@@ -342,3 +342,19 @@ def test_the_history_kernel_choice(monkeypatch, choice, available, want):
             choose()
     else:
         assert choose() is want
+
+
+@pytest.mark.parametrize("k_bits, v_bits", [(3, 2), (4, 2), (3, 3)])
+def test_other_bit_widths_take_the_triton_history(monkeypatch, k_bits, v_bits):
+    """The span covers 2-bit K and V only: 3- and 4-bit keys go to the Triton stage 1 on the same shape."""
+    import types
+
+    from oscar_hf.kernels import decode_attention as kernels
+
+    monkeypatch.delenv("OSCAR_DECODE_HISTORY", raising=False)
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    monkeypatch.setattr(kernels, "_gluon_unavailable", lambda: None)
+    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 32, 128))
+    codes, scale = torch.empty(1, 8, 1000, 128 * k_bits // 8, dtype=torch.uint8), torch.empty(1, 8, 1000, 1)
+    assert kernels._gluon_history(q, codes, 2, 2, scale, scale, tuned=False)
+    assert not kernels._gluon_history(q, codes, k_bits, v_bits, scale, scale, tuned=False)

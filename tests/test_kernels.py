@@ -136,7 +136,7 @@ def test_cached_launches_follow_alignment_and_lengths():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("clip_ratio", [0.0, 0.5, 0.92])  # 0.5: bisection; 0.92: peeling (256: bisection)
 @pytest.mark.parametrize("groups", [1, 2])
@@ -175,10 +175,10 @@ def test_quantize_pack_falls_back_and_validates():
     with pytest.raises(ValueError, match="group_size"):
         quantize_pack(rows, 2, 40)
     with pytest.raises(ValueError, match="bit width"):
-        quantize_pack(rows, 3, 96)
+        quantize_pack(rows, 5, 96)
 
 
-@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True)])
+@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False)])
 def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
     """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
     monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
@@ -360,6 +360,11 @@ DECODE_CASES = {
     # block_n 0: the launcher's tiles (128 keys), here with a partial last tile
     "default-tiles-int2-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (2, 2), (1, 1)),
     "default-tiles-int4-head-dim-256": (1, 8, 2, 256, 4, 200, 5, 1, 0, 0, [1], (4, 4), (1, 1)),
+    # 3-bit codes: a 2-bit plane and a 1-bit plane, unpacked in 4 column blocks like 2-bit codes
+    "int3-keys-head-dim-64-padded": (2, 6, 2, 64, 5, 70, 9, 1, 2, 16, [0, 3], (3, 2), (1, 1)),
+    "int3-keys-default-tiles-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (3, 2), (1, 1)),
+    "int3-both-grouped-no-windows": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (3, 3), (2, 4)),
+    "int3-keys-int4-values-gqa8": (1, 16, 2, 128, 4, 100, 5, 1, 2, 16, [1], (3, 4), (4, 2)),
 }
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -497,19 +502,21 @@ def test_decode_attention_dispatcher_and_masked_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads", [
-    (40, 72, 5, 9, 3, [0, 3]),  # the ring wraps around its end
-    (0, 16, 0, 4, 1, None),  # nothing quantized yet
-    (33, 33, 8, 11, 0, [2, 0]),  # history at capacity, ring full (with the new row)
+@pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads, k_bits", [
+    (40, 72, 5, 9, 3, [0, 3], 2),  # the ring wraps around its end
+    (0, 16, 0, 4, 1, None, 2),  # nothing quantized yet
+    (33, 33, 8, 11, 0, [2, 0], 2),  # history at capacity, ring full (with the new row)
+    (40, 72, 5, 9, 3, [0, 3], 3),  # 3-bit keys
 ])  # fmt: skip
-def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads, dtype):
+def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads,
+                                                             k_bits, dtype):  # fmt: skip
     """Static decoding: history allocated at capacity, recent rows in a ring, lengths in a device tensor.
 
     The same keys laid out plainly give the reference; garbage fills every slot past the lengths and
     the new row's slot, which the call fills (the ring's lengths count the new row).
     """
     batch, sink, ring_size = 2, 4, 12
-    args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, 2, 2, pads=pads, seed=5)
+    args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, k_bits, 2, pads=pads, seed=5)
     q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
     want = decode_attention_reference(*args, sm_scale=0.125, **options)
 
@@ -529,20 +536,20 @@ def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, 
     sink_mask = None if options["key_mask"] is None else options["key_mask"][:, :sink].contiguous()
     for attend in (_static_kernel, _static_reference):
         static_rings = [ring.clone() for ring in rings]
-        got = attend(q, sink_k, sink_v, *static_packed, *static_rings, new_k, new_v, sink_mask, splits, lengths)
+        got = attend(q, sink_k, sink_v, *static_packed, *static_rings, new_k, new_v, sink_mask, splits, lengths, k_bits)
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
         for ring, new in zip(static_rings, (new_k, new_v)):
             assert torch.equal(ring[:, :, new_slot], new[:, :, 0])  # stored by the call
 
 
 def _static_kernel(*args):
-    *tensors, sink_mask, splits, lengths = args
-    return torch.ops.oscar.decode_attention(*tensors, sink_mask, 2, 2, 0.125, splits, 16, 0, 0, lengths)
+    *tensors, sink_mask, splits, lengths, k_bits = args
+    return torch.ops.oscar.decode_attention(*tensors, sink_mask, k_bits, 2, 0.125, splits, 16, 0, 0, lengths)
 
 
 def _static_reference(*args):
-    *tensors, sink_mask, _, lengths = args
-    return decode_attention_reference(*tensors, k_bits=2, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
+    *tensors, sink_mask, _, lengths, k_bits = args
+    return decode_attention_reference(*tensors, k_bits=k_bits, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
                                       lengths=lengths)  # fmt: skip
 
 
@@ -618,17 +625,23 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4)
 
 
-def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkeypatch):
+@pytest.mark.parametrize("method", ["quarot-int2", "k3v2"])
+def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkeypatch, method):
     """Static decoding (device lengths, ring, windowed demotion) through the kernels = the eager torch path.
 
     Compiled on a GPU this is also what a captured graph replays (tests/test_static.py captures one).
+    ``k3v2``: oscar-k3v2's 3-bit keys and 2-bit values, with Hadamard rotations.
     """
     import oscar_hf
     import oscar_hf.static
     from conftest import generate, tiny_model
 
-    from oscar_hf import OscarCache
+    from oscar_hf import METHODS, OscarCache
     from oscar_hf.compat import cache_keyword
+
+    formats = 1  # K and V rows of one format share a demotion launch
+    if method == "k3v2":
+        method, formats = METHODS["oscar-k3v2"].with_overrides(rotation="hadamard"), 2
 
     monkeypatch.setattr(oscar_hf.static, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
@@ -642,14 +655,14 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
                    return_dict_in_generate=True)  # fmt: skip
-    cache = OscarCache(model, "quarot-int2", sink=4, recent=8, block=2)
+    cache = OscarCache(model, method, sink=4, recent=8, block=2)
     with torch.no_grad():
         static = oscar_hf.generate(model, prompt, capture=False, **{cache_keyword(model): cache}, **options)
     monkeypatch.setattr(_triton, "ENABLED", False)
-    eager = generate(model, prompt, OscarCache(model, "quarot-int2", sink=4, recent=8, block=2, decode_graphs=False),
+    eager = generate(model, prompt, OscarCache(model, method, sink=4, recent=8, block=2, decode_graphs=False),
                      **options)  # fmt: skip
     assert launches.count("decode") == 11 * 2  # 11 static steps x 2 layers
-    assert launches.count("windowed") == 11  # one demotion launch per static step (most of them idle)
+    assert launches.count("windowed") == 11 * formats  # one demotion launch per static step and format (most idle)
     assert torch.equal(static.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(static.scores), torch.stack(eager.scores), atol=1e-4, rtol=1e-4)
 
@@ -660,7 +673,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
 @gpu_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits, symmetric, clip_ratio, groups", [(2, False, 0.96, 1), (2, False, 0.92, 2),
-                                                                   (4, False, 0.96, 1), (2, True, 0.0, 4)])  # fmt: skip
+                                                                   (4, False, 0.96, 1), (2, True, 0.0, 4),
+                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2)])  # fmt: skip
 def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, groups):
     rows = (torch.randn(8, 8, 4096, head_dim, device=DEVICE) * 3).bfloat16()
     group_size = head_dim // groups
@@ -674,5 +688,16 @@ def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, gr
 def test_decode_attention_large(batch, history, q_heads, kv_heads, head_dim):
     pads = [index * 7 % 64 for index in range(batch)]
     args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, pads=pads)
+    got = decode_attention(*args, **options)
+    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch, history", [(1, 100_000), (3, 4_099)])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64)])
+def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, head_dim):
+    pads = [index * 7 % 64 for index in range(batch)]
+    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
+                                   pads=pads)  # fmt: skip
     got = decode_attention(*args, **options)
     torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)

@@ -39,6 +39,21 @@ def test_a_real_128k_cache_reports_the_paper_bpe():
     assert summary["bf16_dynamic_cache_bytes"] == 131072 * 128 * 2 * 2
 
 
+def test_a_k3v2_history_takes_three_bits_per_element_at_head_dim_64():
+    """K at 3 + 32/64 bits, V at 2 + 32/64: 3.0 bits per history element, and a real cache stores that."""
+    assert bits_per_element(METHODS["oscar-k3v2"].with_overrides(sink=0, recent=0), 4096, 64) == 3.0
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_attention_heads": 1,
+                            "head_dim": 64, "hidden_size": 64})
+    cache = OscarCache(config, METHODS["oscar-k3v2"].with_overrides(rotation="hadamard"))
+    chunk = torch.randn(1, 1, 1000, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    cache.layers[0].update(chunk, chunk)
+    summary, history = cache.memory_report().summary(), cache.layers[0].history_length
+    assert history == 1000 - 320
+    # per token: K 24 code bytes (16 for the low 2-bit plane, 8 for the high bit plane), V 16; 2 x 4 metadata bytes
+    assert (summary["code_bytes"], summary["metadata_bytes"]) == (history * (24 + 16), history * 8)
+    assert summary["bits_per_element"] == pytest.approx(bits_per_element(cache.oscar_config, 1000, 64), abs=1e-4)
+
+
 def test_report_per_layer_and_markdown(tiny):
     cache = OscarCache(tiny, "naive-int2", sink=4, recent=8, block=2)
     forward(tiny, torch.randint(3, 200, (2, 40)), cache)

@@ -23,7 +23,7 @@ def rows_for(seed: int, head_dim: int, count: int = 8, scale: float = 1.0) -> to
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=SEEDS, head_dim=HEAD_DIMS, bits=st.sampled_from([2, 4]), scale=st.floats(1e-3, 1e3))
+@given(seed=SEEDS, head_dim=HEAD_DIMS, bits=st.sampled_from([2, 3, 4]), scale=st.floats(1e-3, 1e3))
 def test_asymmetric_error_is_at_most_half_a_step(seed, head_dim, bits, scale):
     rows = rows_for(seed, head_dim, scale=scale)
     q = quantize(rows, bits, head_dim, metadata_dtype=torch.float32)
@@ -74,7 +74,7 @@ def test_constant_rows_use_the_scale_floor_and_survive():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=SEEDS, head_dim=HEAD_DIMS, bits=st.sampled_from([2, 4]))
+@given(seed=SEEDS, head_dim=HEAD_DIMS, bits=st.sampled_from([2, 3, 4]))
 def test_pack_unpack_round_trip(seed, head_dim, bits):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (3, 5, head_dim), generator=g, dtype=torch.uint8)
@@ -90,6 +90,16 @@ def test_int2_uses_the_reference_quartered_layout():
     for c in range(d // 4):
         expected = codes[c] | codes[c + d // 4] << 2 | codes[c + d // 2] << 4 | codes[c + 3 * d // 4] << 6
         assert packed[c] == expected
+
+
+def test_int3_is_a_quartered_2bit_plane_then_a_1bit_plane():
+    d = 16
+    codes = torch.randint(0, 8, (d,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack(codes, 3)
+    assert packed.shape == (6,)
+    assert torch.equal(packed[:4], pack(codes & 3, 2))  # low bits: the INT2 layout
+    for c in range(d // 8):  # high bits: byte c holds dims c, c + D/8, ..., c + 7D/8 from bit 0 up
+        assert packed[4 + c] == sum(int(codes[c + j * d // 8] >> 2) << j for j in range(8))
 
 
 def test_int4_packs_dims_c_and_c_plus_half():
@@ -140,10 +150,12 @@ def test_metadata_dtype(dtype):
 
 
 def test_unsupported_bits_raise():
-    with pytest.raises(ValueError, match="unsupported bit width 3"):
-        quantize(torch.zeros(2, 16), 3, 16)
+    with pytest.raises(ValueError, match="unsupported bit width 5"):
+        quantize(torch.zeros(2, 16), 5, 16)
     with pytest.raises(ValueError, match="group_size"):
         quantize(torch.zeros(2, 16), 2, 5)
+    with pytest.raises(ValueError, match="multiple of 8"):  # 3-bit rows: whole bytes of the 1-bit plane
+        pack(torch.zeros(2, 12, dtype=torch.uint8), 3)
 
 
 def test_bit_budget():
@@ -151,3 +163,10 @@ def test_bit_budget():
     q = quantize(torch.randn(10, 128), 2, 128)
     bits = 8 * (q.codes.numel() + q.scale.numel() * 2 + q.zero.numel() * 2) / (10 * 128)
     assert math.isclose(bits, 2.25)
+
+
+def test_3bit_bit_budget():
+    # 3 bits per value + one 16-bit scale and zero per 64 channels = 3.5 bits per element
+    q = quantize(torch.randn(10, 64), 3, 64)
+    bits = 8 * (q.codes.numel() + q.scale.numel() * 2 + q.zero.numel() * 2) / (10 * 64)
+    assert math.isclose(bits, 3.5)

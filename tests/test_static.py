@@ -16,12 +16,15 @@ import torch
 import oscar_hf
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_keyword
+from oscar_hf.config import METHODS
 from oscar_hf.static import StaticDecoding
 from oscar_hf.storage import aligned_rows
 from tests.conftest import generate, tiny_model
 from tests.test_cache_contract import left_pad, prompts
 
 SMALL = dict(sink=4, recent=8, block=4)
+# oscar-k3v2's bit widths and clipping (3-bit K, 2-bit V) with Hadamard rotations: no calibration needed
+K3V2 = pytest.param(METHODS["oscar-k3v2"].with_overrides(rotation="hadamard"), id="k3v2")
 CUDA = torch.cuda.is_available()
 
 
@@ -47,7 +50,7 @@ def static_steps(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("method", ["quarot-int2", "int4", "naive-int2"])
+@pytest.mark.parametrize("method", ["quarot-int2", "int4", "naive-int2", K3V2])
 def test_static_greedy_is_token_identical_to_the_eager_cache(tiny, method, static_steps):
     ids, mask = left_pad(prompts([30, 26, 29]))  # pads stay in the sink: its mask is fixed when freezing
     want = generate(tiny, ids, OscarCache(tiny, method, **SMALL), attention_mask=mask, max_new_tokens=40)
@@ -259,7 +262,7 @@ def frozen(model, method="quarot-int2", **options):
     return OscarCache(model, method, decode_graphs=True, **{**SMALL, **options})
 
 
-@pytest.mark.parametrize("method", ["quarot-int2", "int4"])
+@pytest.mark.parametrize("method", ["quarot-int2", "int4", K3V2])
 def test_plain_generate_freezes_at_the_first_step_and_keeps_the_eager_tokens(tiny, method, static_steps):
     ids, mask = left_pad(prompts([30, 26, 29]))  # the sink's pads: its mask is taken from the step's mask
     want = generate(tiny, ids, OscarCache(tiny, method, **SMALL), attention_mask=mask, max_new_tokens=40)

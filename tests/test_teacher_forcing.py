@@ -83,7 +83,7 @@ def test_a_prefill_schedule_differs_from_decoding_every_token(tiny):
         teacher_forced_logits(tiny, ids, cache, prefill=40)
 
 
-@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "oscar-int2", "oscar-k4v2", "none"])
+@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "oscar-int2", "oscar-k4v2", "oscar-k3v2", "none"])
 def test_matches_token_by_token_decoding(tiny, method):
     rotations = RotationSet.hadamard(16, [0, 1]) if method.startswith("oscar") else None
     torch.manual_seed(0)
