@@ -71,7 +71,10 @@ def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
     if calibrated and rotations is None:
         raise SystemExit(f"oscar-hf demo: {', '.join(calibrated)} needs rotations calibrated for {args.model}: "
                          "pass --rotations DIR (see oscar-hf calibrate)")
-    model, tokenizer = _load(args)
+    try:
+        model, tokenizer = _load(args)
+    except OSError as error:  # transformers' "not a local folder nor a hub id"
+        raise SystemExit(f"oscar-hf demo: --model {args.model}: {error}") from None
     demo = run_demo(model, tokenizer, args.methods, rotations, args.max_new_tokens)
     print(json.dumps({**_environment(argv), **demo.to_dict()}) if args.json else format_demo(demo))
 

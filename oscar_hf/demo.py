@@ -217,6 +217,10 @@ def _answers(demo: Demo) -> list[str]:
     return lines
 
 
+def _size(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
 def _memory(demo: Demo) -> list[str]:
     width = 26
     lines = ["KV-cache memory as a GPU holds it (BF16 windows; none = an uncompressed BF16 cache):",
@@ -224,7 +228,7 @@ def _memory(demo: Demo) -> list[str]:
     for row in demo.memory_rows():
         label = f"{row['tokens']:,} ({'this prompt' if row['measured'] else 'projected'})"
         none = row["bytes"]["none"]
-        cells = [f"{size / 2**20:.1f} MiB" + ("" if method == "none" else f" ({none / size:.1f}x smaller)")
+        cells = [_size(size) + ("" if method == "none" else f" ({none / size:.1f}x smaller)")
                  for method, size in row["bytes"].items()]
         lines.append(f"  {label:>22}" + "".join(f"{cell:>{width}}" for cell in cells))
     return lines
