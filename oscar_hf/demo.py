@@ -1,4 +1,4 @@
-"""``oscar-hf demo``: the same long-prompt question answered with a BF16 cache and with OSCAR INT2."""
+"""``oscar-hf demo``: one long-prompt question answered with the uncompressed cache and with 2-bit ones, compared."""
 
 from __future__ import annotations
 
@@ -254,6 +254,7 @@ def _speed(demo: Demo) -> list[str]:
 def format_demo(demo: Demo) -> str:
     """The demo as a short report: both answers and whether they agree, KV memory, speed."""
     window = METHODS["oscar-int2"]
-    head = [f"Question about a {demo.prompt_tokens:,}-token document. The answer is in its middle; a 2-bit cache "
-            f"keeps only the first {window.sink} and last {window.recent} tokens uncompressed.", f"  {QUESTION}"]
+    head = [f"A {demo.prompt_tokens:,}-token prompt: a document, then this question. The answer is in the middle of "
+            f"the document; a 2-bit cache keeps only the first {window.sink} and last {window.recent} tokens "
+            "uncompressed.", f"  {QUESTION}"]
     return "\n".join(head + [""] + _answers(demo) + [""] + _memory(demo) + [""] + _speed(demo))
