@@ -59,22 +59,25 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
-    from .demo import demo_prompt, format_run, run_method
+    from .demo import format_demo, run_demo
 
-    model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
-    prompt = demo_prompt(tokenizer)
-    if not args.json:
-        print(f"Prompt: {prompt.shape[1]} tokens, model in {model.dtype}; question: the lighthouse keeper's dog "
-              "(the answer, Biscuit, is in the middle of the document, i.e. in the 2-bit history)\n")
-    runs = []
-    for method in args.methods:
-        run = run_method(model, tokenizer, prompt, method, rotations, args.max_new_tokens)
-        runs.append(run)
-        if not args.json:
-            print(format_run(run) + "\n")
-    if args.json:
-        print(json.dumps({**_environment(argv), "prompt_tokens": prompt.shape[1], "runs": [vars(r) for r in runs]}))
+    # every option is checked before the model loads
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"oscar-hf demo: --max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    try:
+        rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+    except (FileNotFoundError, ValueError) as error:  # (the zoo's RotationsNotFoundError included)
+        raise SystemExit(f"oscar-hf demo: rotations: {error}") from None
+    calibrated = [m for m in args.methods if METHODS[m].rotation == "calibrated"]
+    if calibrated and rotations is None:
+        raise SystemExit(f"oscar-hf demo: {', '.join(calibrated)} needs rotations calibrated for {args.model}: "
+                         "pass --rotations DIR (see oscar-hf calibrate)")
+    try:
+        model, tokenizer = _load(args)
+    except OSError as error:  # transformers' "not a local folder nor a hub id"
+        raise SystemExit(f"oscar-hf demo: --model {args.model}: {error}") from None
+    demo = run_demo(model, tokenizer, args.methods, rotations, args.max_new_tokens)
+    print(json.dumps({**_environment(argv), **demo.to_dict()}) if args.json else format_demo(demo))
 
 
 def cmd_eval_kl(args: argparse.Namespace, argv: list[str]) -> None:
@@ -275,9 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="answer a question about a ~1,500-token document with BF16 and OSCAR INT2")
+    demo = commands.add_parser("demo", help="answer a question about a ~1,500-token document with an uncompressed "
+                                            "and a 2-bit KV cache; compare answers, KV memory and speed")
     _add_model_options(demo)
-    demo.add_argument("--methods", type=_methods, default=["none", "oscar-int2"])
+    demo.add_argument("--methods", type=_methods, default=["oscar-int2"],
+                      help="caches to compare with the uncompressed one (none, always run first)")
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
     demo.set_defaults(handler=cmd_demo)

@@ -9,7 +9,7 @@ codes with one 16-bit scale and zero per 128 channels,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -45,6 +45,12 @@ class LayerMemory:
     @property
     def tokens(self) -> int:
         return self.sink_tokens + self.history_tokens + self.recent_tokens
+
+    def in_bf16(self) -> "LayerMemory":
+        """This layer with its windows (or dense K/V) held in BF16, as a GPU runs the model; codes and
+        metadata keep their own formats."""
+        return replace(self, dtype_bytes=BF16_BYTES, sink_bytes=self.sink_bytes * BF16_BYTES // self.dtype_bytes,
+                       recent_bytes=self.recent_bytes * BF16_BYTES // self.dtype_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -98,6 +104,16 @@ class MemoryReport:
         """How many times smaller than a DynamicCache in the model's dtype (equal to ``compression`` for BF16 models)."""
         dynamic = self.total("dynamic_bytes")
         return dynamic / self.total_bytes if self.total_bytes else float("nan")
+
+    def in_bf16(self) -> "MemoryReport":
+        """What the same cache stores with a BF16 model (see :meth:`LayerMemory.in_bf16`)."""
+        return MemoryReport(self.method, [layer.in_bf16() for layer in self.layers])
+
+    def projected_bytes(self, config: OscarConfig, tokens: int, head_dim: int) -> int:
+        """Bytes these layers would hold, in a BF16 model, right after a prefill of ``tokens`` tokens
+        with ``config``, at :func:`bits_per_element` (dense layers count as BF16 for every token)."""
+        bits = {"oscar": bits_per_element(config, tokens, head_dim), "dense": 8 * BF16_BYTES}
+        return round(sum(bits[layer.kind] * tokens * layer.elements_per_token for layer in self.layers) / 8)
 
     def summary(self) -> dict:
         """Totals as a JSON-ready dict."""

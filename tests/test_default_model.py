@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_hf import OscarCache
+from oscar_hf import METHODS, OscarCache
 from oscar_hf.cli import _rotations_for, main
 from oscar_hf.data import WIKITEXT2_TEST, data_dir
-from oscar_hf.demo import demo_prompt, run_method
+from oscar_hf.demo import PROJECTED_TOKENS, demo_prompt, first_difference, format_demo, run_demo, run_method
 from oscar_hf.evaluation import evaluate_methods
+from oscar_hf.memory import bits_per_element
 from oscar_hf.models import load_model
-from tests.conftest import generate
+from tests.conftest import generate, tiny_model
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -45,9 +46,15 @@ def test_answers_a_factual_question_with_oscar_int2(smollm):
 def test_retrieves_a_fact_from_the_int2_history(smollm):
     model, tokenizer, rotations = smollm
     prompt = demo_prompt(tokenizer)
+    # the demo's claim: the fact sits in the 2-bit history, past the sink and before the recent window
+    fact = tokenizer(" Biscuit", add_special_tokens=False)["input_ids"]
+    ids = prompt[0].tolist()
+    first = next(i for i in range(len(ids)) if ids[i : i + len(fact)] == fact)
+    config = METHODS["oscar-int2"]
+    assert config.sink < first < len(ids) - config.recent - len(fact)
     run = run_method(model, tokenizer, prompt, "oscar-int2", rotations, max_new_tokens=20)
     assert "Biscuit" in run.answer
-    assert run.memory["tokens"] > 1500 and run.memory["compression_vs_model_dtype"] > 3
+    assert run.memory.summary()["tokens"] == prompt.shape[1] and run.memory.compression_vs_dynamic > 3
 
 
 @pytest.mark.skipif(DATA is None, reason="needs the WikiText-2 test file (set OSCAR_HF_DATA_DIR)")
@@ -76,10 +83,36 @@ def test_cli_eval_kl_json(tmp_path, capsys):
 def test_cli_demo_json(capsys):
     main(["demo", "--json", "--max-new-tokens", "4"])
     result = json.loads(capsys.readouterr().out)
-    assert [r["method"] for r in result["runs"]] == ["none", "oscar-int2"]
-    none, oscar = (r["memory"] for r in result["runs"])
-    assert oscar["total_bytes"] < none["total_bytes"] / 3
+    none, oscar = result["runs"]
+    assert (none["method"], oscar["method"]) == ("none", "oscar-int2")
+    assert oscar["same_answer_as_none"] == (first_difference(none["answer"], oscar["answer"]) is None)
+    assert result["warmup_seconds"] == {}  # CPU: nothing compiles
     assert result["prompt_tokens"] > 1400 and all(r["decode_tokens_per_second"] > 0 for r in result["runs"])
+    # BF16 windows and baseline whatever the model dtype (float32 here): 30 layers x K,V x 3 heads x 64 x 2 bytes
+    rows = result["kv_memory_bf16"]
+    assert [row["tokens"] for row in rows] == [result["prompt_tokens"], *PROJECTED_TOKENS]
+    assert all(row["bytes"]["none"] == row["tokens"] * 30 * 2 * 3 * 64 * 2 for row in rows)
+    assert rows[0]["bytes"]["none"] / rows[0]["bytes"]["oscar-int2"] > 2.5
+    assert rows[-1]["bytes"]["none"] / rows[-1]["bytes"]["oscar-int2"] == pytest.approx(
+        16 / bits_per_element(METHODS["oscar-int2"], 128 * 1024, 64), rel=1e-6)
+
+
+def test_demo_report_with_a_warm_up(smollm):
+    """A random two-layer model with the default tokenizer: the report's parts, warm-up included."""
+    _, tokenizer, _ = smollm
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=None)
+    demo = run_demo(model, tokenizer, ["quarot-int2"], None, max_new_tokens=6, warm_up=True)
+    assert list(demo.warmup_seconds) == ["none", "quarot-int2"] and all(s > 0 for s in demo.warmup_seconds.values())
+    none, int2 = demo.runs
+    assert none.new_tokens == int2.new_tokens == 6 and int2.setup_seconds > 0 and int2.decode_tokens_per_second > 0
+    text = format_demo(demo)
+    same = first_difference(none.answer, int2.answer) is None
+    assert none.answer in text and int2.answer in text
+    assert ("Same answer as none: yes." if same else "Same answer as none: NO. Word") in text
+    assert "after a warm-up run of each cache" in text and "131,072 (projected)" in text
+    short = run_demo(model, tokenizer, ["quarot-int2"], None, max_new_tokens=1)
+    assert short.warmup_seconds == {} and short.runs[1].decode_tokens_per_second is None
+    assert "too few tokens to time decoding" in format_demo(short)
 
 
 def test_from_zoo_with_the_default_model_id(smollm):

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from oscar_hf import METHODS, OscarCache, bits_per_element
-from tests.conftest import TINY, forward
+from tests.conftest import TINY, forward, tiny_model
 
 
 def test_paper_bits_per_element():
@@ -81,3 +81,30 @@ def test_buffer_growth_is_geometric_but_its_unused_tail_is_bounded():
     assert buffer.length == 120_000 and buffer.data.shape[2] - buffer.length <= MAX_SLACK_ROWS
     expected = (torch.arange(6000) % 251).to(torch.uint8).repeat_interleave(20)  # regrowths kept every row
     assert torch.equal(buffer.view()[0, 0, :, 0], expected)
+
+
+def _prefilled_report(model, ids, method="naive-int2"):
+    cache = OscarCache(model, method, sink=4, recent=8, block=2)
+    forward(model, ids, cache)
+    return cache, cache.memory_report()
+
+
+def test_a_float32_report_in_bf16_is_what_a_bf16_model_stores():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 200, (2, 40))
+    _, fp32 = _prefilled_report(model, ids)
+    _, bf16 = _prefilled_report(model.to(torch.bfloat16), ids)
+    assert fp32.total_bytes > bf16.total_bytes  # float32 windows
+    assert fp32.in_bf16() == bf16 and bf16.in_bf16() == bf16
+
+
+@pytest.mark.parametrize("method", ["naive-int2", "none"])
+def test_projected_bytes_predict_a_longer_prefill(method):
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = torch.randint(3, 200, (1, 100))
+    cache, short = _prefilled_report(model, ids[:, :40], method)
+    _, long = _prefilled_report(model, ids, method)
+    for tokens, report in ((40, short), (100, long)):
+        assert short.projected_bytes(cache.oscar_config, tokens, 16) == report.total_bytes
+    if method == "none":
+        assert long.total_bytes == long.bf16_bytes
