@@ -84,7 +84,7 @@ def rotation_from_covariance(covariance: torch.Tensor, factors: str = "UHP") -> 
     """Eigendecompose a symmetric covariance in float64 and compose R; returns (R fp32, ascending eigenvalues fp32)."""
     if covariance.ndim != 2 or covariance.shape[0] != covariance.shape[1]:
         raise ValueError(f"covariance must be square, got shape {tuple(covariance.shape)}")
-    cov = covariance.to(torch.float64)
+    cov = covariance.to("cpu", torch.float64)  # eigh in float64 on the host, whatever device collected it
     eigenvalues, eigenvectors = torch.linalg.eigh((cov + cov.T) / 2)
     rotation = compose_rotation(eigenvectors, eigenvalues, factors)
     return rotation.to(torch.float32), eigenvalues.to(torch.float32)
