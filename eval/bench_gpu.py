@@ -353,6 +353,15 @@ def random_rotations(head_dim: int, layer_ids: list[int], seed: int = 0, kv_head
                        "random orthogonal (benchmark)")  # fmt: skip
 
 
+def model_rotations(model: PreTrainedModel, config: dict) -> RotationSet:
+    """The benchmark's rotations for ``model``: one per KV head when ``config["rotations"]`` is ``"per_kv_head"``."""
+    kind = config.get("rotations", "per_kv_head")
+    if kind not in ("per_kv_head", "per_layer"):
+        raise ValueError(f"rotations must be 'per_kv_head' or 'per_layer', got {kind!r}")
+    kv_heads = text_config(model).num_key_value_heads if kind == "per_kv_head" else None
+    return random_rotations(head_dim(model), full_attention_layers(model), config["seed"], kv_heads)
+
+
 def attention_for(cache_name: str) -> str:
     return "sdpa" if cache_name in BF16_CACHES else "oscar"
 
@@ -787,7 +796,7 @@ def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     reports each cache's median round: eager decoding is bound by host time, which drifted by 2x
     between device calls and would otherwise favour whichever cache ran in a fast stretch.
     """
-    rotations = random_rotations(head_dim(model), full_attention_layers(model), config["seed"])
+    rotations = model_rotations(model, config)
     run, rows = config["decode"], []
     rounds = run.get("rounds", 1)
     grid = [(c, b, r, k) for c in config["contexts"] for b in config["batches"] for r in range(rounds)
@@ -971,7 +980,7 @@ def profile_graph_step(model: PreTrainedModel, method: str, options: dict, conte
 
 
 def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
-    rotations = random_rotations(head_dim(model), full_attention_layers(model), config["seed"])
+    rotations = model_rotations(model, config)
     run, rows = {**config["decode"], "dtype": config["dtype"]}, []
     grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
     for context, batch, cache_name in tqdm(grid, desc=f"graph {name}"):
@@ -1143,7 +1152,7 @@ def max_batch_case(model: PreTrainedModel, cache_name: str, config: dict, rotati
 
 
 def memory_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
-    rotations = random_rotations(head_dim(model), full_attention_layers(model), config["seed"])
+    rotations = model_rotations(model, config)
     weights = tensor_bytes(model.parameters())
     report = config["report"]
     rows = []
@@ -1234,7 +1243,7 @@ def device_map_cases(config: dict, gpus: int) -> list[dict]:
         save_random_model(spec, Path(directory), "cuda:0", dtype)
         model = AutoModelForCausalLM.from_pretrained(directory, device_map="auto", dtype=dtype).eval()
     devices = sorted({str(p.device) for p in model.parameters()})
-    rotations = random_rotations(head_dim(model), full_attention_layers(model), config["seed"])
+    rotations = model_rotations(model, config)
     ids = random_tokens(model, part["batch"], part["context"] + 1)
     fill = synthetic_fill(model, part["batch"], part["context"], part["fill_chunk_rows"])
     for cache_name in tqdm(part["caches"], desc="device_map"):
