@@ -93,7 +93,7 @@ for step in "$@"; do
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
         timeline) run timeline 300 python3 eval/timeline_decode.py --out "$work" --batches 1,8 --tiles 1,2,3,4,5,6,7,8 ;;
-        timeline-32k)  # batch 1 at 32K: the span's programs and the three kernels' ends (session 26: the span is half a wave there)
+        timeline-32k)  # batch 1 at 32K: the span's programs and the three kernels' ends (the span is half a wave there)
             run timeline_32k 200 python3 eval/timeline_decode.py --out "$work/timeline_32k" --batches 1 --tiles 2 \
                 --context 32768 ;;
         merge)  # the merge's warps and tile (floats a program), whole call

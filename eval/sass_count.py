@@ -4,9 +4,9 @@
 
 No GPU is needed: Triton compiles the stage-1 kernel for ``GPUTarget("cuda", 90, 32)`` with the
 argument types and specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128,
-INT2 K and V, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The kernel is bound
-by instruction issue (``kernels/NOTES.md``), so warp-instructions per key are what a change to the
-history loop must lower; this measures them without device time.
+INT2 K and V, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's
+instructions, mostly integer unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``);
+this counts them without device time.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16 (sessions 10-11)
+    parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16
                         help="programs an SM for the span alone (default: as many as its registers fit)")
     parser.add_argument("--registers", default=str(REGISTERS), help="register caps of the span to time")
     parser.add_argument("--merge-tiles", default=str(MERGE_TILE),

@@ -19,16 +19,15 @@ row and group, dequantization is affine, so ``q·k = scale * (q·c - zero * sum(
 the weights ``p * scale`` with the codes minus one correction per head. Codes enter the dots as exact
 16-bit floats ``OFFSET + f * c`` built with one or two integer operations (:func:`_code_block`; ``f``
 a power of two for the blocks unpacked without a shift, q divided by it), and the offset is folded
-into the same corrections. A first version dequantized each element in float32 (an
-int-to-float conversion, a subtract, a multiply and a cast) and was bound by that arithmetic, not
-by memory. Byte ``c`` of a packed row holds dims ``c, c + D/k, ...`` (k codes per
+into the same corrections. Dequantizing each element in float32 instead (an int-to-float
+conversion, a subtract, a multiply and a cast) binds the kernel on that arithmetic, not on memory. Byte ``c`` of a packed row holds dims ``c, c + D/k, ...`` (k codes per
 byte), so shift ``j`` of the byte tile is the column block ``j`` of the rows: every tile (q, K, V, the
 accumulator) is handled as k column blocks, and ``q·k`` as a sum of k dots. 3-bit codes are 2-bit
 codes (their low bits, in that layout) plus a 1-bit plane of their high bits (byte ``c`` holding dims
 ``c + i*D/8``): block ``j`` takes bits ``2j`` and ``2j + 1`` of the plane's bytes for its two halves,
 so they are handled as 4 column blocks too, each code assembled whole before its one dot. Only loads, shifts and
-``tl.dot`` are used: a first version that rebuilt full-width tiles with ``tl.interleave`` passed in
-the interpreter but gave wrong results compiled on an H200 for some tile shapes.
+``tl.dot`` are used: full-width tiles rebuilt with ``tl.interleave`` pass in the interpreter but give
+wrong results compiled on an H200 for some tile shapes.
 Each slot stores its running max ``m``, sum ``l`` and unnormalised accumulator ``acc`` (float32).
 Stage 2 merges the slots with exact log-sum-exp weights: one softmax over the union of the tiers.
 """
@@ -691,7 +690,7 @@ def decode_attention_triton(
     # a KV head). Splits of each tier's own, none empty, were faster at batch 1 and 100K (24.5-24.6 us
     # against 24.7-24.8) but slower at 32K (14.6 against 13.8). There the span is half a wave (127 splits of
     # 4 tiles), so dense programs fit beside it, and without the empty ones the next call's span programs
-    # started up to 7.6 us late, not 2.0 (eval/results/gluon_trigger_first_own.md, gluon_dense_trigger*.md,
+    # started up to 7.6 us late, not 2.0 (eval/results/gluon_dense_trigger*.md,
     # timeline_decode_32k_*.md).
     dense_splits = max(1, cdiv(max(n_sink, n_recent, n_new), dense_tokens))
     programs_per_split = batch * kv_heads * head_blocks

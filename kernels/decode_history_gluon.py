@@ -6,7 +6,7 @@ and 162.4 instead of 281.7 at batch 8 (``eval/results/gluon_history_halves.md``)
 tiers (a Triton launch) and the merge follow it as programmatic dependent launches on Hopper, so they
 start in the span's tail.
 
-Why (``kernels/NOTES.md``, "Next steps"): the Triton tile lets ``tl.dot`` derive its layouts, which
+Why (``kernels/DESIGN.md``): the Triton tile lets ``tl.dot`` derive its layouts, which
 costs 4 heads padded to 16 MMA rows, codes that reach the MMA one byte at a time through shared
 memory, and ``p`` converted through shared memory. Here every layout is stated, and keys are the
 MMA's rows, so heads pad nothing (they are the MMA's 8 columns; with at most 4 query heads a KV
@@ -27,13 +27,12 @@ head, each tile's two halves of 32 keys share them, see PAIRS):
 * the tile is bound by the integer (ALU) pipe, which runs at half rate: unpacking is nearly all of
   it, so K's codes become int8 operands by masks alone (4 codes an instruction, bf16 took 2), and
   the bf16 conversions are single asm instructions (Triton 3.6: 819, then 735 instructions a tile
-  with bf16 scores; Nsight Compute then: ALU 51% busy, issue 48%, at 4 warps a scheduler). Since
-  then the tile's instructions fell to 619 (int8 scores, two halves) with little gain in time
-  (``kernels/NOTES.md``, sessions 19-20): what bounds it is dependency latency within each
+  with bf16 scores; Nsight Compute: ALU 51% busy, issue 48%, at 4 warps a scheduler). At 619
+  instructions (int8 scores, two halves) fewer instructions gain little time (``kernels/DESIGN.md``):
+  what bounds it is dependency latency within each
   one-warp program (Nsight Compute: Wait and Short Scoreboard stalls, under one eligible warp a
   scheduler) and the L1's data pipe, which shared-memory reads, shuffles and the staged copies share:
-  copies that read whole rows an instruction halved its wavefronts a tile and took ~7% off the call
-  (session 24).
+  copies that read whole rows an instruction halve its wavefronts a tile.
 
 ``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
 registers, the instructions of its loop and those before it (``eval/sass_count.py``'s compile
@@ -125,8 +124,8 @@ META_PAIRS: gl.constexpr = gl.DistributedLinearLayout(
 # Shared-memory staging of the next tile (PIPELINE). Copies read whole rows an instruction: K, 8 bytes
 # a lane over 8 consecutive rows (256 bytes); V, 4 bytes a lane over rows k, k + 1, k + 8 and k + 9.
 # Copies in the read layouts took a quarter or an eighth of each row an instruction, across 4 to 8
-# lines, which kept the L1's data pipe ~62-79% busy (Nsight Compute, session 20) and cost ~7% of the
-# call (kernels/NOTES.md, session 24).
+# lines, which kept the L1's data pipe ~62-79% busy (Nsight Compute) and cost ~7% of the call
+# (kernels/DESIGN.md).
 COPY_K: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [8, 0], [16, 0], [32, 0]],
     lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
