@@ -151,7 +151,7 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         raise ValueError(f"variant {label!r}: refine starts from the clip search's rotations; set clip_search too")
     rotations = None
     if "rotations" in variant:
-        rotations = resolve_rotations(model, variant["rotations"])
+        rotations = resolve_rotations(model, variant["rotations"], method=config)
     elif "calibration" in variant:
         covariances, batches = calibrations[variant["calibration"]]
         search = variant.get("clip_search")

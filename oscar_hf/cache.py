@@ -624,6 +624,8 @@ class OscarCache(Cache):
         ``rotations`` is ``"default"`` (bundled for the model), a local directory (ours or the
         official RotationZoo layout), or a hub repo id; hub options (``revision``, ``subfolder``,
         ``calibration``, ...) go through ``kwargs``, cache options (``sink``, ``recent``, ...) too.
+        A method with ``shared_rotations`` (``oscar-int2-paper``) takes a folder's shared rotations and
+        the bundled set made without the clip search.
         """
         from .zoo import ZOO_OPTIONS, resolve_rotations
 
@@ -633,7 +635,7 @@ class OscarCache(Cache):
             model = load_config(model)
             model._attn_implementation = ATTENTION_NAME
         zoo_options = {k: kwargs.pop(k) for k in list(kwargs) if k in ZOO_OPTIONS}
-        return cls(model, method, rotations=resolve_rotations(model, rotations, **zoo_options), **kwargs)
+        return cls(model, method, rotations=resolve_rotations(model, rotations, method=method, **zoo_options), **kwargs)
 
     @property
     def values_prerotated(self) -> bool:
@@ -660,6 +662,11 @@ class OscarCache(Cache):
             raise ValueError(
                 f"method {config.method!r} uses calibrated rotations: pass rotations= "
                 "(OscarCache.from_zoo(...), oscar_hf.zoo.from_pretrained(...) or oscar_hf.calibration.calibrate(...))"
+            )
+        if config.shared_rotations and rotations.per_head:
+            raise ValueError(
+                f"method {config.method!r} uses one rotation per layer, but these rotations are per KV head; "
+                "load the shared ones (per_head=False, or --shared-rotations) or use 'oscar-int2'"
             )
         rotations.check_model(head_dim, layer_ids, kv_heads)
         missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]

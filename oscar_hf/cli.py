@@ -21,17 +21,27 @@ from .rotations import RotationSet
 logger = get_logger(__name__)
 
 
-def _rotations_for(model_name: str, rotations_dir: str | None, shared: bool = False) -> RotationSet | None:
+# Every method but the paper's recipe, whose bundled rotations differ: one command's default methods.
+ONE_RECIPE_METHODS = [m for m, config in METHODS.items() if not config.shared_rotations]
+
+
+def _rotations_for(model_name: str, rotations_dir: str | None, shared: bool = False,
+                   methods: list[str] = ()) -> RotationSet | None:  # fmt: skip
     """Rotations from ``--rotations`` (its per-KV-head ones where it has them, unless ``shared``), else the
-    ones bundled for the default model, else none."""
+    set bundled for the default model that ``methods`` use (clip-searched, or the paper's), else none."""
     from .models import DEFAULT_MODEL
-    from .zoo import DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained
+    from .zoo import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained
 
     if rotations_dir:
         return from_pretrained(rotations_dir, per_head=False if shared else None)
-    if model_name == DEFAULT_MODEL:
-        return from_pretrained(bundled_rotations_dir(DEFAULT_ROTATIONS))
-    return None
+    if model_name != DEFAULT_MODEL:
+        return None
+    recipes = {METHODS[m].shared_rotations for m in methods if METHODS[m].rotation == "calibrated"}
+    if len(recipes) > 1:
+        raise SystemExit("oscar-int2-paper uses the default model's bundled rotations made without the clip search, "
+                         "the other calibrated methods the clip-searched ones: run them in separate commands, or "
+                         "pass --rotations DIR")
+    return from_pretrained(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS if True in recipes else DEFAULT_ROTATIONS))
 
 
 def _methods(text: str) -> list[str]:
@@ -65,7 +75,7 @@ def cmd_demo(args: argparse.Namespace, argv: list[str]) -> None:
     if args.max_new_tokens < 1:
         raise SystemExit(f"oscar-hf demo: --max-new-tokens must be at least 1, got {args.max_new_tokens}")
     try:
-        rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+        rotations = _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
     except (FileNotFoundError, ValueError) as error:  # (the zoo's RotationsNotFoundError included)
         raise SystemExit(f"oscar-hf demo: rotations: {error}") from None
     calibrated = [m for m in args.methods if METHODS[m].rotation == "calibrated"]
@@ -84,7 +94,7 @@ def cmd_eval_kl(args: argparse.Namespace, argv: list[str]) -> None:
     from .evaluation import evaluate_methods, scores_to_markdown
 
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
     text = Path(args.text).read_text(encoding="utf-8")
     token_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     scores = evaluate_methods(
@@ -108,7 +118,7 @@ def cmd_memory(args: argparse.Namespace, argv: list[str]) -> None:
     from .demo import filled_context, prefill_report
 
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
     ids = filled_context(tokenizer, args.tokens, Path(args.text) if args.text else None)
     reports = [prefill_report(model, ids, method, rotations) for method in args.methods]
     if args.json:
@@ -144,7 +154,7 @@ def cmd_eval_tasks(args: argparse.Namespace, argv: list[str]) -> None:
 
     folder = _data_folder(args.data_dir) if args.data_dir else data_dir()  # neither: the public datasets
     model, tokenizer = _load(args)
-    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
     summary = run_tasks(
         model, tokenizer, methods=args.methods, tasks=args.tasks, seeds=args.seeds, out_dir=args.out,
         limit=args.limit, data_dir=folder, max_gen_toks=args.max_gen_toks, temperature=args.temperature,
@@ -188,7 +198,7 @@ def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
         if args.needles < 1 or args.max_new_tokens < 1:
             raise NeedleError("--needles and --max-new-tokens must be at least 1")
         model, tokenizer = _load(args)
-        rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+        rotations = _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
         haystack = Haystack(tokenizer, read_haystack(files))
         seeds = list(range(args.seed, args.seed + args.needles))
         trials = run_niah(model, tokenizer, haystack, args.methods, args.lengths, args.depths, seeds, rotations,
@@ -228,7 +238,7 @@ def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
     limit = model_context(model)
     if limit is not None and args.ctx > limit:
         raise SystemExit(f"oscar-hf eval kl-curve: --ctx {args.ctx} exceeds the model's context of {limit} tokens")
-    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations)
+    rotations = _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
     token_ids = tokenizer(text_path.read_text(encoding="utf-8"), return_tensors="pt",
                           add_special_tokens=False)["input_ids"][0]
     if token_ids.numel() < args.ctx:
@@ -249,9 +259,10 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
     from .calibrate_command import format_summary, run_calibration
 
     if args.clip_search and (args.objective != "qqt_sst" or args.factors != "UHP"):
-        raise SystemExit("--clip-search chooses between U·H·P and H·P itself; leave --objective and --factors alone")
+        raise SystemExit("the clip search chooses between U·H·P and H·P itself: add --no-clip-search to pick "
+                         "--objective and --factors")
     if args.refine and not args.clip_search:
-        raise SystemExit("--refine starts from the clip search's rotations and ratios; add --clip-search")
+        raise SystemExit("--refine starts from the clip search's rotations and ratios; drop --no-clip-search")
     model, tokenizer = _load(args)
     _, summary = run_calibration(args, model, tokenizer, argv)
     print(json.dumps({**_environment(argv), **summary}) if args.json else format_summary(summary))
@@ -300,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     niah = evaluate.add_parser("niah", help="needle in a haystack: retrieve a 7-digit number at several depths and lengths")
     _add_model_options(niah)
-    niah.add_argument("--methods", type=_methods, default=list(METHODS))
+    niah.add_argument("--methods", type=_methods, default=ONE_RECIPE_METHODS)
     niah.add_argument("--lengths", type=_arg(parse_lengths), default=[2048, 4096],
                       help="prompt lengths in tokens, e.g. 2K,4K,8176 (prompt + new tokens must fit the context)")
     niah.add_argument("--depths", type=_arg(parse_depths), default=[0.0, 25.0, 50.0, 75.0, 100.0],
@@ -322,12 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     curve.add_argument("--ctx", type=int, default=8192, help="window length: the curve runs up to it")
     curve.add_argument("--windows", type=int, default=2)
     curve.add_argument("--bucket", type=int, default=256, help="positions averaged per point")
-    curve.add_argument("--methods", type=_methods, default=list(METHODS))
+    curve.add_argument("--methods", type=_methods, default=ONE_RECIPE_METHODS)
     _add_report_options(curve, cmd_eval_kl_curve, "eval/results/kl_curve_default")
 
     tasks = evaluate.add_parser("tasks", help="accuracy on reasoning/code tasks through lm-eval (the paper's Table 2)")
     _add_model_options(tasks)
-    tasks.add_argument("--methods", type=_methods, default=list(METHODS))
+    tasks.add_argument("--methods", type=_methods, default=ONE_RECIPE_METHODS)
     tasks.add_argument("--tasks", type=_tasks, default=["aime25", "gpqa_diamond", "math500", "gsm8k", "humaneval"],
                        help="short task names: the YAMLs in oscar_hf/tasks (and --task-dir)")
     tasks.add_argument("--limit", type=int, help="first N examples of each task")
@@ -352,10 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="text files (documents) and/or .jsonl files (one prompt or chat per line), read in place")
     calibrate.add_argument("--tokens", type=int, default=20000, help="calibration token budget")
     calibrate.add_argument("--out", required=True, help="directory to write the rotations to")
-    calibrate.add_argument("--clip-search", action="store_true",
-                           help="choose each layer's clip ratios and rotation variant by attention-output error")
+    calibrate.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=True,
+                           help="choose each layer's clip ratios and rotation variant (U·H·P or H·P) by attention-output "
+                                "error, the recipe oscar-int2 is best with (default); --no-clip-search: plain "
+                                "--factors rotations and the fixed clips, the paper's recipe (oscar-int2-paper)")
     calibrate.add_argument("--refine", action="store_true",
-                           help="after --clip-search, fit each R_K/R_V on the orthogonal group to the quantized "
+                           help="after the clip search, fit each R_K/R_V on the orthogonal group to the quantized "
                                 "attention-output error and search its clip ratio again (slower)")
     calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
     calibrate.add_argument("--seq-len", type=int, default=2048)

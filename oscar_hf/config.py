@@ -50,7 +50,9 @@ class OscarConfig:
     this, for both). ``sink`` first real tokens and the last ``recent`` (up to ``recent + block - 1``)
     tokens stay in high precision; the window is demoted ``block`` tokens at a time. With
     ``layer_clip``, per-layer clip ratios stored with calibrated rotations replace the fixed ratio
-    of every tensor the method clips.
+    of every tensor the method clips. ``shared_rotations`` asks for the reference implementation's
+    rotations: one per layer for all its KV heads, and, from a bundled set, the one made without
+    the clip search.
     """
 
     method: str = "custom"
@@ -63,6 +65,7 @@ class OscarConfig:
     metadata_dtype: torch.dtype = torch.bfloat16
     check_finite: bool = False
     layer_clip: bool = True
+    shared_rotations: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -101,7 +104,7 @@ class OscarConfig:
         return replace(self, **overrides)
 
 
-K_CLIP, V_CLIP = 0.96, 0.92
+K_CLIP, V_CLIP = 0.96, 0.92  # the reference implementation's fixed clip ratios
 
 METHODS: dict[str, OscarConfig] = {
     "none": OscarConfig("none", key=None, value=None, rotation="identity"),
@@ -109,8 +112,15 @@ METHODS: dict[str, OscarConfig] = {
         "naive-int2", TensorQuantConfig(2, symmetric=True), TensorQuantConfig(2, symmetric=True), "identity"
     ),
     "quarot-int2": OscarConfig("quarot-int2", TensorQuantConfig(2), TensorQuantConfig(2), "hadamard"),
+    # The best 2-bit recipe: with clip-searched rotations (the bundled sets, `oscar-hf calibrate`)
+    # each layer takes its searched clip ratios; with per-KV-head rotations, one per head.
     "oscar-int2": OscarConfig(
         "oscar-int2", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
+    ),
+    # The paper's recipe, to reproduce its numbers: one U·H·P rotation per layer, fixed clips.
+    "oscar-int2-paper": OscarConfig(
+        "oscar-int2-paper", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP),
+        "calibrated", layer_clip=False, shared_rotations=True,
     ),
     "int4": OscarConfig("int4", TensorQuantConfig(4), TensorQuantConfig(4), "hadamard"),
     "oscar-k4v2": OscarConfig(

@@ -143,7 +143,7 @@ class OscarLM(HFLM):
         id) or the set bundled for this model, checked against it (:func:`oscar_hf.zoo.resolve_rotations`)."""
         if METHODS[self.method].rotation != "calibrated":
             return None
-        return resolve_rotations(self.model, rotations if rotations is not None else "default")
+        return resolve_rotations(self.model, rotations if rotations is not None else "default", method=self.method)
 
     # ---------------------------------------------------------------------------------- caches
     def new_cache(self) -> OscarCache:

@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .cache import head_dim_of, kv_heads_of
+from .config import OscarConfig, resolve_method
 from .log import get_logger
 from .rotations import RotationSet
 
@@ -52,7 +53,8 @@ FORMAT = "oscar-hf-rotations"
 FORMAT_VERSION = 1
 TENSORS_FILE = "rotations.safetensors"
 CONFIG_FILE = "config.json"
-DEFAULT_ROTATIONS = "smollm2-135m-instruct"
+DEFAULT_ROTATIONS = "smollm2-135m-instruct"  # clip-searched: what oscar-int2 is best with
+DEFAULT_PAPER_ROTATIONS = "smollm2-135m-instruct-paper"  # U·H·P, fixed clips: oscar-int2-paper
 ROTATION_ZOO = "Zhongzhu/OSCAR-RotationZoo"
 OFFICIAL_KEY_FILE = "k_rotation_qqt_r_h_pbr.pt"
 OFFICIAL_VALUE_FILE = "v_rotation_sst_r_h_pbr.pt"
@@ -607,6 +609,7 @@ def resolve_rotations(
     cache_dir: str | Path | None = None,
     calibration: str | None = None,
     per_head: bool | None = None,
+    method: str | OscarConfig = "oscar-int2",
 ) -> RotationSet:
     """The rotations ``rotations`` names, checked against ``model``.
 
@@ -620,11 +623,17 @@ def resolve_rotations(
         subfolder, revision, local_files_only, cache_dir: as in :func:`from_pretrained`.
         calibration: RotationZoo calibration tag, e.g. ``"seq20000_prompt83_group128"``.
         per_head: which rotations of a folder to take, as in :func:`from_pretrained`.
+        method: the cache method the rotations are for. One with ``shared_rotations``
+            (``oscar-int2-paper``) takes a folder's shared rotations (unless ``per_head`` says otherwise)
+            and the bundled set made without the clip search; the others the clip-searched one.
 
     Raises:
         ValueError: no bundled set fits the model, the zoo folder cannot be determined, or the
             rotations' head_dim, KV heads or layers differ from the model's full-attention layers.
     """
+    shared = resolve_method(method).shared_rotations
+    if shared and per_head is None:
+        per_head = False
     config = _model_config(model)
     hub = {"revision": revision, "local_files_only": local_files_only, "cache_dir": cache_dir}
     if isinstance(rotations, RotationSet):
@@ -632,7 +641,7 @@ def resolve_rotations(
     elif isinstance(rotations, str) and rotations == _BUNDLED_KEYWORD:
         if subfolder is not None or revision is not None or calibration is not None:
             raise ValueError("subfolder, revision and calibration apply to a directory or hub repo, not to 'default'")
-        name = _bundled_for(config)
+        name = _bundled_for(config, searched=not shared)
         resolved, source = from_pretrained(bundled_rotations_dir(name), per_head=per_head), f"the bundled set {name!r}"
     else:
         if subfolder is None:
@@ -719,9 +728,10 @@ def _bundled_sets() -> dict[str, dict[str, Any]]:
     }
 
 
-def _bundled_for(config: PretrainedConfig) -> str:
-    """The bundled set made for this model: by name (hub id or folder name), else by architecture signature."""
-    sets = _bundled_sets()
+def _bundled_for(config: PretrainedConfig, searched: bool = True) -> str:
+    """The bundled set made for this model (with or without the clip search): by name (hub id or folder
+    name), else by architecture signature."""
+    sets = {n: c for n, c in _bundled_sets().items() if _clip_searched(c) == searched}
     name = _model_name(config)
     by_name = [n for n, c in sets.items() if _same_model(name, c.get("model_id"))]
     if by_name:
@@ -738,6 +748,11 @@ def _bundled_for(config: PretrainedConfig) -> str:
             "e.g. OscarCache.from_zoo(model, oscar_hf.zoo.bundled_rotations_dir(NAME))"
         )
     raise ValueError(_no_bundled_message(name, signature, sets))
+
+
+def _clip_searched(config: dict[str, Any]) -> bool:
+    """Whether a set's config records per-layer clips from the clip search (else the fixed ratios)."""
+    return not isinstance(config.get("clip"), dict)
 
 
 def _same_model(name: str, model_id: str | None) -> bool:

@@ -24,6 +24,7 @@ from oscar_hf.calibration import CALIBRATION_ATTENTION, calibrate, collect_covar
 from oscar_hf.rotations import RotationSet, check_orthogonal, rotation_from_covariance
 from oscar_hf.zoo import (
     CONFIG_FILE,
+    DEFAULT_PAPER_ROTATIONS,
     DEFAULT_ROTATIONS,
     TENSORS_FILE,
     bundled_rotations_dir,
@@ -330,10 +331,13 @@ def test_metadata_cannot_override_format_keys(tmp_path) -> None:
         save_pretrained(random_rotation_set([0]), tmp_path, {"head_dim": 3})
 
 
-def test_bundled_default_rotations_load() -> None:
-    path = bundled_rotations_dir(DEFAULT_ROTATIONS)
-    assert path.parts[-4:] == ("oscar_hf", "assets", "rotations", "smollm2-135m-instruct")
+@pytest.mark.parametrize("name, composition", [(DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)"),
+                                               (DEFAULT_PAPER_ROTATIONS, "r_h_pbr")])
+def test_bundled_default_rotations_load(name: str, composition: str) -> None:
+    path = bundled_rotations_dir(name)
+    assert path.parts[-4:] == ("oscar_hf", "assets", "rotations", name)
     rotations = from_pretrained(path)  # also checks every rotation is orthogonal
     config = load_rotation_config(path)
     assert rotations.head_dim == 64 and sorted(rotations.key) == sorted(rotations.value) == list(range(30))
-    assert config["objective"] == "qqt_sst" and config["composition"] == "r_h_pbr" and config["tokens"] == 20000
+    assert config["objective"] == "qqt_sst" and config["composition"] == composition and config["tokens"] == 20000
+    assert config["command"].startswith("oscar-hf calibrate --model default --data ../shared/data/gutenberg_books/")

@@ -76,7 +76,7 @@ def test_calibrate_command_on_the_default_model(tmp_path, capsys):
     data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
     out = tmp_path / "rotations"
     main(["calibrate", "--model", "default", "--data", str(data), "--tokens", "1200", "--seq-len", "600",
-          "--clip-search", "--out", str(out), "--json"])
+          "--out", str(out), "--json"])  # the clip search is the default
     summary = json.loads(capsys.readouterr().out)
     assert summary["out"] == str(out) and summary["layers"] == 30 and summary["tokens"] == 1200
     assert len(summary["per_layer"]) == 30 and "key" in summary["per_layer"][0]

@@ -93,8 +93,9 @@ def test_bad_kind_is_refused(setup):
 def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
     from oscar_hf.cli import main
 
-    with pytest.raises(SystemExit, match="add --clip-search"):
-        main(["calibrate", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"), "--refine"])
+    with pytest.raises(SystemExit, match="drop --no-clip-search"):
+        main(["calibrate", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"), "--refine",
+              "--no-clip-search"])
 
 
 @pytest.mark.slow

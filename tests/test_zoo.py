@@ -199,7 +199,7 @@ def test_clip_tensors_may_be_0d_but_not_longer(tmp_path) -> None:
 
 
 def test_bundled_artifact_without_clip_tensors_still_loads() -> None:
-    rotations = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    rotations = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
     assert rotations.head_dim == 64 and len(rotations.key) == 30 and rotations.key_clip == {} == rotations.value_clip
 
 
@@ -653,3 +653,44 @@ def test_resolve_rotations_checks_the_kv_heads_and_from_zoo_takes_per_head(tmp_p
     other = write_official_per_head(tmp_path / "four", kv_heads=4)
     with pytest.raises(ValueError, match="for 4 KV heads but this model has 2 KV heads"):
         resolve_rotations(model, other)
+
+
+def smollm2_config() -> LlamaConfig:
+    config = LlamaConfig(**SMOLLM2)  # a config only: no weights are built
+    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return config
+
+
+def test_the_default_recipe_takes_the_clip_searched_set_and_the_paper_recipe_its_own() -> None:
+    best = OscarCache.from_zoo(smollm2_config(), "default", "oscar-int2")
+    paper = OscarCache.from_zoo(smollm2_config(), "default", "oscar-int2-paper")
+    searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    plain = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
+    assert len(searched.key_clip) == 30 and plain.key_clip == {}
+    for i in (0, 17):
+        assert torch.equal(best.layers[i].key_rotation, searched.key[i])
+        assert best.layers[i].config.key.clip_ratio == searched.key_clip[i]
+        assert best.layers[i].config.value.clip_ratio == searched.value_clip[i]
+        assert torch.equal(paper.layers[i].key_rotation, plain.key[i])
+        assert (paper.layers[i].config.key.clip_ratio, paper.layers[i].config.value.clip_ratio) == (0.96, 0.92)
+
+
+def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations() -> None:
+    searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    paper = OscarCache(smollm2_config(), "oscar-int2-paper", rotations=searched)
+    assert {(layer.config.key.clip_ratio, layer.config.value.clip_ratio) for layer in paper.layers} == {(0.96, 0.92)}
+    per_head = RotationSet(64, {i: searched.key[i].expand(3, 64, 64) for i in range(30)},
+                           {i: searched.value[i].expand(3, 64, 64) for i in range(30)})  # fmt: skip
+    with pytest.raises(ValueError, match="one rotation per layer.*per KV head"):
+        OscarCache(smollm2_config(), "oscar-int2-paper", rotations=per_head)
+    OscarCache(smollm2_config(), "oscar-int2", rotations=per_head)  # the best recipe takes either
+
+
+def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
+    from oscar_hf.cli import _rotations_for
+
+    plain = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
+    assert torch.equal(_rotations_for("default", None, methods=["none", "oscar-int2-paper"]).key[3], plain.key[3])
+    assert len(_rotations_for("default", None, methods=["oscar-int2", "oscar-k3v2"]).key_clip) == 30
+    with pytest.raises(SystemExit, match="separate commands"):
+        _rotations_for("default", None, methods=["oscar-int2", "oscar-int2-paper"])
