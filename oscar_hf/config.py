@@ -50,7 +50,7 @@ class OscarConfig:
     this, for both). ``sink`` first real tokens and the last ``recent`` (up to ``recent + block - 1``)
     tokens stay in high precision; the window is demoted ``block`` tokens at a time. With
     ``layer_clip``, per-layer clip ratios stored with calibrated rotations replace the fixed ratio
-    of every tensor the method clips. ``shared_rotations`` asks for the reference implementation's
+    of every 2-bit tensor the method clips. ``shared_rotations`` asks for the reference implementation's
     rotations: one per layer for all its KV heads, and, from a bundled set, the one made without
     the clip search.
     """
@@ -89,13 +89,13 @@ class OscarConfig:
             self.value.validate("value", head_dim)
 
     def for_layer(self, key_clip: float | None, value_clip: float | None) -> "OscarConfig":
-        """This config with a layer's calibrated clip ratios applied (see ``layer_clip``)."""
+        """This config with a layer's calibrated clip ratios applied to its 2-bit tensors (see ``layer_clip``)."""
         if not (self.layer_clip and self.quantized and self.rotation == "calibrated"):
             return self
         key, value = self.key, self.value
-        if key_clip is not None and key.clip_ratio > 0:
+        if key_clip is not None and key.clip_ratio > 0 and key.bits == SEARCHED_BITS:
             key = replace(key, clip_ratio=float(key_clip))
-        if value_clip is not None and value.clip_ratio > 0:
+        if value_clip is not None and value.clip_ratio > 0 and value.bits == SEARCHED_BITS:
             value = replace(value, clip_ratio=float(value_clip))
         return replace(self, key=key, value=value)
 
@@ -105,6 +105,8 @@ class OscarConfig:
 
 
 K_CLIP, V_CLIP = 0.96, 0.92  # the reference implementation's fixed clip ratios
+# Stored per-layer clip ratios come from a clip search at 2 bits: a wider grid wants milder clipping.
+SEARCHED_BITS = 2
 
 METHODS: dict[str, OscarConfig] = {
     "none": OscarConfig("none", key=None, value=None, rotation="identity"),

@@ -694,3 +694,12 @@ def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
     assert len(_rotations_for("default", None, methods=["oscar-int2", "oscar-k3v2"]).key_clip) == 30
     with pytest.raises(SystemExit, match="separate commands"):
         _rotations_for("default", None, methods=["oscar-int2", "oscar-int2-paper"])
+
+
+def test_searched_clips_apply_to_2_bit_tensors_only() -> None:
+    """The clip search measures at 2 bits; 3- and 4-bit keys keep their method's own ratio."""
+    searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    k3v2 = OscarCache(smollm2_config(), "oscar-k3v2", rotations=searched)
+    for i in (0, 17):
+        assert k3v2.layers[i].config.key.clip_ratio == 0.96
+        assert k3v2.layers[i].config.value.clip_ratio == searched.value_clip[i]
