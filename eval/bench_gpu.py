@@ -278,7 +278,7 @@ def model_spec(entry: str | dict) -> tuple[str, dict]:
 
 def add_model_arguments(parser) -> None:
     """``--model`` (a preset or a JSON object), ``--device``, ``--context``, ``--batch``, ``--out``: the
-    options of the single-model diagnostics (``eval/profile_decode.py``, ``eval/host_time.py``)."""
+    options of the single-model diagnostics (``kernels/tools/profile_decode.py``, ``kernels/tools/host_time.py``)."""
     parser.add_argument("--model", default="qwen3-8b", type=lambda text: model_spec(json.loads(text) if
                         text.startswith("{") else text), help="a preset of eval/bench_gpu.py or a JSON object")  # fmt: skip
     parser.add_argument("--device", default="cuda")
@@ -687,14 +687,15 @@ def decode_kernels():
     return importlib.import_module("oscar_hf.kernels.decode_attention")
 
 
-def oscar_triton(x: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+def oscar_triton(x: dict[str, torch.Tensor], config: dict, span_variant=None) -> torch.Tensor:
     """Our split-K kernel, reading the packed history directly (the launcher, not the dispatcher). The
     history was written before the kernel ahead of each call, as in a decode step (``history_settled``):
-    on Hopper a call's span then starts copying it while that kernel, the call before's merge, runs."""
+    on Hopper a call's span then starts copying it while that kernel, the call before's merge, runs.
+    ``span_variant``: the Gluon span's development variant (``kernels/tools/``; None: production)."""
     tiers = [x[name] for name in TIER_NAMES]
     scale = x["q"].shape[-1] ** -0.5
     return decode_kernels().decode_attention_triton(x["q"], *tiers, None, config["k_bits"], config["v_bits"], scale,
-                                                    history_settled=True)  # fmt: skip
+                                                    history_settled=True, span_variant=span_variant)  # fmt: skip
 
 
 KERNEL_METHODS: dict[str, tuple[Callable, Callable]] = {

@@ -8,7 +8,7 @@
 # tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
 # (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
 # autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
-# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s and multigpu-tests (both need 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, eval/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s, quality (not timed yet),
+# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s and multigpu-tests (both need 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, kernels/tools/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s, quality (not timed yet),
 # threebit-tests ~200 s (3-bit write path, decode, static decoding, compiled), kernel-bits ~6 x 60 s (decode
 # attention at 100K, batches 1 and 8, keys at 2, 3 and 4 bits, head_dim 128 and 64),
 # ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
@@ -37,7 +37,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, r
 for step in "$@"; do
     case $step in
         tests) run tests 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_static.py ;;
-        tune) run tune 300 python3 eval/tune_decode.py --out "$work" ;;
+        tune) run tune 300 python3 kernels/tools/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
             tests/test_gluon_history.py tests/test_static.py tests/test_quant.py \
@@ -92,36 +92,36 @@ for step in "$@"; do
                 --set 'profile.model="none"' ;;
         memory) run memory 200 $bench --config eval/configs/bench_memory.json --set max_batch.max_attempts=3 \
                     --set max_batch.probe_up=false ;;
-        timeline) run timeline 300 python3 eval/timeline_decode.py --out "$work" --batches 1,8 --tiles 1,2,3,4,5,6,7,8 ;;
+        timeline) run timeline 300 python3 kernels/tools/timeline_decode.py --out "$work" --batches 1,8 --tiles 1,2,3,4,5,6,7,8 ;;
         timeline-32k)  # batch 1 at 32K: the span's programs and the three kernels' ends (the span is half a wave there)
-            run timeline_32k 200 python3 eval/timeline_decode.py --out "$work/timeline_32k" --batches 1 --tiles 2 \
+            run timeline_32k 200 python3 kernels/tools/timeline_decode.py --out "$work/timeline_32k" --batches 1 --tiles 2 \
                 --context 32768 ;;
         merge)  # the merge's warps and tile (floats a program), whole call
-            run merge 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --dense-split-tokens 32 --pdl 1 \
+            run merge 300 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --dense-split-tokens 32 --pdl 1 \
                 --settled 1 --merge-tiles 2048,4096,8192,16384 --merge-warps 1,2,4,8 ;;
         floors)  # the whole call with the dense tiers empty and the merge trivial (timing only)
-            run floors 200 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --floors ;;
+            run floors 200 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --floors ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;
         multigpu-tests)  # issue 4 item 7's tests (two GPUs): device_map="auto", and tp_plan="auto" under torchrun
             run gpu_test_multigpu 400 python3 -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py -k two_gpus ;;
-        profile) run profile 120 python3 eval/profile_decode.py --out "$work" ;;
+        profile) run profile 120 python3 kernels/tools/profile_decode.py --out "$work" ;;
         gluon)  # the explicit-layout history span, tested and timed against the Triton stage 1
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
-            run gluon_diagnosis 120 python3 eval/diagnose_gluon_history.py --out "$work"
-            run gluon_timing 200 python3 eval/time_gluon_history.py --out "$work" ;;
+            run gluon_diagnosis 120 python3 kernels/tools/diagnose_gluon_history.py --out "$work"
+            run gluon_timing 200 python3 kernels/tools/time_gluon_history.py --out "$work" ;;
         alternating-rows)  # K's and V's code rows side by side in one buffer against two buffers
-            run alternating_rows 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --alternating-rows \
+            run alternating_rows 300 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --alternating-rows \
                 --settled 1 --pdl 1 --dense-split-tokens 32 ;;
         halves)  # two halves of 32 keys a tile against one of 64
-            run halves 300 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --halves 1,0 \
+            run halves 300 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --halves 1,0 \
                 --dense-split-tokens 32 --pdl 1 --settled 1 ;;
         kernel-b1)  # batch 1: the span alone in 1-3 waves, and the whole call
-            run kernel_b1 200 python3 eval/time_gluon_history.py --out "$work" --batches 1 --programs-per-sm 16,32,48 \
+            run kernel_b1 200 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1 --programs-per-sm 16,32,48 \
                 --dense-split-tokens 32 ;;
         registers)  # the span's register cap (programs an SM follow): its SASS, then batches 1 and 8 timed
             run registers_sass 200 bash -c 'for r in 128 120 112 104 96; do echo "== maxnreg $r"
-                python3 -c "import kernels.decode_history_gluon as g; g.REGISTERS = $r; g.compile_for_sm90()"; done'
-            run registers 420 python3 eval/time_gluon_history.py --out "$work" --batches 1,8 --registers 128,120,112,104,96 \
+                python3 kernels/tools/sass_count.py --span --registers $r; done'
+            run registers 420 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --registers 128,120,112,104,96 \
                 --dense-split-tokens 32 --pdl 1 ;;
         ncu)  # the history span's occupancy and stall reasons, direct and staged, batches 1 and 8
             # NCU_VARIANTS picks direct and/or staged; NCU_TAG suffixes the logs (to keep earlier ones)
@@ -133,13 +133,13 @@ for step in "$@"; do
                         --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
                         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
                         --section MemoryWorkloadAnalysis_Tables --print-details all \
-                        python3 eval/ncu_decode.py --batch "$batch" $flag
+                        python3 kernels/tools/ncu_decode.py --batch "$batch" $flag
                 done
             done ;;
         ncu-call)  # batch 1: the whole call's three kernels (span, dense tiers, merge) one by one, at base clocks
             run ncu_call_b1 150 ncu --kernel-name "regex:history_kernel|_decode_stage" --launch-skip 3 --launch-count 3 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --print-details all \
-                python3 eval/ncu_decode.py --batch 1 ;;
+                python3 kernels/tools/ncu_decode.py --batch 1 ;;
         quality)  # the recipes' memory, held-out KL/PPL at 2K and 8K and teacher-forced needles (eval/ablate.py)
             run quality 580 python3 eval/ablate.py --config eval/configs/quality.json --device cuda --out "$work/quality" -v ;;
         *) echo "unknown step $step" >&2 ;;

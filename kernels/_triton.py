@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634  # scores go to the decode kernels in base-2 units (see decode_attention._online_softmax)
 
 try:
     import triton
@@ -198,6 +199,13 @@ def _keyable(args: tuple) -> bool:
 def cdiv(numerator: int, denominator: int) -> int:
     """Ceiling division of ints on the host (``triton.cdiv`` is a JIT-wrapped function: ~5 µs a call)."""
     return -(-numerator // denominator)
+
+
+def split_rows(length: int, splits: int, block_n: int) -> tuple[int, int]:
+    """``(splits, chunk)``: ``length`` rows cut into at most ``splits`` chunks of whole ``block_n``-row
+    tiles (the last chunk may end in a partial tile; fewer splits where the rounding leaves some empty)."""
+    chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
+    return cdiv(length, chunk), chunk
 
 
 def is_power_of_two(value: int) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,13 +45,15 @@ from oscar_hf.log import get_logger
 from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 
 from ._triton import (
-    INTERPRET, cdiv, define_op, dot, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher,
-    programmatic_launch, runs_triton, tl, to_dtype, triton,
+    INTERPRET, LOG2E, cdiv, define_op, dot, is_power_of_two, launch_kernel, next_power_of_two, op_or_launcher,
+    programmatic_launch, runs_triton, split_rows, tl, to_dtype, triton,
 )  # fmt: skip
+
+if TYPE_CHECKING:
+    from .decode_history_gluon import SpanVariant
 
 logger = get_logger(__name__)
 
-_LOG2E = 1.4426950408889634  # scores go to the kernels in base-2 units (see _online_softmax)
 _DENSE_SPLIT_TOKENS = 256  # dense tiers are short (sink 64, recent <= 263): a couple of splits each
 # Beside the Gluon span the dense tiers are a launch of their own, after it, so its time adds up:
 # short splits keep it near one tile's latency (one split of the recent window, 16 tiles in a row,
@@ -629,13 +632,6 @@ def _splits(
     return split_rows(length, requested or min(cap or wave, cdiv(length, _MIN_SPLIT_TOKENS), wave), block_n)
 
 
-def split_rows(length: int, splits: int, block_n: int) -> tuple[int, int]:
-    """``(splits, chunk)``: ``length`` rows cut into at most ``splits`` chunks of whole ``block_n``-row
-    tiles (the last chunk may end in a partial tile; fewer splits where the rounding leaves some empty)."""
-    chunk = cdiv(cdiv(length, max(1, splits)), block_n) * block_n
-    return cdiv(length, chunk), chunk
-
-
 def _dense_chunk(length: int, splits: int, block_n: int) -> int:
     return max(1, cdiv(cdiv(length, splits), block_n)) * block_n
 
@@ -672,11 +668,14 @@ def decode_attention_triton(
     num_stages: int = 0,
     lengths: torch.Tensor | None = None,
     history_settled: bool = False,
+    *,
+    span_variant: SpanVariant | None = None,
 ) -> torch.Tensor:
     """Launch stage 1 and stage 2 (arguments as :func:`decode_attention`).
 
     ``num_splits``, ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` of stage 1 are tuning
-    knobs, 0 meaning automatic (see :func:`_block_sizes`).
+    knobs, 0 meaning automatic (see :func:`_block_sizes`). ``span_variant``: a
+    ``decode_history_gluon.SpanVariant`` of the Gluon span for kernel development (None: production).
     """
     gluon = _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned=bool(num_splits or block_n or num_warps))
     batch, q_heads, head_dim = q.shape
@@ -696,9 +695,11 @@ def decode_attention_triton(
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
-        from .decode_history_gluon import history_into, programs_per_sm
+        from .decode_history_gluon import PRODUCTION, history_into
 
-        hist_splits, chunk_hist = _splits(n_hist, 0, batch * kv_heads, q.device, 64, programs_per_sm(), None)
+        span_variant = span_variant or PRODUCTION
+        hist_splits, chunk_hist = _splits(n_hist, 0, batch * kv_heads, q.device, 64, span_variant.programs_per_sm(),
+                                          None)  # fmt: skip
     else:
         hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
                                           _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
@@ -719,14 +720,14 @@ def decode_attention_triton(
     if gluon:
         history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
                      partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
-                     early=overlap and history_settled)  # fmt: skip
+                     early=overlap and history_settled, variant=span_variant)  # fmt: skip
     launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
         *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
         *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
         *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
         *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
-        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * _LOG2E, hist_splits, dense_splits, n_slots,
+        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * LOG2E, hist_splits, dense_splits, n_slots,
         first_slot, q if lengths is None else lengths,  # unread without RING
         GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
         K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],

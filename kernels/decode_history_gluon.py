@@ -34,19 +34,21 @@ head, each tile's two halves of 32 keys share them, see PAIRS):
   scheduler) and the L1's data pipe, which shared-memory reads, shuffles and the staged copies share:
   copies that read whole rows an instruction halve its wavefronts a tile.
 
-``python kernels/decode_history_gluon.py`` compiles it for sm_90 on any machine and prints its
-registers, the instructions of its loop and those before it (``eval/sass_count.py``'s compile
-without a GPU).
+``python kernels/tools/sass_count.py --span`` compiles it for sm_90 on any machine and prints its
+registers, the instructions of its loop and those before it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from ._triton import LOG2E, launch_kernel, split_rows
 
 D = gl.constexpr(128)
 # Registers a thread, capped: uncapped, ptxas takes 138 (158 reading the length on the device), which
@@ -58,9 +60,9 @@ D = gl.constexpr(128)
 REGISTERS = 128
 
 
-def programs_per_sm() -> int:
-    """One-warp programs an SM holds at :data:`REGISTERS` a thread (65536 registers an SM)."""
-    return 65536 // (32 * REGISTERS)
+def programs_per_sm(registers: int = REGISTERS) -> int:
+    """One-warp programs an SM holds at ``registers`` a thread (65536 registers an SM)."""
+    return 65536 // (32 * registers)
 
 # m16n8k16: lane 4g+t holds accumulator rows g (+8, +16, ...) and columns 2t, 2t+1.
 MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -93,12 +95,12 @@ def _by_half_layout(rows: int, pack: int) -> gl.DistributedLinearLayout:
 PAIRS: gl.constexpr = _by_half_layout(32, 2)  # scores and accumulators with two halves
 SINGLE: gl.constexpr = _by_half_layout(64, 1)  # scores with one (5 to 8 query heads)
 SINGLE_ACC: gl.constexpr = _by_half_layout(32, 1)  # accumulators with one
-TWO_HALVES = True  # False: one half always (the A/B switch of eval/time_gluon_history.py --halves)
 
 
-def halves(group: int) -> int:
-    """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS)."""
-    return 2 if group <= 4 and TWO_HALVES else 1
+def halves(group: int, two_halves: bool = True) -> int:
+    """Halves of 32 keys a 64-key tile splits into for ``group`` query heads a KV head (see PAIRS);
+    ``two_halves=False`` keeps one half of 64 keys for any group."""
+    return 2 if group <= 4 and two_halves else 1
 
 
 # Codes travel as 32-bit words (4 bytes of a row; bytes would be carried one register each).
@@ -522,18 +524,16 @@ def _wait_for_inputs():
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
-# A program's timeline (eval/timeline_decode.py): TIMELINE_FIELDS int64 a program, its SM, warp slot
-# and tiles (``sm + slot << 16 + tiles << 32``, see :func:`placement`), the global
-# timer at its start and end (ns, comparable across SMs), and the SM's cycle counter at the start, after
-# the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end. Set
-# TIMELINE to a zeroed buffer of at least ``batch * kv heads * splits * TIMELINE_FIELDS`` to have the
-# span's launches fill it; None (the default) compiles none of it.
-TIMELINE: torch.Tensor | None = None
+# A program's timeline (SpanVariant.timeline, kernels/tools/timeline_decode.py): TIMELINE_FIELDS
+# int64 a program, its SM, warp slot and tiles (``sm + slot << 16 + tiles << 32``, see :func:`placement`),
+# the global timer at its start and end (ns, comparable across SMs), and the SM's cycle counter at the
+# start, after the wait for the kernel ahead (EARLY), once q is ready, after the last tile and at the end.
+# Untimed launches (the default) compile none of it.
 TIMELINE_FIELDS = gl.constexpr(8)
 
 
 def placement(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sm, warp slot, tiles)`` of each :data:`TIMELINE` record ``[programs, TIMELINE_FIELDS]``."""
+    """``(sm, warp slot, tiles)`` of each timeline record ``[programs, TIMELINE_FIELDS]``."""
     return records[:, 0] & 0xFFFF, (records[:, 0] >> 16) & 0xFFFF, records[:, 0] >> 32
 
 
@@ -576,7 +576,7 @@ def history_kernel(
     launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
     written before that kernel, so the first tile's copy starts at once, and q (which that kernel may
     write) is read, the slots written and the dense tiers let start, only after it has ended.
-    ``TIMED``: the program's timeline goes to ``TIMES`` (see :data:`TIMELINE`)."""
+    ``TIMED``: the program's timeline goes to ``TIMES`` (see :data:`TIMELINE_FIELDS`)."""
     if TIMED:
         started, started_cycle = _special(GLOBAL_TIME), _special(CLOCK)
     if LAUNCH_DEPENDENTS and not EARLY:
@@ -776,11 +776,31 @@ def _over_halves(acc, PACK: gl.constexpr):
     return gl.sum(_by_half(acc, PACK), axis=1)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SpanVariant:
+    """Variants of the span for kernel development (kernels/tools/); the defaults are the production
+    kernel. ``two_halves=False`` splits no tile into halves (:func:`halves`); ``registers`` caps the
+    registers a thread (``maxnreg``), and the decode call sizes its splits by the programs an SM that
+    cap fits; ``timeline``, a zeroed int64 buffer of at least ``batch * kv heads * splits *
+    TIMELINE_FIELDS``, receives each program's timeline (see :data:`TIMELINE_FIELDS`)."""
+
+    two_halves: bool = True
+    registers: int = REGISTERS
+    timeline: torch.Tensor | None = None
+
+    def programs_per_sm(self) -> int:
+        return programs_per_sm(self.registers)
+
+
+PRODUCTION = SpanVariant()
+
+
 def history_into(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
     v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
     partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
-    pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False,
+    pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False, *,
+    variant: SpanVariant = PRODUCTION,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
@@ -792,10 +812,8 @@ def history_into(
     and later): the next kernel may start before this one ends, and must not read what it writes
     without waiting (``griddepcontrol.wait``). ``early`` (Hopper and later, staged): this launch may
     start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
-    (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q."""
-    from oscar_hf.kernels._triton import launch_kernel
-    from oscar_hf.kernels.decode_attention import _LOG2E
-
+    (and ``lengths``) that kernel does not write, as in a decode step, where it rotates q. ``variant``:
+    see :class:`SpanVariant`."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     group = q_heads // kv_heads
@@ -827,12 +845,12 @@ def history_into(
     launch_kernel(history_kernel, (batch, kv_heads, splits),
         q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
         *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
-        sm_scale * _LOG2E, q if lengths is None else lengths,  # unread without RING
-        q if TIMELINE is None else TIMELINE,  # unread untimed
+        sm_scale * LOG2E, q if lengths is None else lengths,  # unread without RING
+        q if variant.timeline is None else variant.timeline,  # unread untimed
         GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group), TIMED=TIMELINE is not None,
-        ROW_WORDS=words_k.stride(2),
-        num_warps=1, maxnreg=REGISTERS, launch_pdl=early,
+        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group, variant.two_halves),
+        TIMED=variant.timeline is not None, ROW_WORDS=words_k.stride(2),
+        num_warps=1, maxnreg=variant.registers, launch_pdl=early,
     )  # fmt: skip
 
 
@@ -861,18 +879,17 @@ def staging_aligned(metadata: list[torch.Tensor]) -> bool:
 
 def history_partials(
     q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
-    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False,
+    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False, *,
+    variant: SpanVariant = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
     head, split), as :func:`merge_partials` (or the decode kernel's stage 2) merges them."""
-    from oscar_hf.kernels.decode_attention import split_rows
-
     batch, q_heads, head_dim = q.shape
     splits, chunk = split_rows(k_codes.shape[2], splits, 64)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
-                 pipeline=pipeline)  # fmt: skip
+                 pipeline=pipeline, variant=variant)  # fmt: skip
     return m, l, acc
 
 
@@ -880,39 +897,3 @@ def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch
     """Attention output ``[B, Hq, D]`` from partial slots (base-2 log-sum-exp), as stage 2 merges them."""
     weight = torch.exp2(m - m.amax(dim=-1, keepdim=True)).nan_to_num(0.0)
     return (weight[..., None] * acc).sum(-2) / (weight * l).sum(-1, keepdim=True)
-
-
-def compile_for_sm90() -> None:
-    """Compile the kernel for an H100/H200 without a GPU and print registers and loop instructions."""
-    import os
-    import sys
-    from pathlib import Path
-
-    os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-    import sass_count
-    from triton.runtime import driver
-
-    driver.set_active(sass_count._Sm90Driver())
-    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
-    history, words, meta = 100_000, (8 * 100_000 * 8, 100_000 * 8), (8 * 100_000, 100_000)
-    for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
-        # the history length as an argument, or read on the device (static decoding); tiles staged or not
-        compiled = history_kernel.warmup(
-            bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-            f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
-            RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
-            ROW_WORDS=8,
-            grid=(1,),
-            num_warps=1, maxnreg=REGISTERS,
-        )  # fmt: skip
-        sass = sass_count.sass_of(compiled)
-        ops = sass_count.history_loop(sass)
-        print(f"ring={ring} pipeline={pipeline}: {sass_count.resource_usage(compiled)}; "
-              f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
-              f"{sass_count.before_loop(sass)} before the loop")  # fmt: skip
-        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
-
-
-if __name__ == "__main__":
-    compile_for_sm90()

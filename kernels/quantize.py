@@ -285,7 +285,7 @@ def quantize_pack_many_triton(
     """One launch for all jobs (arguments as :func:`quantize_pack_into`): a table row per job.
 
     ``block_rows`` (rows per program) and ``num_warps`` are tuning knobs, 0 meaning the defaults
-    (``eval/tune_quantize.py``).
+    (``kernels/tools/tune_quantize.py``).
     """
     table = _job_table(sources, destinations, clip_ratios)
     _launch_many(table, sources[0], sources[0].shape[2], bits, group_size, symmetric, metadata_dtype, None,

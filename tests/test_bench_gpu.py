@@ -207,9 +207,10 @@ def test_committed_configs_resolve():
 
 
 def test_sass_count_compiles_the_decode_kernel_for_sm90_without_a_gpu():
-    """eval/sass_count.py: the history loop of the compiled kernel, counted from its SASS."""
+    """kernels/tools/sass_count.py: the history loop of the compiled kernel, counted from its SASS."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(EVAL / "sass_count.py"), "--warps", "1"], capture_output=True,
+    tool = EVAL.parent / "kernels" / "tools" / "sass_count.py"
+    out = subprocess.run([sys.executable, str(tool), "--warps", "1"], capture_output=True,
                          text=True, env=env, timeout=600, check=True).stdout  # fmt: skip
     per_key = float(out.split("= ")[1].split(" warp-instructions")[0])
     assert 10 < per_key < 100 and "HMMA" in out

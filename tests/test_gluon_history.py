@@ -21,11 +21,11 @@ from oscar_hf.storage import RowBuffer
 from tests.test_kernels import TOLERANCE, _decode_inputs
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels need a CUDA GPU")
-SPAN = Path(__file__).resolve().parents[1] / "kernels" / "decode_history_gluon.py"
+TOOLS = Path(__file__).resolve().parents[1] / "kernels" / "tools"
 
 
 def test_the_span_compiles_for_sm90_within_its_register_budget():
-    """``python kernels/decode_history_gluon.py`` in its own process (it swaps Triton's driver for a
+    """``python kernels/tools/sass_count.py --span`` in its own process (it swaps Triton's driver for a
     fake sm_90 one). Measured with Triton 3.6: 735 / 749 instructions a tile (the length as an
     argument / on the device), 757 / 772 with the next tile staged in shared memory (3.9: 749 / 752,
     770 / 781); 819 / 831 before K's block 3 went fp16 and the conversions went to asm. With K's scores on
@@ -35,7 +35,8 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     per-register addresses."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SPAN)], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, str(TOOLS / "sass_count.py"), "--span"], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(r"ring=(\w+) pipeline=(\w+): REG:(\d+) STACK:\d+ LOCAL:(\d+); shared \d+ B; (\d+) instructions"
                       r" per 64-key tile, (\d+) before the loop", done.stdout)  # fmt: skip
@@ -88,8 +89,8 @@ def test_the_span_unpacks_key_words_as_int8_factor_times_code():
 
 
 def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
-    """``eval/diagnose_gluon_history.py`` judges the span by torch's per-split partials: they must be right."""
-    sys.path.insert(0, str(SPAN.parents[1] / "eval"))
+    """``kernels/tools/diagnose_gluon_history.py`` judges the span by torch's per-split partials: they must be right."""
+    sys.path.insert(0, str(TOOLS))
     import diagnose_gluon_history as diagnosis
 
     from oscar_hf.kernels.decode_history_gluon import merge_partials
@@ -152,9 +153,9 @@ def test_the_span_reads_key_and_value_rows_that_alternate_in_one_buffer(pipeline
 
 @GPU
 @pytest.mark.parametrize("pipeline", [False, True], ids=["direct", "staged"])
-def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatch, pipeline):
-    """``TIMELINE`` (eval/timeline_decode.py): one record a program, its phases in order, and the same
-    partials as untimed (1000 rows in 3 splits: 6, 6 and 4 tiles, the last one masked)."""
+def test_a_timed_span_records_each_program_once_and_computes_the_same(pipeline):
+    """``timeline`` (kernels/tools/timeline_decode.py): one record a program, its phases in order, and the
+    same partials as untimed (1000 rows in 3 splits: 6, 6 and 4 tiles, the last one masked)."""
     from oscar_hf.kernels import decode_history_gluon as span
 
     args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=5)
@@ -162,8 +163,8 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatc
     packed = [_in_buffer(t) for t in packed]
     untimed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
     timeline = torch.zeros(2 * 2 * 3 + 1, int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(span, "TIMELINE", timeline)
-    timed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
+    timed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline,
+                                  variant=span.SpanVariant(timeline=timeline))  # fmt: skip
     for a, b in zip(timed, untimed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     records = timeline.cpu()
@@ -175,6 +176,22 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(monkeypatc
     assert (started > 0).all() and (ended >= started).all()
     for earlier, later in zip(cycles, cycles[1:]):
         assert (later >= earlier).all()
+
+
+@GPU
+def test_the_span_variants_for_kernel_development_compute_the_same():
+    """One half of 64 keys a tile instead of two of 32 (4 query heads a KV head), and a lower register
+    cap (it spills): the same partials as the production span, up to the order of the sums."""
+    from oscar_hf.kernels.decode_history_gluon import SpanVariant, history_partials
+
+    args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=8)
+    q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
+    packed = [_in_buffer(t) for t in packed]
+    production = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=True)
+    for variant in (SpanVariant(two_halves=False), SpanVariant(registers=96)):
+        got = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=True, variant=variant)
+        for a, b in zip(got, production):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=str(variant))
 
 
 @GPU

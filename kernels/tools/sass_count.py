@@ -1,12 +1,15 @@
-"""Instructions per history tile of the decode kernel, compiled for an H100/H200 (sm_90) on any machine.
+"""Instructions per history tile of the decode kernels, compiled for an H100/H200 (sm_90) on any machine.
 
-    python eval/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
+    python kernels/tools/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
+    python kernels/tools/sass_count.py --span [--registers 128]
 
-No GPU is needed: Triton compiles the stage-1 kernel for ``GPUTarget("cuda", 90, 32)`` with the
-argument types and specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128,
-INT2 K and V, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's
-instructions, mostly integer unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``);
-this counts them without device time.
+No GPU is needed: Triton compiles the stage-1 kernel (or, ``--span``, the Gluon history span of
+``kernels/decode_history_gluon.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
+specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, 100K
+history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
+unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``); this counts them without
+device time. ``--span`` prints the registers, the loop's instructions and those before it for each
+variant: the history length as an argument or read on the device (``ring``), tiles staged or not.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
@@ -70,6 +73,37 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, num_warps=num_warps,
         num_stages=kernel._STAGES,
     )  # fmt: skip
+
+
+def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_000):
+    """The compiled Gluon history span for a Qwen3-8B-shaped batch-1 launch (types and alignments only)."""
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90Driver())
+    from oscar_hf.kernels import decode_history_gluon as span
+
+    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    words, meta = (8 * history * 8, history * 8), (8 * history, history)
+    return span.history_kernel.warmup(
+        bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
+        f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=span.value_unpack_asm(),
+        RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=span.halves(4), TIMED=False,
+        ROW_WORDS=8,
+        grid=(1,),
+        num_warps=1, maxnreg=registers,
+    )  # fmt: skip  (history_into's argument order)
+
+
+def print_span(registers: int) -> None:
+    """Registers, shared memory and loop instructions of each variant of the span."""
+    for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
+        compiled = compile_span(ring, pipeline, registers)
+        sass = sass_of(compiled)
+        ops = history_loop(sass)
+        print(f"ring={ring} pipeline={pipeline}: {resource_usage(compiled)}; "
+              f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
+              f"{before_loop(sass)} before the loop")  # fmt: skip
+        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
 
 
 def resource_usage(compiled) -> str:
@@ -135,8 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-n", type=int, default=0, help="default: the launcher's (at head_dim 128)")
     parser.add_argument("--ring", action="store_true", help="the static-decoding (device lengths) variant")
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
+    parser.add_argument("--span", action="store_true", help="the Gluon history span instead of the stage-1 kernel")
+    parser.add_argument("--registers", type=int, default=0, help="the span's register cap (default: the kernel's)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.span:
+        from oscar_hf.kernels.decode_history_gluon import REGISTERS
+
+        print_span(args.registers or REGISTERS)
+        return
     from oscar_hf.kernels import decode_attention as kernel
 
     args.warps = args.warps or kernel._WARPS

@@ -1,6 +1,6 @@
 """Sweep the decode-attention kernel's tile and split settings on a GPU; check each against the reference.
 
-    python eval/tune_decode.py [--context 100000] [--batches 1,8,32] [--out eval/results]
+    python kernels/tools/tune_decode.py [--context 100000] [--batches 1,8,32] [--out eval/results]
 
 Qwen3-8B attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, INT2 K and V, one layer.
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), so they are the
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 
 # The kernel benchmark's shape and tiers (Qwen3-8B attention, sink 64, recent 256, random INT2 codes).
-CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "bench_kernel.json").read_text())
+CONFIG = json.loads((bench.REPO / "eval" / "configs" / "bench_kernel.json").read_text())
 # The sweep's default grid; each axis can be narrowed or widened on the command line.
 GRID = {"block_n": "32,64,128", "warps": "1,2,4,8", "stages": "2,3", "programs_per_sm": "2,4,8"}
 

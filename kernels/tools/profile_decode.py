@@ -1,8 +1,8 @@
 """Where a decode step's time goes: torch.profiler summary of a few steps per cache, same model and context.
 
-    python eval/profile_decode.py [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
-    python eval/profile_decode.py --prefill --context 32768     # one prefill forward per cache instead
-    python eval/profile_decode.py --python                      # host time by Python function (cProfile)
+    python kernels/tools/profile_decode.py [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
+    python kernels/tools/profile_decode.py --prefill --context 32768     # one prefill forward per cache instead
+    python kernels/tools/profile_decode.py --python                      # host time by Python function (cProfile)
 
 Builds the random-weight model of ``eval/bench_gpu.py``, fills each cache synthetically, then
 profiles ``--steps`` single-token forwards (after warm-up) and prints, per cache: wall time per step,
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Where the Gluon history span goes wrong, if it does: its per-split partials against torch's.
 
-    python eval/diagnose_gluon_history.py [--out DIR]      # on a GPU
-    python eval/diagnose_gluon_history.py --reference-only # anywhere: checks the torch side
+    python kernels/tools/diagnose_gluon_history.py [--out DIR]      # on a GPU
+    python kernels/tools/diagnose_gluon_history.py --reference-only # anywhere: checks the torch side
 
 Qwen3-8B's group shape (4 query heads on a KV head, head_dim 128, INT2 K and V) over 300 history
 rows in 3 splits, the last ending in a partial tile. The span's ``(m, l, acc)`` of every split is
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from oscar_hf.kernels.decode_attention import decode_attention_reference, split_rows  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import merge_partials  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize  # noqa: E402

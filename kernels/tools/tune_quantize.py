@@ -1,6 +1,6 @@
 """Sweep the fused write kernel's tile settings on a GPU for a prefill's worth of K and V rows.
 
-    python eval/tune_quantize.py [--context 32768] [--out eval/results]
+    python kernels/tools/tune_quantize.py [--context 32768] [--out eval/results]
 
 One layer of a Qwen3-4B/8B-shaped prefill (batch 1, 8 KV heads, head_dim 128, bf16): K and V rows
 quantized to INT2 in one launch (two jobs), as ``OscarLayer`` writes a prefill's middle part. Clip
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 
 from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402

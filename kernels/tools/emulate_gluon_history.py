@@ -1,6 +1,6 @@
 """The Gluon history span's index algebra, emulated in torch on the CPU (a debugging aid).
 
-    python eval/emulate_gluon_history.py
+    python kernels/tools/emulate_gluon_history.py
 
 Every layout conversion of ``kernels/decode_history_gluon.py`` is an identity and its reshape /
 permute / join are logical operations, so its program can be replayed with torch tensors: the same
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402
 

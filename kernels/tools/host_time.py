@@ -1,6 +1,6 @@
 """Host time of one layer's decode attention, piece by piece, OscarCache against DynamicCache.
 
-    python eval/host_time.py [--model qwen3-8b] [--context 100000] [--batch 1] [--iterations 300]
+    python kernels/tools/host_time.py [--model qwen3-8b] [--context 100000] [--batch 1] [--iterations 300]
 
 Eager batch-1 decoding is bound by host time (``eval/results/profile_decode.json``), and cProfile
 inflates Python-heavy code, so this times each piece without a profiler: ``--iterations`` calls in a
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 
 from oscar_hf.attention import oscar_attention_forward  # noqa: E402

@@ -1,7 +1,7 @@
 """Where a batch-1 decode call's time goes: a timeline of the Gluon history span's programs, the three
 kernels' windows, and the call's time against the tiles each program runs.
 
-    python eval/timeline_decode.py [--out eval/results] [--batches 1,8] [--tiles 1,2,4,6,8] [--context 100000]
+    python kernels/tools/timeline_decode.py [--out eval/results] [--batches 1,8] [--tiles 1,2,4,6,8] [--context 100000]
 
 Qwen3-8B attention shape (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``), the
 whole call as the kernel benchmark times it (``decode_attention_triton``, settled history, CUDA-graph
@@ -13,7 +13,7 @@ replay). Three views:
   merge). The whole call picks its own splits, which are a whole wave from 4 tiles on.
 * **programs** (``--context``, 100K by default): each span program's SM, start and end (global timer) and its SM's cycle
   counter at the start, after waiting for the kernel ahead, once q is ready, after the last tile and
-  at the end (``decode_history_gluon.TIMELINE``), from the last of several calls replayed in one
+  at the end (``decode_history_gluon.SpanVariant.timeline``), from the last of several calls replayed in one
   graph: how the wave ramps up and drains, and the cycles of each phase.
 * **kernels** (the same context): the span's, the dense tiers' and the merge's start and duration per call from
   the profiler (CUPTI), over the same graph.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
@@ -39,9 +39,9 @@ CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
 
 
-def whole_call(x: dict):
+def whole_call(x: dict, span_variant=None):
     """The kernel benchmark's call over ``x`` (settled history), as a function of no arguments."""
-    return lambda: bench.oscar_triton(x, tune.CONFIG)
+    return lambda: bench.oscar_triton(x, tune.CONFIG, span_variant=span_variant)
 
 
 def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
@@ -84,14 +84,10 @@ def replayed(fn, calls: int) -> torch.cuda.CUDAGraph:
 def program_timeline(span, x: dict) -> dict:
     """Each span program's record from the last call of a replayed graph, and phase summaries."""
     timeline = torch.zeros(4 * 2112 * int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
-    span.TIMELINE = timeline
-    try:
-        graph = replayed(whole_call(x), CALLS_A_GRAPH)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        span.TIMELINE = None
+    graph = replayed(whole_call(x, span.SpanVariant(timeline=timeline)), CALLS_A_GRAPH)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
     records = timeline.view(-1, int(span.TIMELINE_FIELDS)).cpu()
     ran = records[:, 1] != 0
     batch, kv_heads = x["q"].shape[0], x["sink_k"].shape[1]

@@ -1,6 +1,6 @@
 """Same-call A/B of kernel switches read from the environment, timed by the kernel benchmark.
 
-    python eval/ab_env.py --name NAME --variant "kept=" --variant "before=OSCAR_X=1" [--turns 3]
+    python kernels/tools/ab_env.py --name NAME --variant "kept=" --variant "before=OSCAR_X=1" [--turns 3]
                           [--context 100000] [--batches 1,8] [--note TEXT] [--out eval/results]
 
 A switch compiled into a kernel cannot change inside one process (Triton checks the globals a kernel
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main() -> None:
             times = [r["us"] for r in rows if r["variant"] == label and r["batch"] == batch]
             medians[f"{label} @ {batch}"] = statistics.median(times)
     machine = bench.machine_info()
-    command = "python eval/ab_env.py " + " ".join(f"'{arg}'" if " " in arg or not arg else arg for arg in sys.argv[1:])
+    command = "python kernels/tools/ab_env.py " + " ".join(f"'{arg}'" if " " in arg or not arg else arg for arg in sys.argv[1:])
     record = {"name": options.name, "command": command, "machine": machine,
               "date": bench.utc_date(), "note": options.note,
               "context": options.context, "rows": rows, "medians": medians}  # fmt: skip

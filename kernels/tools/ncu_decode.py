@@ -2,7 +2,7 @@
 
     ncu --kernel-name regex:history_kernel --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
-        --print-details all python eval/ncu_decode.py --batch 1 [--splits S --block-n N --warps W --stages T]
+        --print-details all python kernels/tools/ncu_decode.py --batch 1 [--splits S --block-n N --warps W --stages T]
         [--staged]
 
 The kernel benchmark's inputs (``eval/configs/bench_kernel.json``: Qwen3-8B attention, INT2 K and V)
@@ -10,7 +10,7 @@ at ``--context`` rows, three launches with the given tuning knobs (0: the launch
 defaults on a GPU the history is the Gluon span's (``history_kernel``); ``--splits``, ``--block-n`` or ``--warps``, or
 ``OSCAR_DECODE_HISTORY=triton``, gives the Triton stage 1 (``regex:_decode_stage1``); ``--staged``
 launches the span alone with its next tile staged in shared memory (``pipeline=True``). No
-timing here: timings come from ``eval/tune_decode.py`` and ``eval/bench_gpu.py``; Nsight Compute
+timing here: timings come from ``kernels/tools/tune_decode.py`` and ``eval/bench_gpu.py``; Nsight Compute
 locks the clocks to base and reports cycles, occupancy and stall reasons
 (``eval/results/ncu_decode_*.txt``).
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
-CONFIG = json.loads((Path(__file__).resolve().parent / "configs" / "bench_kernel.json").read_text())
+CONFIG = json.loads((bench.REPO / "eval" / "configs" / "bench_kernel.json").read_text())
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
 
-    python eval/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
+    python kernels/tools/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--merge-warps 4] [--settled 1,0] [--halves 1,0]
                                       [--one-metadata-array] [--alternating-rows] [--floors]
@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
@@ -61,17 +61,19 @@ from oscar_hf.kernels.decode_attention import _MERGE_WARPS as MERGE_WARPS  # noq
 from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
 
 
-def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Namespace, variant: dict,
+def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, variant: dict, span_variant,
                    baseline: bool) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
-    stage 1 throughout (``baseline``), then the span with the dense tiers in splits of each size."""
+    stage 1 throughout (``baseline``), then the span (``span_variant``) with the dense tiers in splits
+    of each size."""
 
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
 
     def row(kernel: str, settled: bool = False, **extra) -> dict:
         def run():
-            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=settled)
+            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=settled,
+                                                   span_variant=span_variant)  # fmt: skip
 
         return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
@@ -100,7 +102,7 @@ def full_call_rows(kernels, span, x: dict, scale: float, options: argparse.Names
     return rows
 
 
-def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> list[dict]:
+def alternating_rows(kernels, span, x: dict, scale: float, variant: dict, span_variant) -> list[dict]:
     """The staged span alone and the whole call with K's and V's code rows side by side in one buffer,
     each beside the same with two buffers, twice in turn (the machine drifts)."""
     from oscar_hf.storage import RowBuffer
@@ -109,7 +111,7 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
     rows = RowBuffer(*k_codes.shape[:2], (64,), torch.uint8, k_codes.device)
     rows.append(torch.cat([k_codes, v_codes], dim=-1))
     layouts = {"two buffers": x, "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:])}
-    batch, splits = x["q"].shape[0], tune.splits_for(span.programs_per_sm(), x["q"].shape[0])
+    batch, splits = x["q"].shape[0], tune.splits_for(span_variant.programs_per_sm(), x["q"].shape[0])
     want = kernels.decode_attention_reference(x["q"], *(x[name] for name in bench.TIER_NAMES), k_bits=2, v_bits=2,
                                               sm_scale=scale).float()  # fmt: skip
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
@@ -119,10 +121,12 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict) -> lis
         tiers = [inputs[n] for n in bench.TIER_NAMES]
 
         def alone():
-            return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True)
+            return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True,
+                                         variant=span_variant)  # fmt: skip
 
         def call():
-            return kernels.decode_attention_triton(inputs["q"], *tiers, None, 2, 2, scale, history_settled=True)
+            return kernels.decode_attention_triton(inputs["q"], *tiers, None, 2, 2, scale, history_settled=True,
+                                                   span_variant=span_variant)  # fmt: skip
 
         out.append({"batch": batch, "kernel": f"gluon, staged, {name}", **variant, "splits": splits,
                     "us": tune.time_graph(alone), "max_abs_error": float("nan")})  # fmt: skip
@@ -220,15 +224,15 @@ def main() -> None:
                      "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
         caps = numbers(options.registers)
         for index, (registers, halves) in enumerate(itertools.product(caps, numbers(options.halves))):
-            span.REGISTERS = registers  # read by the span's launches and by programs_per_sm()
-            span.TWO_HALVES = bool(halves)
             variant = {"registers": registers, "halves": 2 if halves else 1}
-            for per_sm, pipeline in itertools.product(numbers(options.programs_per_sm or str(span.programs_per_sm())),
-                                                      (False, True)):  # fmt: skip
+            span_variant = span.SpanVariant(two_halves=bool(halves), registers=registers)
+            per_sm_choices = numbers(options.programs_per_sm or str(span_variant.programs_per_sm()))
+            for per_sm, pipeline in itertools.product(per_sm_choices, (False, True)):
                 splits = tune.splits_for(per_sm, batch)
 
                 def gluon_run():
-                    return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline)
+                    return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline,
+                                                 variant=span_variant)  # fmt: skip
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
                 rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", **variant,
@@ -237,18 +241,18 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if options.one_metadata_array:
                 aliased = [packed[0], packed[1], packed[1], packed[3], packed[1], packed[1]]  # k_scale four times
-                splits = tune.splits_for(span.programs_per_sm(), batch)
+                splits = tune.splits_for(span_variant.programs_per_sm(), batch)
 
                 def aliased_run():
-                    return span.history_partials(q, *aliased, sm_scale=scale, splits=splits, pipeline=True)
+                    return span.history_partials(q, *aliased, sm_scale=scale, splits=splits, pipeline=True,
+                                                 variant=span_variant)  # fmt: skip
 
                 rows.append({"batch": batch, "kernel": "gluon, staged, one metadata array (timing only)", **variant,
                              "splits": splits, "us": tune.time_graph(aliased_run), "max_abs_error": float("nan")})
                 print(rows[-1], flush=True)
             if options.alternating_rows:
-                rows += alternating_rows(kernels, span, x, scale, variant)
-            rows += full_call_rows(kernels, span, x, scale, options, variant, baseline=index == 0)
-        span.REGISTERS, span.TWO_HALVES = REGISTERS, True
+                rows += alternating_rows(kernels, span, x, scale, variant, span_variant)
+            rows += full_call_rows(kernels, x, scale, options, variant, span_variant, baseline=index == 0)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
