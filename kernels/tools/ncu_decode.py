@@ -18,7 +18,6 @@ locks the clocks to base and reports cycles, occupancy and stall reasons
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_g
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
-CONFIG = json.loads((bench.REPO / "eval" / "configs" / "bench_kernel.json").read_text())
+CONFIG = tune.CONFIG
 
 
 def main() -> None:
