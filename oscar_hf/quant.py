@@ -20,8 +20,8 @@ that ``(code - zero) * scale`` still dequantizes them:
     zero  = 0.5 - mu / scale
     code  = x >= mu
 
-``mu`` and ``sigma`` (population) come from pairwise sums in a fixed order (:func:`tree_sum`), so the
-Triton write kernel reproduces them bit for bit.
+``mu`` and ``sigma`` (population) come from pairwise sums in a fixed order (:func:`tree_sum`) and a
+correctly rounded square root, so the Triton write kernel reproduces them bit for bit.
 
 1-, 2- and 4-bit codes pack ``8 / bits`` to a byte. 3-bit codes are stored as two bit planes, so that
 kernels unpack them with the same column blocks as 2-bit codes: the low two bits in the 2-bit
@@ -81,7 +81,9 @@ def sigma_levels(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     size = groups.shape[-1]
     mu = tree_sum(groups) / size
     deviation = groups - mu[..., None]
-    sigma = torch.sqrt(tree_sum(deviation * deviation) / size)
+    # The correctly rounded float32 root (what a kernel's sqrt_rn gives): torch's float32 sqrt on CPU is
+    # not, one ulp off for some inputs; the float64 root rounded to float32 is.
+    sigma = torch.sqrt((tree_sum(deviation * deviation) / size).double()).float()
     scale = torch.clamp(sigma * SIGMA_STRETCH, min=SCALE_FLOOR)
     zero = 0.5 - mu / scale
     return (groups >= mu[..., None]).float(), scale, zero

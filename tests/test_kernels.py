@@ -148,6 +148,19 @@ def test_quantize_pack_bit_exact(head_dim, bits, symmetric, clip_ratio, groups):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("head_dim, clip_ratio, groups", [(64, 0.0, 1), (128, 0.92, 2), (16, 0.0, 1)])
+def test_quantize_pack_1bit_bit_exact(head_dim, clip_ratio, groups):
+    """Sigma levels: the kernel's pairwise sums, square root and metadata equal the torch reference's."""
+    rows = _rows(19, head_dim, torch.bfloat16, seed=head_dim + 1)
+    group_size = head_dim // groups
+    got = quantize_pack(rows, 1, group_size, clip_ratio=clip_ratio, metadata_dtype=torch.float32)
+    want = quantize_pack_reference(rows, 1, group_size, clip_ratio=clip_ratio, metadata_dtype=torch.float32)
+    assert got.codes.shape == (19, head_dim // 8)
+    _assert_same(got, want)
+    _assert_same(quantize_pack(rows, 1, group_size, clip_ratio=clip_ratio), quantize(rows, 1, group_size,
+                                                                                      clip_ratio=clip_ratio))
+
+
 # A constant group has scale 1e-8/3, so its zero-point overflows float16 to -inf, in the reference too.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize(
@@ -178,7 +191,8 @@ def test_quantize_pack_falls_back_and_validates():
         quantize_pack(rows, 5, 96)
 
 
-@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False)])
+@pytest.mark.parametrize("bits, groups, symmetric",
+                         [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False), (1, 1, False)])
 def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
     """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
     monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
