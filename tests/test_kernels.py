@@ -379,6 +379,9 @@ DECODE_CASES = {
     "int3-keys-default-tiles-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (3, 2), (1, 1)),
     "int3-both-grouped-no-windows": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (3, 3), (2, 4)),
     "int3-keys-int4-values-gqa8": (1, 16, 2, 128, 4, 100, 5, 1, 2, 16, [1], (3, 4), (4, 2)),
+    # 1-bit codes: one plane, unpacked in 4 column blocks like the 3-bit codes' high plane
+    "int4-keys-int1-values-padded": (2, 6, 2, 64, 5, 70, 9, 1, 2, 16, [0, 3], (4, 1), (1, 1)),
+    "int1-keys-grouped-int1-values-default-tiles": (1, 8, 2, 128, 4, 150, 9, 1, 0, 0, None, (1, 1), (4, 2)),
 }
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -688,7 +691,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits, symmetric, clip_ratio, groups", [(2, False, 0.96, 1), (2, False, 0.92, 2),
                                                                    (4, False, 0.96, 1), (2, True, 0.0, 4),
-                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2)])  # fmt: skip
+                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2),
+                                                                   (1, False, 0.0, 1), (1, False, 0.0, 2)])  # fmt: skip
 def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, groups):
     rows = (torch.randn(8, 8, 4096, head_dim, device=DEVICE) * 3).bfloat16()
     group_size = head_dim // groups
@@ -713,5 +717,17 @@ def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, hea
     pads = [index * 7 % 64 for index in range(batch)]
     args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
                                    pads=pads)  # fmt: skip
+    got = decode_attention(*args, **options)
+    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch, history", [(1, 100_000), (3, 4_099)])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("k_bits, v_bits", [(2, 1), (4, 1)])
+def test_decode_attention_large_int1_values(batch, history, q_heads, kv_heads, head_dim, k_bits, v_bits):
+    pads = [index * 7 % 64 for index in range(batch)]
+    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, k_bits,
+                                   v_bits, pads=pads)  # fmt: skip
     got = decode_attention(*args, **options)
     torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
