@@ -282,8 +282,8 @@ def _group_column(tile, GROUP: tl.constexpr, GROUPS: tl.constexpr):
 
 @triton.jit
 def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
-    """The group of column block ``J``'s dims (``4 >> (BITS // 4)``: 4 blocks for 1- to 3-bit codes, 2 for 4)."""
-    return (J * D // (4 >> (BITS // 4))) // (D // GROUPS)
+    """The group of column block ``J``'s dims (``4 - 2 * (BITS // 4)``: 4 blocks for 1- to 3-bit codes, 2 for 4)."""
+    return (J * D // (4 - 2 * (BITS // 4))) // (D // GROUPS)
 
 
 @triton.jit
@@ -308,7 +308,7 @@ def _packed_scores(
     that block's dot; ``scales`` and ``zeros`` are the keys' ``[rows, GROUPS]`` metadata. Each column
     block lies within one group (the dispatcher checks that groups are that wide).
     """
-    PARTS: tl.constexpr = 4 >> (BITS // 4)  # column blocks: 4 for 1- to 3-bit codes, 2 for 4-bit
+    PARTS: tl.constexpr = 4 - 2 * (BITS // 4)  # column blocks: 4 for 1- to 3-bit codes, 2 for 4-bit
     d0 = dot(q0, tl.trans(k0), INTERPRETED)
     d1 = dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
@@ -359,7 +359,7 @@ def _packed_span(
     HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
-    V_PARTS: tl.constexpr = 4 >> (V_BITS // 4)
+    V_PARTS: tl.constexpr = 4 - 2 * (V_BITS // 4)
     dtype = q0.dtype
     q0, q1 = _divided(q0, 0, K_BITS, K_FREE), _divided(q1, 1, K_BITS, K_FREE)
     q2, q3 = _divided(q2, 2, K_BITS, K_FREE), _divided(q3, 3, K_BITS, K_FREE)
@@ -491,8 +491,8 @@ def _decode_stage1_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     # K tiles (and q) split in as many column blocks as K's codes unpack in (4 for 1- to 3-bit codes,
     # 2 for 4-bit), V tiles (and acc) as V's.
-    K_PARTS: tl.constexpr = 4 >> (K_BITS // 4)
-    V_PARTS: tl.constexpr = 4 >> (V_BITS // 4)
+    K_PARTS: tl.constexpr = 4 - 2 * (K_BITS // 4)
+    V_PARTS: tl.constexpr = 4 - 2 * (V_BITS // 4)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     local = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -642,23 +642,28 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["quarot-int2", "k3v2"])
+@pytest.mark.parametrize("method", ["quarot-int2", "k3v2", "mixed"])
 def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkeypatch, method):
     """Static decoding (device lengths, ring, windowed demotion) through the kernels = the eager torch path.
 
     Compiled on a GPU this is also what a captured graph replays (tests/test_static.py captures one).
-    ``k3v2``: oscar-k3v2's 3-bit keys and 2-bit values, with Hadamard rotations.
+    ``k3v2``: oscar-k3v2's 3-bit keys and 2-bit values, with Hadamard rotations. ``mixed``: per-layer
+    widths, 4-bit keys in layer 0 and 1-bit values in both layers (oscar-int2's budget).
     """
     import oscar_hf
     import oscar_hf.static
     from conftest import generate, tiny_model
 
-    from oscar_hf import METHODS, OscarCache
+    from oscar_hf import METHODS, OscarCache, RotationSet
     from oscar_hf.compat import cache_keyword
 
-    formats = 1  # K and V rows of one format share a demotion launch
+    formats, rotations = 1, None  # K and V rows of one format share a demotion launch
     if method == "k3v2":
         method, formats = METHODS["oscar-k3v2"].with_overrides(rotation="hadamard"), 2
+    elif method == "mixed":
+        method, formats, rotations = "oscar-int2", 3, RotationSet.hadamard(64, [0, 1])
+        rotations.key_bits.update({0: 4})
+        rotations.value_bits.update({0: 1, 1: 1})
 
     monkeypatch.setattr(oscar_hf.static, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
@@ -672,12 +677,12 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
                    return_dict_in_generate=True)  # fmt: skip
-    cache = OscarCache(model, method, sink=4, recent=8, block=2)
+    cache = OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2)
     with torch.no_grad():
         static = oscar_hf.generate(model, prompt, capture=False, **{cache_keyword(model): cache}, **options)
     monkeypatch.setattr(_triton, "ENABLED", False)
-    eager = generate(model, prompt, OscarCache(model, method, sink=4, recent=8, block=2, decode_graphs=False),
-                     **options)  # fmt: skip
+    eager = generate(model, prompt, OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2,
+                                               decode_graphs=False), **options)  # fmt: skip
     assert launches.count("decode") == 11 * 2  # 11 static steps x 2 layers
     assert launches.count("windowed") == 11 * formats  # one demotion launch per static step and format (most idle)
     assert torch.equal(static.sequences, eager.sequences)
