@@ -7,6 +7,8 @@ import torch
 
 from oscar_hf import METHODS, OscarCache, RotationSet
 from oscar_hf.config import TensorQuantConfig, check_bit_budget
+from oscar_hf.evaluation import evaluate_caches
+from oscar_hf.memory import mean_bits_per_element
 from oscar_hf.quant import unpack
 from oscar_hf.teacher_forcing import teacher_forced_logits
 from tests.conftest import forward
@@ -90,3 +92,15 @@ def test_teacher_forcing_matches_decoding_with_mixed_widths(tiny, prefill):
     uniform = teacher_forced_logits(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, [0, 1]),
                                                           **SMALL), prefill, logits_to_keep=keep)  # fmt: skip
     assert (uniform - one_pass).abs().max() > 1e-3  # the widths reached the evaluated attention
+
+
+def test_evaluation_reports_each_layers_widths(tiny):
+    rotations = mixed_rotations(value_bits={0: 1})  # +1 bit a token over the 2 layers
+    caches = {"int2": OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, [0, 1]), **SMALL),
+              "more": OscarCache(tiny, "oscar-int2", rotations=rotations, allow_bits_change=True, **SMALL)}  # fmt: skip
+    tokens = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(0))
+    int2, more = evaluate_caches(tiny, tokens, caches, context=48, windows=1, progress=False)
+    # history elements of the 2 layers: (4 + 1 + 2 + 2) / 4 code bits against 2, plus the same metadata
+    assert more.bits_per_element > int2.bits_per_element
+    expected = mean_bits_per_element([layer.config for layer in caches["more"].layers], 48, 16)
+    assert more.bits_per_element == round(expected, 3)
