@@ -128,7 +128,7 @@ def _with_bits(spec: TensorQuantConfig, bits: int | None) -> TensorQuantConfig:
     return replace(spec, bits=int(bits), clip_ratio=0.0)
 
 
-def history_code_bits(configs: list[OscarConfig]) -> int:
+def _history_code_bits(configs: list[OscarConfig]) -> int:
     """Code bits one token takes in the histories of these layers, per channel: the sum of K and V widths."""
     return sum(c.key.bits + c.value.bits for c in configs if c.quantized)
 
@@ -143,7 +143,7 @@ def check_bit_budget(config: OscarConfig, layers: list[OscarConfig]) -> None:
     """
     if config.allow_bits_change or not config.quantized:
         return
-    expected, got = history_code_bits([config] * len(layers)), history_code_bits(layers)
+    expected, got = _history_code_bits([config] * len(layers)), _history_code_bits(layers)
     if got != expected:
         count = sum(c.quantized for c in layers)
         raise ValueError(
