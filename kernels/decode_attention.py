@@ -3,7 +3,7 @@
 The key sequence of one layer is four tiers, in this order of positions:
 
 * ``sink``    dense rows ``[B, Hkv, S, D]`` (the first real tokens; with left padding some are pads),
-* history     packed INT2/INT3/INT4 codes ``[B, Hkv, L, D*bits/8]`` + scale/zero ``[B, Hkv, L, D/G]``,
+* history     packed INT1-INT4 codes ``[B, Hkv, L, D*bits/8]`` + scale/zero ``[B, Hkv, L, D/G]``,
               K and V with their own bit widths and groups (``oscar-k4v2``: K 4-bit, V 2-bit),
 * ``recent``  dense rows ``[B, Hkv, R, D]``,
 * ``new``     dense rows ``[B, Hkv, T, D]`` (the token being decoded, not stored yet).
@@ -25,7 +25,7 @@ byte), so shift ``j`` of the byte tile is the column block ``j`` of the rows: ev
 accumulator) is handled as k column blocks, and ``q·k`` as a sum of k dots. 3-bit codes are 2-bit
 codes (their low bits, in that layout) plus a 1-bit plane of their high bits (byte ``c`` holding dims
 ``c + i*D/8``): block ``j`` takes bits ``2j`` and ``2j + 1`` of the plane's bytes for its two halves,
-so they are handled as 4 column blocks too, each code assembled whole before its one dot. Only loads, shifts and
+so they are handled as 4 column blocks too, each code assembled whole before its one dot. 1-bit codes are such a plane alone. Only loads, shifts and
 ``tl.dot`` are used: full-width tiles rebuilt with ``tl.interleave`` pass in the interpreter but give
 wrong results compiled on an H200 for some tile shapes.
 Each slot stores its running max ``m``, sum ``l`` and unnormalised accumulator ``acc`` (float32).
@@ -185,7 +185,14 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 def _load_code_blocks(C, c_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr,
                       MAGIC: tl.constexpr, FREE: tl.constexpr, UNPACK: tl.constexpr):  # fmt: skip
     """The column blocks of packed rows ``rows`` of one head (``C`` its row 0), as :func:`_code_blocks`."""
-    if BITS == 3:
+    if BITS == 1:
+        # Block j's two halves are bits 2j and 2j + 1 of the plane's bytes: a [N, D/4] tile of them, as
+        # 3-bit codes read their high plane.
+        DP1: tl.constexpr = D // 4
+        columns1 = tl.arange(0, DP1)
+        plane = tl.load(C + rows[:, None] * c_n + (columns1 % (D // 8))[None, :], mask=valid[:, None], other=0)
+        c0, c1, c2, c3 = _code_blocks1(plane, D, DTYPE, MAGIC)
+    elif BITS == 3:
         DP: tl.constexpr = D // 4
         columns = tl.arange(0, DP)
         low = tl.load(C + rows[:, None] * c_n + columns[None, :], mask=valid[:, None], other=0)
@@ -196,6 +203,29 @@ def _load_code_blocks(C, c_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, 
         raw = tl.load(C + rows[:, None] * c_n + tl.arange(0, D * BITS // 8)[None, :], mask=valid[:, None], other=0)
         c0, c1, c2, c3 = _code_blocks(raw, BITS, DTYPE, MAGIC, FREE, UNPACK)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _code_blocks1(plane, D: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """1-bit codes as 4 column blocks ``OFFSET + code`` (factor 1); ``plane`` holds byte ``c % (D/8)`` at column ``c``."""
+    # Block j's second half reads bit 2j + 1: one shift of the tile puts every block's bit at 2j.
+    plane = plane.to(tl.int16) >> (tl.arange(0, D // 4) >= D // 8).to(tl.int16)[None, :]
+    c0 = _code1(plane, 0, DTYPE, MAGIC)
+    c1 = _code1(plane, 1, DTYPE, MAGIC)
+    c2 = _code1(plane, 2, DTYPE, MAGIC)
+    c3 = _code1(plane, 3, DTYPE, MAGIC)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _code1(plane, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """Block ``J``'s codes: bit ``2J`` of the (shifted) plane."""
+    codes = (plane >> (2 * J)) & 1
+    if MAGIC == 0:
+        values = codes.to(DTYPE)
+    else:
+        values = (codes | MAGIC).to(DTYPE, bitcast=True)
+    return values
 
 
 @triton.jit
@@ -253,8 +283,8 @@ def _group_column(tile, GROUP: tl.constexpr, GROUPS: tl.constexpr):
 
 @triton.jit
 def _group_of(J: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr):
-    """The group of column block ``J``'s dims (``4 // (BITS // 2)``: 4 blocks for 2- and 3-bit codes, 2 for 4)."""
-    return (J * D // (4 // (BITS // 2))) // (D // GROUPS)
+    """The group of column block ``J``'s dims (``4 - 2 * (BITS // 4)``: 4 blocks for 1- to 3-bit codes, 2 for 4)."""
+    return (J * D // (4 - 2 * (BITS // 4))) // (D // GROUPS)
 
 
 @triton.jit
@@ -279,7 +309,7 @@ def _packed_scores(
     that block's dot; ``scales`` and ``zeros`` are the keys' ``[rows, GROUPS]`` metadata. Each column
     block lies within one group (the dispatcher checks that groups are that wide).
     """
-    PARTS: tl.constexpr = 4 // (BITS // 2)  # column blocks: 4 for 2- and 3-bit codes, 2 for 4-bit
+    PARTS: tl.constexpr = 4 - 2 * (BITS // 4)  # column blocks: 4 for 1- to 3-bit codes, 2 for 4-bit
     d0 = dot(q0, tl.trans(k0), INTERPRETED)
     d1 = dot(q1, tl.trans(k1), INTERPRETED)
     if PARTS == 4:
@@ -330,7 +360,7 @@ def _packed_span(
     HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
-    V_PARTS: tl.constexpr = 4 // (V_BITS // 2)
+    V_PARTS: tl.constexpr = 4 - 2 * (V_BITS // 4)
     dtype = q0.dtype
     q0, q1 = _divided(q0, 0, K_BITS, K_FREE), _divided(q1, 1, K_BITS, K_FREE)
     q2, q3 = _divided(q2, 2, K_BITS, K_FREE), _divided(q3, 3, K_BITS, K_FREE)
@@ -460,10 +490,10 @@ def _decode_stage1_kernel(
         # sat behind the last dense program's work: 25.1 us against 24.9 at batch 1 and 100K, 14.1 against
         # 13.8 at 32K (eval/results/gluon_dense_trigger*.md).
         tl.extra.cuda.gdc_launch_dependents()
-    # K tiles (and q) split in as many column blocks as K's codes unpack in (4 for 2- and 3-bit codes,
+    # K tiles (and q) split in as many column blocks as K's codes unpack in (4 for 1- to 3-bit codes,
     # 2 for 4-bit), V tiles (and acc) as V's.
-    K_PARTS: tl.constexpr = 4 // (K_BITS // 2)
-    V_PARTS: tl.constexpr = 4 // (V_BITS // 2)
+    K_PARTS: tl.constexpr = 4 - 2 * (K_BITS // 4)
+    V_PARTS: tl.constexpr = 4 - 2 * (V_BITS // 4)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     local = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -825,9 +855,10 @@ def _shift_free_blocks(bits: int, dtype: torch.dtype) -> int:
 
     Such a block's codes are masked where they are, without a shift: ``OFFSET + 2**(j*bits) * c``
     (:func:`_part_factor`). bf16 with 2-bit codes: blocks 0-2 of 4, a quarter fewer unpacking
-    instructions than shifting each block down. None for 3-bit codes, assembled from two planes.
+    instructions than shifting each block down. None for 3-bit codes, assembled from two planes, nor
+    for 1-bit codes, unpacked in 4 blocks of two bits each.
     """
-    if bits == 3:
+    if bits in (1, 3):
         return 0
     return min(8 // bits, _CODE_MAGIC[dtype][2] // bits)
 
@@ -841,10 +872,11 @@ def _unpack_asm(bits: int, dtype: torch.dtype) -> str:
     ``j*bits`` for blocks outside the mantissa, :func:`_shift_free_blocks`) then yields two codes,
     the same values as :func:`_code_block`. Output element ``i`` depends on input byte ``i`` only, so
     the result does not depend on how the compiler lays the bytes out across threads and registers.
-    Empty (the portable path) for float32 and for 3-bit codes; the interpreter runs the portable path too.
+    Empty (the portable path) for float32 and for 1- and 3-bit codes; the interpreter runs the portable
+    path too.
     """
     magic = _CODE_MAGIC[dtype][0]
-    if magic == 0 or bits == 3:
+    if magic == 0 or bits in (1, 3):
         return ""
     free, magic2 = _shift_free_blocks(bits, dtype), magic * 0x10001
     lines = [".reg .b32 lo, hi, t;", "prmt.b32 lo, $IN, 0, 0x1100;", "prmt.b32 hi, $IN, 0, 0x3322;"]
@@ -1013,7 +1045,7 @@ def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits
 
 
 def column_blocks(bits: int) -> int:
-    """Column blocks that ``bits``-bit codes unpack in: 4 for 2- and 3-bit codes, 2 for 4-bit."""
+    """Column blocks that ``bits``-bit codes unpack in: 4 for 1- to 3-bit codes, 2 for 4-bit."""
     check_bits(bits)
     return 2 if bits == 4 else 4
 
@@ -1060,7 +1092,7 @@ def decode_attention(
         k_codes, v_codes: packed history ``uint8 [B, Hkv, L, D*bits/8]`` (the layout of
             :func:`oscar_hf.quant.pack`); ``L`` may be 0.
         k_scale, k_zero, v_scale, v_zero: ``[B, Hkv, L, D/G]`` per-group metadata (any float dtype).
-        k_bits, v_bits: 2, 3 or 4 each.
+        k_bits, v_bits: 1, 2, 3 or 4 each.
         sm_scale: score scale, ``1/sqrt(D)`` by default.
         key_mask: optional ``bool [B, S+L+R+T]``, True where a key may be attended (left-padding pads
             are False).

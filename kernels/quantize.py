@@ -7,7 +7,9 @@ One program loads ``BLOCK_N`` rows ``[BLOCK_N, D]`` in float32 and does, in regi
    off the largest magnitudes when few lie above it, as with the usual ratios 0.92-0.96, else by
    bisection);
 2. per group of ``G`` channels, min/max (or max|x| when symmetric) -> float scale and zero-point;
-3. ``code = floor(x / scale + zero + 0.5)`` clamped to ``[0, 2^bits - 1]``;
+3. ``code = floor(x / scale + zero + 0.5)`` clamped to ``[0, 2^bits - 1]``; 1-bit rows instead take
+   the group's mean and deviation as pairwise sums in the reference's order (:func:`_tree_sum`),
+   ``scale = 1.596 sigma``, ``zero = 0.5 - mu / scale`` and ``code = x >= mu``;
 4. pack ``8 / bits`` codes per byte, byte ``c`` holding dims ``c, c + D/k, ...`` from the low bits up
    (3-bit codes: their low two bits so, then their high bits as a 1-bit plane, see :func:`oscar_hf.quant.pack`);
 5. store the codes and the scale/zero cast to the metadata dtype.
@@ -16,7 +18,9 @@ Codes are bit-exact against the torch reference on the same device: the kernel u
 operations in the same order. Tensor-by-tensor divisions are ``div_rn`` (IEEE round-to-nearest, what
 torch computes; a plain ``/`` in compiled Triton is an approximate division on NVIDIA GPUs), and the
 division of the range by ``2^bits - 1`` follows torch's device-dependent rule (see the kernel).
-There is no multiply followed by an add, so no FMA contraction can change a rounding either.
+There is no multiply followed by an add, so no FMA contraction can change a rounding either, except
+in the 1-bit deviation's sum of squares: those launches turn FMA contraction off (``enable_fp_fusion``),
+and the square root is the correctly rounded ``sqrt_rn``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 
 import torch
 
-from oscar_hf.quant import QuantizedRows, check_bits, clip_index, quantize
+from oscar_hf.quant import SCALE_FLOOR, SIGMA_STRETCH, QuantizedRows, check_bits, check_symmetric, clip_index, quantize
 
 from ._triton import (
     HAS_TRITON, INTERPRET, cdiv, define_op, is_power_of_two, launch_kernel, op_or_launcher, runs_triton, tl, to_dtype,
@@ -33,6 +37,32 @@ from ._triton import (
 )  # fmt: skip
 
 # ------------------------------------------------------------------------------------------ kernel
+
+_STRETCH = tl.constexpr(SIGMA_STRETCH)
+_FLOOR = tl.constexpr(SCALE_FLOOR)
+
+
+@triton.jit
+def _tree_sum(x, BLOCK_N: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
+    """Sums over the last dim of ``[BLOCK_N, NG, G]`` (G a power of two) by halving, in the order of
+    :func:`oscar_hf.quant.tree_sum`: each step adds column ``c`` and ``c + width/2`` (a sum of two
+    floats, exact whatever the reduction's order)."""
+    for step in tl.static_range(1, 16):  # groups of up to 2^15 channels
+        if (G >> step) > 0:
+            x = tl.sum(tl.reshape(x, (BLOCK_N, NG, 2, G >> step)), axis=2)
+    return tl.reshape(x, (BLOCK_N, NG))
+
+
+@triton.jit
+def _sigma_levels(groups, BLOCK_N: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
+    """1-bit ``(codes, scale, zero)`` of ``[BLOCK_N, NG, G]`` float32 groups, as :func:`oscar_hf.quant.sigma_levels`."""
+    mu = tl.math.div_rn(_tree_sum(groups, BLOCK_N, NG, G), G * 1.0)
+    deviation = groups - mu[:, :, None]
+    sigma = tl.math.sqrt_rn(tl.math.div_rn(_tree_sum(deviation * deviation, BLOCK_N, NG, G), G * 1.0))
+    scale = tl.maximum(sigma * _STRETCH, _FLOOR)
+    zero = 0.5 - tl.math.div_rn(mu, scale)
+    codes = (groups >= mu[:, :, None]).to(tl.int32)
+    return codes, scale, zero
 
 
 @triton.jit
@@ -81,7 +111,7 @@ def _quantize_tile(
     """Float32 rows ``[BLOCK_N, D]`` -> (packed ``uint8 [BLOCK_N, D*BITS/8]`` as two planes, scale, zero ``[BLOCK_N, D/G]``).
 
     The planes are ``[BLOCK_N, D/4]`` low bits and ``[BLOCK_N, D/8]`` high bits for 3-bit codes; for
-    2 and 4 bits the first holds all the bytes and the second repeats it (unused).
+    1, 2 and 4 bits the first holds all the bytes and the second repeats it (unused).
     ``clip_index`` < 0 disables clipping (a constexpr or a runtime value).
     """
     NG: tl.constexpr = D // G
@@ -98,27 +128,30 @@ def _quantize_tile(
         x = tl.minimum(tl.maximum(x, -threshold), threshold)
 
     groups = tl.reshape(x, (BLOCK_N, NG, G))
-    if SYMMETRIC:
-        low = tl.zeros((BLOCK_N, NG), tl.float32)
-        span = tl.maximum(2.0 * tl.max(tl.abs(groups), axis=2), 1e-8)
+    if BITS == 1:
+        codes, scale, zero = _sigma_levels(groups, BLOCK_N, NG, G)
     else:
-        low = tl.min(groups, axis=2)
-        span = tl.maximum(tl.max(groups, axis=2) - low, 1e-8)
-    # torch divides a tensor by a Python number as a true division on CPU but as a multiply by the
-    # float32 reciprocal on CUDA (at times one ulp apart): do what torch does on the same device.
-    if RECIPROCAL:
-        scale = span * (1.0 / LEVELS)
-    else:
-        scale = tl.math.div_rn(span, LEVELS * 1.0)
-    if SYMMETRIC:
-        zero = tl.full((BLOCK_N, NG), LEVELS / 2, tl.float32)
-    else:
-        zero = tl.math.div_rn(-low, scale)
+        if SYMMETRIC:
+            low = tl.zeros((BLOCK_N, NG), tl.float32)
+            span = tl.maximum(2.0 * tl.max(tl.abs(groups), axis=2), 1e-8)
+        else:
+            low = tl.min(groups, axis=2)
+            span = tl.maximum(tl.max(groups, axis=2) - low, 1e-8)
+        # torch divides a tensor by a Python number as a true division on CPU but as a multiply by the
+        # float32 reciprocal on CUDA (at times one ulp apart): do what torch does on the same device.
+        if RECIPROCAL:
+            scale = span * (1.0 / LEVELS)
+        else:
+            scale = tl.math.div_rn(span, LEVELS * 1.0)
+        if SYMMETRIC:
+            zero = tl.full((BLOCK_N, NG), LEVELS / 2, tl.float32)
+        else:
+            zero = tl.math.div_rn(-low, scale)
 
-    # Three separately rounded float32 steps, as torch evaluates `groups / scale + zero + 0.5`.
-    codes = tl.math.div_rn(groups, scale[:, :, None]) + zero[:, :, None]
-    codes = tl.floor(codes + 0.5)
-    codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int32)
+        # Three separately rounded float32 steps, as torch evaluates `groups / scale + zero + 0.5`.
+        codes = tl.math.div_rn(groups, scale[:, :, None]) + zero[:, :, None]
+        codes = tl.floor(codes + 0.5)
+        codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int32)
 
     if BITS == 3:
         packed = _pack_plane(codes & 3, BLOCK_N, D, 2)
@@ -257,9 +290,15 @@ def quantize_pack_triton(
         n_rows, rows.stride(0), codes.stride(0), scale.stride(0),
         D=head_dim, G=group_size, BITS=bits, SYMMETRIC=symmetric,
         CLIP_INDEX=clip_index(clip_ratio, head_dim) if clip_ratio > 0 else -1, BLOCK_N=block,
-        RECIPROCAL=rows.is_cuda and not INTERPRET, INTERPRETED=INTERPRET, num_warps=_NUM_WARPS,
+        RECIPROCAL=rows.is_cuda and not INTERPRET, INTERPRETED=INTERPRET, num_warps=_NUM_WARPS, **_exact(bits),
     )  # fmt: skip
     return codes, scale, zero
+
+
+def _exact(bits: int) -> dict:
+    """Launch options that keep the kernel's float32 operations those of the torch reference: no FMA
+    contraction of the 1-bit sum of squares (the other widths multiply nothing into a sum)."""
+    return {"enable_fp_fusion": False} if bits == 1 else {}
 
 
 # -------------------------------------------------------------------------------- torch reference
@@ -321,7 +360,7 @@ def _launch_many(
         table, heads, rows_per_head, n_rows, table if window is None else window, len(_JOB_COLUMNS),
         SRC_DTYPE=_TL_DTYPES[like.dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
         BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=like.is_cuda and not INTERPRET,
-        DEVICE_WINDOW=window is not None, INTERPRETED=INTERPRET, num_warps=num_warps or _NUM_WARPS,
+        DEVICE_WINDOW=window is not None, INTERPRETED=INTERPRET, num_warps=num_warps or _NUM_WARPS, **_exact(bits),
     )  # fmt: skip
 
 
@@ -392,6 +431,7 @@ def quantize_pack(
     else the torch reference; both give identical codes and scale/zero.
     """
     check_bits(bits)
+    check_symmetric(bits, symmetric)
     head_dim = rows.shape[-1]
     if head_dim % group_size:
         raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")

@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .config import OscarConfig, TensorQuantConfig, resolve_method
+from .config import OscarConfig, TensorQuantConfig, check_bit_budget, resolve_method
 from .log import get_logger, warning_once
 from .memory import LayerMemory, MemoryReport
 from .kernels.quantize import quantize_pack, quantize_pack_into
@@ -597,12 +597,18 @@ class OscarCache(Cache):
         # Set when an operation that reorders or rolls back the cache thaws it, or when freezing is
         # refused for good: plain generate stops freezing the cache until reset().
         self.stays_eager = False
-        layers = [self._layer(i, rotations) if i in quantized_ids else layer for i, layer in enumerate(stock_layers)]
+        layers = [self._layer(i, rotations, head_dim) if i in quantized_ids else layer
+                  for i, layer in enumerate(stock_layers)]  # fmt: skip
+        check_bit_budget(self.oscar_config, [layers[i].config for i in quantized_ids])
         self._first_oscar_layer = quantized_ids[0]
         super().__init__(layers=layers)
 
-    def _layer(self, layer_id: int, rotations: RotationSet) -> OscarLayer:
-        config = self.oscar_config.for_layer(rotations.key_clip.get(layer_id), rotations.value_clip.get(layer_id))
+    def _layer(self, layer_id: int, rotations: RotationSet, head_dim: int) -> OscarLayer:
+        config = self.oscar_config.for_layer(
+            rotations.key_clip.get(layer_id), rotations.value_clip.get(layer_id),
+            rotations.key_bits.get(layer_id), rotations.value_bits.get(layer_id),
+        )  # fmt: skip
+        config.validate(head_dim)
         key_rotation, value_rotation = rotations.for_layer(layer_id)
         if self.values_prerotated:
             value_rotation = None  # v_proj already emits v @ R_V and o_proj expects rotated outputs

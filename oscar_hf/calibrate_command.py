@@ -1,4 +1,4 @@
-"""``oscar-hf calibrate``: rotations (and optionally per-layer clip ratios) for any model, in one command."""
+"""``oscar-hf calibrate``: rotations (and optionally per-layer clip ratios and bit widths) for any model, in one command."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from .bit_allocation import BitAllocation, allocate_bits
 from .calibration import LayerCovariances, collect_covariances, rotations_from_covariances
 from .calibration_data import calibration_batches, read_calibration_files
 from .clip_search import LayerChoice, search_layers
@@ -19,7 +20,9 @@ from .config import K_CLIP, METHODS, V_CLIP
 from .refine import refine_rotations
 from .rotations import COMPOSITION_NAMES, RotationSet
 
-SEARCH_ROWS = 2  # calibration rows the clip search measures errors on (~20 s each on the default model, CPU)
+# Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit
+# allocation scores its teacher-forced KL on them too (2 rows of 2048 tokens: 2 x 64 passes of ~20 s on CPU).
+SEARCH_ROWS = 2
 
 
 def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str]) -> tuple[Path, dict]:
@@ -40,6 +43,10 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
             rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
     else:
         rotations = rotations_from_covariances(covariances, args.objective, args.factors, args.per_head)
+    allocation: BitAllocation | None = None
+    if args.allocate_bits:
+        rotations, allocation = allocate_bits(model, _search_rows(batches), rotations, args.allocate_bits,
+                                              progress=not args.json)  # fmt: skip
     tokens = sum(b.numel() for b in batches)
     metadata = {
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
@@ -65,6 +72,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
     }
+    if allocation is not None:
+        metadata["bit_allocation"] = allocation.to_dict()
     if choices:
         metadata["layer_choices"] = {
             str(i): {"key": f"{c.key_factors}@{rotations.key_clip[i]}",
@@ -80,6 +89,10 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "peak_rss_mib": round(_peak_rss_mib(), 1),
         "per_layer": _per_layer(covariances, rotations, choices),
     }
+    if allocation is not None:
+        summary["bit_allocation"] = {"key_4bit_layers": allocation.key_layers, "value_1bit_layers": allocation.value_layers,
+                                     "baseline_kl": round(allocation.baseline_kl, 6),
+                                     "allocated_kl": round(allocation.allocated_kl, 6)}  # fmt: skip
     return out, summary
 
 
@@ -131,6 +144,8 @@ def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet,
             # The stored ratios: the search's, or those searched again after --refine.
             row |= {"key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
                     "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}"}
+        if rotations.key_bits or rotations.value_bits:
+            row |= {"key_bits": rotations.key_bits.get(layer_id, 2), "value_bits": rotations.value_bits.get(layer_id, 2)}
         rows.append(row)
     return rows
 
@@ -147,5 +162,11 @@ def format_summary(summary: dict) -> str:
         line = f"{row['layer']:>5} | {row['c_q_condition']:>22} | {row['c_q_top_share']:>13} | {row['c_s_condition']:>11}"
         if "key" in row:
             line += f" | {row['key']} | {row['value']}"
+        if "key_bits" in row:
+            line += f" | K{row['key_bits']} V{row['value_bits']}"
         lines.append(line)
+    if "bit_allocation" in summary:
+        a = summary["bit_allocation"]
+        lines += ["", f"4-bit keys in layers {a['key_4bit_layers']}, 1-bit values in layers {a['value_1bit_layers']}: "
+                      f"calibration KL {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits"]
     return "\n".join(lines)

@@ -263,6 +263,10 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
                          "--objective and --factors")
     if args.refine and not args.clip_search:
         raise SystemExit("--refine starts from the clip search's rotations and ratios; drop --no-clip-search")
+    if args.allocate_bits and not args.clip_search:
+        raise SystemExit("--allocate-bits ranks layers against the clip search's rotations and ratios; drop --no-clip-search")
+    if args.allocate_bits < 0:
+        raise SystemExit("--allocate-bits takes a number of layers (0: none)")
     model, tokenizer = _load(args)
     _, summary = run_calibration(args, model, tokenizer, argv)
     print(json.dumps({**_environment(argv), **summary}) if args.json else format_summary(summary))
@@ -370,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--refine", action="store_true",
                            help="after the clip search, fit each R_K/R_V on the orthogonal group to the quantized "
                                 "attention-output error and search its clip ratio again (slower)")
+    calibrate.add_argument("--allocate-bits", type=int, default=0, metavar="N",
+                           help="after --clip-search, store 4-bit keys in the N layers where they cut the calibration "
+                                "KL most and 1-bit values in the 2N where they cost least (oscar-int2's history bits)")
     calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
     calibrate.add_argument("--seq-len", type=int, default=2048)
     calibrate.add_argument("--seed", type=int, default=0)

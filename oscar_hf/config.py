@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from .quant import check_bits, pack_unit
+from .quant import check_bits, check_symmetric, pack_unit
 
 ROTATION_KINDS = ("identity", "hadamard", "calibrated")
 
@@ -18,8 +18,9 @@ ROTATION_KINDS = ("identity", "hadamard", "calibrated")
 class TensorQuantConfig:
     """How one of K or V is quantized once it leaves the BF16 windows.
 
-    ``bits`` is 2, 3 or 4; ``group_size`` ``None`` means one (scale, zero) per row (G = head_dim);
-    ``clip_ratio`` 0 disables clipping.
+    ``bits`` is 1, 2, 3 or 4 (1-bit rows take levels ``mu +- 0.798 sigma``, see :mod:`oscar_hf.quant`);
+    ``group_size`` ``None`` means one (scale, zero) per row (G = head_dim); ``clip_ratio`` 0 disables
+    clipping.
     """
 
     bits: int = 2
@@ -29,6 +30,7 @@ class TensorQuantConfig:
 
     def validate(self, name: str, head_dim: int) -> None:
         check_bits(self.bits)
+        check_symmetric(self.bits, self.symmetric)
         if not 0.0 <= self.clip_ratio <= 1.0:
             raise ValueError(f"{name}: clip_ratio must be in [0, 1], got {self.clip_ratio}")
         group, unit = self.group_of(head_dim), pack_unit(self.bits)
@@ -50,9 +52,12 @@ class OscarConfig:
     this, for both). ``sink`` first real tokens and the last ``recent`` (up to ``recent + block - 1``)
     tokens stay in high precision; the window is demoted ``block`` tokens at a time. With
     ``layer_clip``, per-layer clip ratios stored with calibrated rotations replace the fixed ratio
-    of every 2-bit tensor the method clips. ``shared_rotations`` asks for the reference implementation's
-    rotations: one per layer for all its KV heads, and, from a bundled set, the one made without
-    the clip search.
+    of every 2-bit tensor the method clips. With ``layer_bits``, per-layer bit widths stored with
+    calibrated rotations (e.g. K at 4 bits in the most sensitive layers, paid for by V at 1 bit in
+    others) replace a 2-bit method's; they must keep the method's history bits (see
+    :func:`check_bit_budget`) unless ``allow_bits_change``. ``shared_rotations`` asks for the
+    reference implementation's rotations: one per layer for all its KV heads, and, from a bundled
+    set, the one made without the clip search.
     """
 
     method: str = "custom"
@@ -66,6 +71,8 @@ class OscarConfig:
     check_finite: bool = False
     layer_clip: bool = True
     shared_rotations: bool = False
+    layer_bits: bool = True
+    allow_bits_change: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -88,20 +95,67 @@ class OscarConfig:
             self.key.validate("key", head_dim)
             self.value.validate("value", head_dim)
 
-    def for_layer(self, key_clip: float | None, value_clip: float | None) -> "OscarConfig":
-        """This config with a layer's calibrated clip ratios applied to its 2-bit tensors (see ``layer_clip``)."""
-        if not (self.layer_clip and self.quantized and self.rotation == "calibrated"):
+    def for_layer(
+        self,
+        key_clip: float | None = None,
+        value_clip: float | None = None,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+    ) -> "OscarConfig":
+        """This config with a layer's calibrated clip ratios (see ``layer_clip``) and bit widths (see
+        ``layer_bits``) applied; only calibrated methods take them, and only where the method's widths
+        are those the clip search and the allocation measure at (2 bits).
+
+        A tensor whose width the layer changes is quantized without clipping: the clip ratios were
+        chosen for the method's width, and 4-bit min-max keys and 1-bit sigma-level values need none.
+        """
+        if not (self.quantized and self.rotation == "calibrated"):
             return self
         key, value = self.key, self.value
-        if key_clip is not None and key.clip_ratio > 0 and key.bits == SEARCHED_BITS:
-            key = replace(key, clip_ratio=float(key_clip))
-        if value_clip is not None and value.clip_ratio > 0 and value.bits == SEARCHED_BITS:
-            value = replace(value, clip_ratio=float(value_clip))
+        if self.layer_clip:
+            if key_clip is not None and key.clip_ratio > 0 and key.bits == SEARCHED_BITS:
+                key = replace(key, clip_ratio=float(key_clip))
+            if value_clip is not None and value.clip_ratio > 0 and value.bits == SEARCHED_BITS:
+                value = replace(value, clip_ratio=float(value_clip))
+        if self.layer_bits and key.bits == value.bits == SEARCHED_BITS:
+            key, value = _with_bits(key, key_bits), _with_bits(value, value_bits)
         return replace(self, key=key, value=value)
 
     def with_overrides(self, **overrides) -> "OscarConfig":
         """A copy with some fields replaced (e.g. ``sink=4, recent=16`` for tests)."""
         return replace(self, **overrides)
+
+
+def _with_bits(spec: TensorQuantConfig, bits: int | None) -> TensorQuantConfig:
+    if bits is None or bits == spec.bits:
+        return spec
+    return replace(spec, bits=int(bits), clip_ratio=0.0)
+
+
+def _history_code_bits(configs: list[OscarConfig]) -> int:
+    """Code bits one token takes in the histories of these layers, per channel: the sum of K and V widths."""
+    return sum(c.key.bits + c.value.bits for c in configs if c.quantized)
+
+
+def check_bit_budget(config: OscarConfig, layers: list[OscarConfig]) -> None:
+    """Raise ``ValueError`` unless per-layer bit widths keep ``config``'s history size.
+
+    The rule: the sum over the quantized layers of (K bits + V bits) must equal that of ``config``
+    in every one of them, i.e. the average history bits per element stay the method's (metadata is
+    one (scale, zero) per group at any width, so it does not change). K at 4 bits in N layers of
+    ``oscar-int2`` is paid for by V at 1 bit in 2N layers. ``config.allow_bits_change`` lifts the check.
+    """
+    if config.allow_bits_change or not config.quantized:
+        return
+    expected, got = _history_code_bits([config] * len(layers)), _history_code_bits(layers)
+    if got != expected:
+        count = sum(c.quantized for c in layers)
+        raise ValueError(
+            f"the per-layer bit widths of the rotations give {got / (2 * count):.4g} code bits per history element "
+            f"where method {config.method!r} takes {expected / (2 * count):.4g} (sum over layers of K + V bits "
+            f"{got} != {expected}); rebalance the allocation, pass allow_bits_change=True to accept it, or "
+            "layer_bits=False to ignore it"
+        )
 
 
 K_CLIP, V_CLIP = 0.96, 0.92  # the reference implementation's fixed clip ratios
@@ -119,10 +173,10 @@ METHODS: dict[str, OscarConfig] = {
     "oscar-int2": OscarConfig(
         "oscar-int2", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
     ),
-    # The paper's recipe, to reproduce its numbers: one U·H·P rotation per layer, fixed clips.
+    # The paper's recipe, to reproduce its numbers: one U·H·P rotation per layer, fixed clips, 2 bits everywhere.
     "oscar-int2-paper": OscarConfig(
         "oscar-int2-paper", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP),
-        "calibrated", layer_clip=False, shared_rotations=True,
+        "calibrated", layer_clip=False, layer_bits=False, shared_rotations=True,
     ),
     "int4": OscarConfig("int4", TensorQuantConfig(4), TensorQuantConfig(4), "hadamard"),
     "oscar-k4v2": OscarConfig(

@@ -12,8 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .cache import OscarCache, head_dim_of
-from .memory import bits_per_element
+from .cache import OscarCache, OscarLayer, head_dim_of
+from .memory import mean_bits_per_element
 from .rotations import RotationSet
 from .teacher_forcing import teacher_forced_logits
 
@@ -97,9 +97,15 @@ def evaluate_caches(
     stats, starts = position_stats_of_caches(model, token_ids, caches, context, windows, progress)
     head_dim = head_dim_of(next(iter(caches.values())).text_config)
     return [
-        _score(label, stats[label][:, first:], len(starts), bits_per_element(cache.oscar_config, context, head_dim))
+        _score(label, stats[label][:, first:], len(starts), _bits_per_element(cache, context, head_dim))
         for label, cache in caches.items()
     ]
+
+
+def _bits_per_element(cache: OscarCache, context: int, head_dim: int) -> float:
+    """The cache's BPE after a ``context``-token prefill, each layer at its own bit widths."""
+    configs = [layer.config for layer in cache.layers if isinstance(layer, OscarLayer)]
+    return mean_bits_per_element(configs, context, head_dim)
 
 
 @torch.no_grad()

@@ -174,3 +174,10 @@ def bits_per_element(config: OscarConfig, context: int, head_dim: int, window_bi
     history_bits = sum(spec.bits + metadata_bits / spec.group_of(head_dim) for spec in (config.key, config.value)) / 2
     window = min(context, config.sink + config.recent)
     return (window * window_bits + (context - window) * history_bits) / context
+
+
+def mean_bits_per_element(configs: list[OscarConfig], context: int, head_dim: int, window_bits: int = 16) -> float:
+    """:func:`bits_per_element` over layers of their own configurations (per-layer bit widths), averaged."""
+    if not configs:
+        raise ValueError("no layer configurations to average")
+    return sum(bits_per_element(c, context, head_dim, window_bits) for c in configs) / len(configs)

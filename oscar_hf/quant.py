@@ -12,7 +12,18 @@ A *row* is one token of one KV head, ``head_dim`` values. Each row is split into
 Codes are computed with float32 scale/zero and stored with 16-bit metadata by default, as the
 reference's decode kernel reads them.
 
-2- and 4-bit codes pack ``8 / bits`` to a byte. 3-bit codes are stored as two bit planes, so that
+1-bit rows use two levels ``mu +- sqrt(2/pi) sigma`` per group (the 1-bit Lloyd-Max quantizer of a
+Gaussian; min-max levels at 1 bit would sit at the extremes), stored as the same affine metadata so
+that ``(code - zero) * scale`` still dequantizes them:
+
+    scale = max(SIGMA_STRETCH * sigma, 1e-8)  # SIGMA_STRETCH = 2 sqrt(2/pi) ~ 1.596
+    zero  = 0.5 - mu / scale
+    code  = x >= mu
+
+``mu`` and ``sigma`` (population) come from pairwise sums in a fixed order (:func:`tree_sum`) and a
+correctly rounded square root, so the Triton write kernel reproduces them bit for bit.
+
+1-, 2- and 4-bit codes pack ``8 / bits`` to a byte. 3-bit codes are stored as two bit planes, so that
 kernels unpack them with the same column blocks as 2-bit codes: the low two bits in the 2-bit
 layout (``D/4`` bytes), then the high bit in a 1-bit plane (``D/8`` bytes), ``3D/8`` bytes a row.
 """
@@ -24,8 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (2, 3, 4)
+SUPPORTED_BITS = (1, 2, 3, 4)
 SCALE_FLOOR = 1e-8
+SIGMA_STRETCH = 1.596  # 2 sqrt(2/pi): 1-bit levels at mu +- 0.798 sigma
 
 
 @dataclass
@@ -42,11 +54,39 @@ def check_bits(bits: int) -> None:
         raise ValueError(f"unsupported bit width {bits}: the cache quantizes to {SUPPORTED_BITS} bits")
 
 
+def check_symmetric(bits: int, symmetric: bool) -> None:
+    if symmetric and bits == 1:
+        raise ValueError("1-bit rows take levels around their mean (mu +- 0.798 sigma); symmetric quantization "
+                         "needs 2 bits or more")
+
+
 def pack_unit(bits: int) -> int:
     """Dims a packed row (and a quantization group) must be a multiple of: the codes of one byte,
     8 for 3-bit codes (one byte of their 1-bit plane)."""
     check_bits(bits)
     return 8 if bits == 3 else 8 // bits
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by halving: ``x[:n/2] + x[n/2:]`` until one column is left (any odd
+    remainder summed last). A fixed order of float32 additions that a kernel can repeat exactly."""
+    while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x.sum(-1) if x.shape[-1] > 1 else x[..., 0]
+
+
+def sigma_levels(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1-bit ``(codes, scale, zero)`` of float32 ``groups [..., G]``: levels ``mu +- scale / 2``."""
+    size = groups.shape[-1]
+    mu = tree_sum(groups) / size
+    deviation = groups - mu[..., None]
+    # The correctly rounded float32 root (what a kernel's sqrt_rn gives): torch's float32 sqrt on CPU is
+    # not, one ulp off for some inputs; the float64 root rounded to float32 is.
+    sigma = torch.sqrt((tree_sum(deviation * deviation) / size).double()).float()
+    scale = torch.clamp(sigma * SIGMA_STRETCH, min=SCALE_FLOOR)
+    zero = 0.5 - mu / scale
+    return (groups >= mu[..., None]).float(), scale, zero
 
 
 def clip_index(ratio: float, head_dim: int) -> int:
@@ -81,14 +121,19 @@ def quantize(
     """Clip, quantize per token and group, and pack ``rows [..., D]``.
 
     ``symmetric`` is the naive baseline: the grid is centred on zero (zero-point fixed at
-    (2^bits - 1) / 2) and spans [-max|x|, max|x|].
+    (2^bits - 1) / 2) and spans [-max|x|, max|x|]. 1-bit rows take the sigma levels (module docstring).
     """
     check_bits(bits)
+    check_symmetric(bits, symmetric)
     head_dim = rows.shape[-1]
     if head_dim % group_size:
         raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
     levels = 2**bits - 1
     groups = clip_rows(rows.float(), clip_ratio).unflatten(-1, (head_dim // group_size, group_size))
+    if bits == 1:
+        codes, scale, zero = sigma_levels(groups)
+        packed = pack(codes.flatten(-2).to(torch.uint8), bits)
+        return QuantizedRows(packed, scale.to(metadata_dtype), zero.to(metadata_dtype))
     if symmetric:
         amax = groups.abs().amax(dim=-1)
         scale = torch.clamp(2 * amax, min=SCALE_FLOOR) / levels
@@ -113,7 +158,7 @@ def dequantize(quantized: QuantizedRows, bits: int, group_size: int, dtype: torc
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``uint8`` codes ``[..., D]`` into ``[..., D * bits / 8]`` bytes.
 
-    For 2 and 4 bits, byte ``c`` holds dims ``c, c + D/k, c + 2D/k, ...`` (k = 8 / bits codes per
+    For 1, 2 and 4 bits, byte ``c`` holds dims ``c, c + D/k, c + 2D/k, ...`` (k = 8 / bits codes per
     byte) from the low bits up: for INT2 that is the reference's "quartered" layout, which lets a
     kernel unpack k contiguous ``[N, D/k]`` tiles. 3-bit codes are the 2-bit plane of their low bits
     in that layout followed by the 1-bit plane of their high bits (byte ``c`` holding dims ``c,

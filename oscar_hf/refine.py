@@ -271,6 +271,7 @@ def refine_rotations(
         head_dim=rotations.head_dim, key=key, value=value,
         description=f"{rotations.description}; refined on the orthogonal group by attention-output error",
         key_eigenvalues=rotations.key_eigenvalues, value_eigenvalues=rotations.value_eigenvalues,
-        key_clip=key_clip, value_clip=value_clip,
+        key_clip=key_clip, value_clip=value_clip, key_bits=dict(rotations.key_bits),
+        value_bits=dict(rotations.value_bits),
     )
     return refined, fits

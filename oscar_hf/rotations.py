@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .quant import SUPPORTED_BITS
+
 ORTHOGONALITY_TOLERANCE = 1e-3
 FACTOR_CHOICES = ("UHP", "UH", "UP", "HP", "H", "U", "")
 # The reference script's names for the same compositions (compute_kv_rotation.py --composition).
@@ -125,7 +127,9 @@ class RotationSet:
     (``[H_kv, head_dim, head_dim]``, the same ``H_kv`` throughout the set); eigenvalues follow the
     same layout (``[head_dim]`` or ``[H_kv, head_dim]``). A layer missing from ``key`` or ``value``
     uses the identity. The ascending eigenvalues of the calibration covariances are kept for
-    inspection only; they are not needed at run time.
+    inspection only; they are not needed at run time. ``key_clip`` / ``value_clip`` and ``key_bits`` /
+    ``value_bits`` are optional per-layer clip ratios and history bit widths that calibrated methods
+    apply (:meth:`oscar_hf.config.OscarConfig.for_layer`).
     """
 
     head_dim: int
@@ -136,12 +140,19 @@ class RotationSet:
     value_eigenvalues: dict[int, torch.Tensor] = field(default_factory=dict)
     key_clip: dict[int, float] = field(default_factory=dict)
     value_clip: dict[int, float] = field(default_factory=dict)
+    key_bits: dict[int, int] = field(default_factory=dict)
+    value_bits: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for kind, table in (("key_clip", self.key_clip), ("value_clip", self.value_clip)):
             for layer_id, ratio in table.items():
                 if not 0.0 <= float(ratio) <= 1.0:
                     raise ValueError(f"{kind} of layer {layer_id} must be in [0, 1], got {ratio}")
+        for kind, table in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            for layer_id, bits in table.items():
+                if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+                    raise ValueError(f"{kind} of layer {layer_id} must be one of {SUPPORTED_BITS}, got {bits!r}")
+                table[layer_id] = int(bits)
         dim = self.head_dim
         for kind, table in (("R_K", self.key), ("R_V", self.value)):
             for layer_id, rotation in table.items():
@@ -200,6 +211,7 @@ class RotationSet:
         return RotationSet(
             self.head_dim, pick(self.key, 3), pick(self.value, 3), self.description,
             pick(self.key_eigenvalues, 2), pick(self.value_eigenvalues, 2), dict(self.key_clip), dict(self.value_clip),
+            dict(self.key_bits), dict(self.value_bits),
         )  # fmt: skip
 
     def as_per_head(self, kv_heads: int) -> "RotationSet":
@@ -213,7 +225,7 @@ class RotationSet:
         return RotationSet(
             self.head_dim, expand(self.key, 2), expand(self.value, 2), self.description,
             expand(self.key_eigenvalues, 1), expand(self.value_eigenvalues, 1), dict(self.key_clip),
-            dict(self.value_clip),
+            dict(self.value_clip), dict(self.key_bits), dict(self.value_bits),
         )  # fmt: skip
 
     def value_fingerprint(self) -> str:

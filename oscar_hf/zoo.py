@@ -4,7 +4,8 @@ Our format is a directory with ``rotations.safetensors`` and ``config.json``. Te
 keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotation`` (``[D, D]``, or
 ``[H_kv, D, D]`` for one R per KV head), ``layers.{i}.key_eigenvalues``,
 ``layers.{i}.value_eigenvalues`` (``[D]`` or ``[H_kv, D]``) and, when set, the per-layer clip ratios
-``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` (one element each). A rotation is applied as
+``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` and history bit widths ``layers.{i}.key_bits`` /
+``layers.{i}.value_bits`` (one element each; files without them load as sets without them). A rotation is applied as
 ``x @ R`` exactly as stored (oscar-reference.md section 7.1). ``config.json`` records the format,
 head_dim, ``kv_heads`` (per-head sets only), layer ids, description and whatever the caller adds
 (model, objective, data...).
@@ -72,6 +73,8 @@ _FIELDS = {
     "value_eigenvalues": "value_eigenvalues",
     "key_clip": "key_clip",
     "value_clip": "value_clip",
+    "key_bits": "key_bits",
+    "value_bits": "value_bits",
 }
 _TENSOR_KEY = re.compile(r"layers\.(\d+)\.(" + "|".join(_FIELDS) + ")")
 _RESERVED_KEYS = ("format", "format_version", "head_dim", "kv_heads", "layer_ids", "description", "library_version")
@@ -144,7 +147,7 @@ def save_pretrained(rotations: RotationSet, directory: str | Path, metadata: dic
     return directory
 
 
-def _stored_tensor(value: torch.Tensor | float) -> torch.Tensor:
+def _stored_tensor(value: torch.Tensor | float | int) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         # safetensors refuses tensors sharing memory (RotationSet.hadamard reuses one matrix), hence the clone.
         return value.detach().to("cpu", torch.float32).clone().contiguous()
@@ -204,7 +207,11 @@ def _load_ours(directory: Path, per_head: bool | None = None) -> RotationSet:
     return rotations
 
 
-def _read_tensor(path: Path, name: str, kind: str, tensor: torch.Tensor, head_dim: int) -> torch.Tensor | float:
+def _read_tensor(path: Path, name: str, kind: str, tensor: torch.Tensor, head_dim: int) -> torch.Tensor | float | int:
+    if kind.endswith("bits"):
+        if tensor.numel() != 1 or tensor.ndim > 1 or tensor.item() != int(tensor.item()):
+            raise ValueError(f"{path}: {name} must hold a single whole bit width, got {tensor.tolist()}")
+        return int(tensor.item())
     if kind.endswith("clip"):
         if tensor.numel() != 1 or tensor.ndim > 1:
             raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected a single clip ratio")

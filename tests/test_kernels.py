@@ -148,6 +148,19 @@ def test_quantize_pack_bit_exact(head_dim, bits, symmetric, clip_ratio, groups):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("head_dim, clip_ratio, groups", [(64, 0.0, 1), (128, 0.92, 2), (16, 0.0, 1)])
+def test_quantize_pack_1bit_bit_exact(head_dim, clip_ratio, groups):
+    """Sigma levels: the kernel's pairwise sums, square root and metadata equal the torch reference's."""
+    rows = _rows(19, head_dim, torch.bfloat16, seed=head_dim + 1)
+    group_size = head_dim // groups
+    got = quantize_pack(rows, 1, group_size, clip_ratio=clip_ratio, metadata_dtype=torch.float32)
+    want = quantize_pack_reference(rows, 1, group_size, clip_ratio=clip_ratio, metadata_dtype=torch.float32)
+    assert got.codes.shape == (19, head_dim // 8)
+    _assert_same(got, want)
+    _assert_same(quantize_pack(rows, 1, group_size, clip_ratio=clip_ratio), quantize(rows, 1, group_size,
+                                                                                      clip_ratio=clip_ratio))
+
+
 # A constant group has scale 1e-8/3, so its zero-point overflows float16 to -inf, in the reference too.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize(
@@ -178,7 +191,8 @@ def test_quantize_pack_falls_back_and_validates():
         quantize_pack(rows, 5, 96)
 
 
-@pytest.mark.parametrize("bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False)])
+@pytest.mark.parametrize("bits, groups, symmetric",
+                         [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False), (1, 1, False)])
 def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
     """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
     monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
@@ -365,6 +379,9 @@ DECODE_CASES = {
     "int3-keys-default-tiles-gqa4": (2, 8, 2, 128, 4, 300, 9, 1, 0, 0, None, (3, 2), (1, 1)),
     "int3-both-grouped-no-windows": (1, 4, 1, 64, 0, 33, 0, 1, 0, 16, None, (3, 3), (2, 4)),
     "int3-keys-int4-values-gqa8": (1, 16, 2, 128, 4, 100, 5, 1, 2, 16, [1], (3, 4), (4, 2)),
+    # 1-bit codes: one plane, unpacked in 4 column blocks like the 3-bit codes' high plane
+    "int4-keys-int1-values-padded": (2, 6, 2, 64, 5, 70, 9, 1, 2, 16, [0, 3], (4, 1), (1, 1)),
+    "int1-keys-grouped-int1-values-default-tiles": (1, 8, 2, 128, 4, 150, 9, 1, 0, 0, None, (1, 1), (4, 2)),
 }
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -625,23 +642,28 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["quarot-int2", "k3v2"])
+@pytest.mark.parametrize("method", ["quarot-int2", "k3v2", "mixed"])
 def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkeypatch, method):
     """Static decoding (device lengths, ring, windowed demotion) through the kernels = the eager torch path.
 
     Compiled on a GPU this is also what a captured graph replays (tests/test_static.py captures one).
-    ``k3v2``: oscar-k3v2's 3-bit keys and 2-bit values, with Hadamard rotations.
+    ``k3v2``: oscar-k3v2's 3-bit keys and 2-bit values, with Hadamard rotations. ``mixed``: per-layer
+    widths, 4-bit keys in layer 0 and 1-bit values in both layers (oscar-int2's budget).
     """
     import oscar_hf
     import oscar_hf.static
     from conftest import generate, tiny_model
 
-    from oscar_hf import METHODS, OscarCache
+    from oscar_hf import METHODS, OscarCache, RotationSet
     from oscar_hf.compat import cache_keyword
 
-    formats = 1  # K and V rows of one format share a demotion launch
+    formats, rotations = 1, None  # K and V rows of one format share a demotion launch
     if method == "k3v2":
         method, formats = METHODS["oscar-k3v2"].with_overrides(rotation="hadamard"), 2
+    elif method == "mixed":
+        method, formats, rotations = "oscar-int2", 3, RotationSet.hadamard(64, [0, 1])
+        rotations.key_bits.update({0: 4})
+        rotations.value_bits.update({0: 1, 1: 1})
 
     monkeypatch.setattr(oscar_hf.static, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
@@ -655,12 +677,12 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
                    return_dict_in_generate=True)  # fmt: skip
-    cache = OscarCache(model, method, sink=4, recent=8, block=2)
+    cache = OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2)
     with torch.no_grad():
         static = oscar_hf.generate(model, prompt, capture=False, **{cache_keyword(model): cache}, **options)
     monkeypatch.setattr(_triton, "ENABLED", False)
-    eager = generate(model, prompt, OscarCache(model, method, sink=4, recent=8, block=2, decode_graphs=False),
-                     **options)  # fmt: skip
+    eager = generate(model, prompt, OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2,
+                                               decode_graphs=False), **options)  # fmt: skip
     assert launches.count("decode") == 11 * 2  # 11 static steps x 2 layers
     assert launches.count("windowed") == 11 * formats  # one demotion launch per static step and format (most idle)
     assert torch.equal(static.sequences, eager.sequences)
@@ -674,7 +696,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits, symmetric, clip_ratio, groups", [(2, False, 0.96, 1), (2, False, 0.92, 2),
                                                                    (4, False, 0.96, 1), (2, True, 0.0, 4),
-                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2)])  # fmt: skip
+                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2),
+                                                                   (1, False, 0.0, 1), (1, False, 0.0, 2)])  # fmt: skip
 def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, groups):
     rows = (torch.randn(8, 8, 4096, head_dim, device=DEVICE) * 3).bfloat16()
     group_size = head_dim // groups
@@ -699,5 +722,17 @@ def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, hea
     pads = [index * 7 % 64 for index in range(batch)]
     args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
                                    pads=pads)  # fmt: skip
+    got = decode_attention(*args, **options)
+    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("batch, history", [(1, 100_000), (3, 4_099)])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("k_bits, v_bits", [(2, 1), (4, 1)])
+def test_decode_attention_large_int1_values(batch, history, q_heads, kv_heads, head_dim, k_bits, v_bits):
+    pads = [index * 7 % 64 for index in range(batch)]
+    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, k_bits,
+                                   v_bits, pads=pads)  # fmt: skip
     got = decode_attention(*args, **options)
     torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)

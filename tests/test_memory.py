@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from oscar_hf import METHODS, OscarCache, bits_per_element
+from oscar_hf import METHODS, OscarCache, RotationSet, bits_per_element
+from oscar_hf.memory import mean_bits_per_element
 from tests.conftest import TINY, forward, tiny_model
 
 
@@ -108,3 +109,26 @@ def test_projected_bytes_predict_a_longer_prefill(method):
         assert short.projected_bytes(cache.oscar_config, tokens, 16) == report.total_bytes
     if method == "none":
         assert long.total_bytes == long.bf16_bytes
+
+
+def test_per_layer_widths_average_their_bits_per_element():
+    """K4 in one layer and V1 in two keep oscar-int2's 2.5 history bits at head_dim 64; a real cache stores that."""
+    base = METHODS["oscar-int2"].with_overrides(sink=0, recent=0)
+    k4v1, v1 = base.for_layer(key_bits=4, value_bits=1), base.for_layer(value_bits=1)
+    assert (k4v1.key.bits, k4v1.value.bits, v1.key.bits, v1.value.bits) == (4, 1, 2, 1)
+    assert mean_bits_per_element([k4v1, v1], 4096, 64) == bits_per_element(base, 4096, 64) == 2.5
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 2, "num_key_value_heads": 1, "num_attention_heads": 1,
+                            "head_dim": 64, "hidden_size": 64})  # fmt: skip
+    rotations = RotationSet.hadamard(64, [0, 1])
+    rotations.key_bits.update({0: 4})
+    rotations.value_bits.update({0: 1, 1: 1})
+    cache = OscarCache(config, "oscar-int2", rotations=rotations)
+    chunk = torch.randn(1, 1, 1000, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for layer in cache.layers:
+        layer.update(chunk, chunk)
+    history = cache.layers[0].history_length
+    # per token: layer 0 K 32 + V 8 code bytes, layer 1 K 16 + V 8; 4 metadata bytes each for K and V
+    summary = cache.memory_report().summary()
+    assert (summary["code_bytes"], summary["metadata_bytes"]) == (history * (40 + 24), history * 16)
+    configs = [layer.config for layer in cache.layers]
+    assert summary["bits_per_element"] == pytest.approx(mean_bits_per_element(configs, 1000, 64), abs=1e-4)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oscar_hf.quant import clip_index, clip_rows, dequantize, pack, quantize, unpack
+from oscar_hf.quant import SIGMA_STRETCH, clip_index, clip_rows, dequantize, pack, quantize, tree_sum, unpack
 
 HEAD_DIMS = st.sampled_from([16, 32, 64, 128])
 SEEDS = st.integers(0, 2**31 - 1)
@@ -74,7 +74,7 @@ def test_constant_rows_use_the_scale_floor_and_survive():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=SEEDS, head_dim=HEAD_DIMS, bits=st.sampled_from([2, 3, 4]))
+@given(seed=SEEDS, head_dim=HEAD_DIMS, bits=st.sampled_from([1, 2, 3, 4]))
 def test_pack_unpack_round_trip(seed, head_dim, bits):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (3, 5, head_dim), generator=g, dtype=torch.uint8)
@@ -156,6 +156,8 @@ def test_unsupported_bits_raise():
         quantize(torch.zeros(2, 16), 2, 5)
     with pytest.raises(ValueError, match="multiple of 8"):  # 3-bit rows: whole bytes of the 1-bit plane
         pack(torch.zeros(2, 12, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="symmetric"):
+        quantize(torch.zeros(2, 16), 1, 16, symmetric=True)
 
 
 def test_bit_budget():
@@ -170,3 +172,48 @@ def test_3bit_bit_budget():
     q = quantize(torch.randn(10, 64), 3, 64)
     bits = 8 * (q.codes.numel() + q.scale.numel() * 2 + q.zero.numel() * 2) / (10 * 64)
     assert math.isclose(bits, 3.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=SEEDS, head_dim=HEAD_DIMS, group_div=st.sampled_from([1, 2]))
+def test_1bit_rows_take_the_two_sigma_levels_of_each_group(seed, head_dim, group_div):
+    rows = rows_for(seed, head_dim)
+    group = head_dim // group_div
+    q = quantize(rows, 1, group, metadata_dtype=torch.float32)
+    groups = rows.unflatten(-1, (group_div, group))
+    mu, sigma = groups.mean(-1, keepdim=True), groups.std(-1, unbiased=False, keepdim=True)
+    # codes say which side of the group's mean each value lies on (away from float ties at the mean)
+    codes = unpack(q.codes, 1).unflatten(-1, (group_div, group))
+    away = (groups - mu).abs() > 1e-5 * sigma
+    assert torch.equal(codes.bool()[away], (groups >= mu)[away])
+    levels = dequantize(q, 1, group, torch.float32).unflatten(-1, (group_div, group))
+    expected = mu + torch.where(codes.bool(), 1.0, -1.0) * SIGMA_STRETCH / 2 * sigma
+    torch.testing.assert_close(levels, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_1bit_is_a_1bit_plane():
+    d = 16
+    codes = torch.randint(0, 2, (d,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack(codes, 1)
+    assert packed.shape == (2,)
+    assert torch.equal(packed, pack(codes << 2, 3)[4:])  # the high plane of 3-bit codes: one layout rule
+
+
+def test_1bit_constant_rows_use_the_scale_floor():
+    rows = torch.full((3, 16), 0.25)
+    q = quantize(rows, 1, 16, metadata_dtype=torch.float32)
+    assert bool((q.scale == 1e-8).all()) and bool((unpack(q.codes, 1) == 1).all())
+    torch.testing.assert_close(dequantize(q, 1, 16, torch.float32), rows, atol=1e-6, rtol=0)
+
+
+def test_tree_sum_halves_in_a_fixed_order():
+    x = torch.tensor([[1e8, 1.0, -1e8, 1.0]])  # (1e8 + -1e8) + (1 + 1) = 2; left to right gives 1
+    assert tree_sum(x).item() == 2.0
+    torch.testing.assert_close(tree_sum(torch.arange(12.0)), torch.tensor(66.0))  # odd remainder: summed last
+
+
+def test_1bit_bit_budget():
+    # 1 bit per value + one 16-bit scale and zero per 64 channels = 1.5 bits per element
+    q = quantize(torch.randn(10, 64), 1, 64)
+    bits = 8 * (q.codes.numel() + q.scale.numel() * 2 + q.zero.numel() * 2) / (10 * 64)
+    assert math.isclose(bits, 1.5)

@@ -94,7 +94,8 @@ def _per_head_set(kv_heads: int = 4, dim: int = 16) -> RotationSet:
     key = {i: torch.stack([_orthogonal(dim, 10 * i + h) for h in range(kv_heads)]) for i in (0, 2)}
     value = {i: torch.stack([_orthogonal(dim, 100 + 10 * i + h) for h in range(kv_heads)]) for i in (0, 2)}
     eigenvalues = {i: torch.rand(kv_heads, dim).sort().values for i in (0, 2)}
-    return RotationSet(dim, key, value, "per head", eigenvalues, dict(eigenvalues), key_clip={0: 0.9})
+    return RotationSet(dim, key, value, "per head", eigenvalues, dict(eigenvalues), key_clip={0: 0.9},
+                       key_bits={0: 4}, value_bits={2: 1})
 
 
 def test_per_head_rotation_set_validates_every_head():
@@ -122,14 +123,17 @@ def test_select_kv_heads_and_as_per_head():
     rotations = _per_head_set()
     part = rotations.select_kv_heads(2, 4)
     assert part.kv_heads == 2 and part.key_clip == {0: 0.9}
+    assert part.key_bits == {0: 4} and part.value_bits == {2: 1}
     for i in (0, 2):
         assert torch.equal(part.key[i], rotations.key[i][2:4]) and torch.equal(part.value[i], rotations.value[i][2:])
         assert torch.equal(part.key_eigenvalues[i], rotations.key_eigenvalues[i][2:4])
     with pytest.raises(ValueError, match="not within the set's 4 KV heads"):
         rotations.select_kv_heads(3, 5)
     shared = RotationSet.hadamard(16, [0, 1])
+    shared.value_bits.update({1: 1})
     assert shared.select_kv_heads(0, 1) is shared
     expanded = shared.as_per_head(3)
+    assert expanded.value_bits == {1: 1}
     assert expanded.kv_heads == 3 and all(torch.equal(expanded.key[i][h], shared.key[i]) for i in (0, 1) for h in range(3))
     with pytest.raises(ValueError, match="already has per-head rotations for 4"):
         rotations.as_per_head(3)

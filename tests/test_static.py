@@ -390,3 +390,21 @@ def test_captured_bf16_decoding_leaves_the_eager_tokens_only_at_ties_on_gpu(arch
             logits = eager[first, row]
             gap = logits[tokens[row, first]] - logits[got_tokens[row, first]]
             assert gap <= 2 * step_difference[first], (first, gap)
+
+
+def test_static_greedy_with_per_layer_widths_is_token_identical_to_the_eager_cache(tiny, static_steps):
+    """K4 in layer 0 and V1 in both layers: one demotion launch per format, each layer at its widths."""
+    rotations = oscar_hf.RotationSet.hadamard(16, [0, 1])
+    rotations.key_bits.update({0: 4})
+    rotations.value_bits.update({0: 1, 1: 1})
+    ids, mask = left_pad(prompts([30, 26, 29]))
+    want = generate(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), attention_mask=mask,
+                    max_new_tokens=40)  # fmt: skip
+    cache = OscarCache(tiny, "oscar-int2", rotations=rotations, decode_graphs=True, **SMALL)
+    got = generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
+    assert torch.equal(got, want)
+    assert static_steps["steps"] == 39 and cache.static is not None
+    formats = sorted((d.format["bits"], len(d.sources)) for d in cache.static.demoters)
+    assert formats == [(1, 2), (2, 1), (4, 1)]
+    assert torch.equal(fast(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL),
+                            attention_mask=mask, max_new_tokens=40), want)  # fmt: skip

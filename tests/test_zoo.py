@@ -71,6 +71,7 @@ def assert_same(a: RotationSet, b: RotationSet, eigenvalues: bool = True) -> Non
         assert sorted(left) == sorted(right), table
         assert all(torch.equal(left[i], right[i]) for i in left), table
     assert a.key_clip == b.key_clip and a.value_clip == b.value_clip
+    assert a.key_bits == b.key_bits and a.value_bits == b.value_bits
 
 
 def official_layers(layer_ids, head_dim=HEAD_DIM, seed=0, str_keys=False, eigenvalues=True) -> dict:
@@ -201,6 +202,29 @@ def test_clip_tensors_may_be_0d_but_not_longer(tmp_path) -> None:
 def test_bundled_artifact_without_clip_tensors_still_loads() -> None:
     rotations = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
     assert rotations.head_dim == 64 and len(rotations.key) == 30 and rotations.key_clip == {} == rotations.value_clip
+    assert rotations.key_bits == {} == rotations.value_bits
+
+
+def test_round_trip_with_per_layer_bit_widths(tmp_path) -> None:
+    rotations = rotation_set()
+    rotations.key_bits.update({0: 4})
+    rotations.value_bits.update({0: 1, 1: 1})
+    out = save_pretrained(rotations, tmp_path)
+    assert load_file(str(out / TENSORS_FILE))["layers.1.value_bits"].tolist() == [1.0]
+    loaded = from_pretrained(out)
+    assert_same(loaded, rotations)
+    assert loaded.key_bits == {0: 4} and loaded.value_bits == {0: 1, 1: 1}
+    assert all(type(b) is int for b in loaded.value_bits.values())
+
+
+def test_bit_width_tensors_must_be_one_supported_whole_number(tmp_path) -> None:
+    out = save_pretrained(rotation_set(clips=False), tmp_path)
+    tensors = load_file(str(out / TENSORS_FILE))
+    for bad, message in ((torch.tensor([1.5]), "whole bit width"), (torch.tensor([4.0, 1.0]), "whole bit width"),
+                         (torch.tensor([8.0]), r"one of \(1, 2, 3, 4\)")):  # fmt: skip
+        save_file({**tensors, "layers.0.key_bits": bad}, str(out / TENSORS_FILE))
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(out)
 
 
 def test_from_pretrained_local_errors(tmp_path) -> None:
