@@ -691,7 +691,11 @@ def test_the_default_recipe_takes_the_clip_searched_set_and_the_paper_recipe_its
     searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
     plain = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
     assert len(searched.key_clip) == 30 and plain.key_clip == {}
-    for i in (0, 17):
+    # The bundled default also moves bits between layers: K at 4 bits in 6, V at 1 bit in 12.
+    assert sorted(searched.key_bits.values()) == [4] * 6 and sorted(searched.value_bits.values()) == [1] * 12
+    assert best.layers[17].config.key.bits == 4 and best.layers[9].config.value.bits == 1
+    assert {layer.config.key.bits for layer in paper.layers} == {2} == {layer.config.value.bits for layer in paper.layers}
+    for i in (0, 1):
         assert torch.equal(best.layers[i].key_rotation, searched.key[i])
         assert best.layers[i].config.key.clip_ratio == searched.key_clip[i]
         assert best.layers[i].config.value.clip_ratio == searched.value_clip[i]
@@ -724,6 +728,6 @@ def test_searched_clips_apply_to_2_bit_tensors_only() -> None:
     """The clip search measures at 2 bits; 3- and 4-bit keys keep their method's own ratio."""
     searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
     k3v2 = OscarCache(smollm2_config(), "oscar-k3v2", rotations=searched)
-    for i in (0, 17):
-        assert k3v2.layers[i].config.key.clip_ratio == 0.96
+    for i in (0, 17):  # nor do 2-bit allocations of bits reach a 3-bit method
+        assert k3v2.layers[i].config.key.clip_ratio == 0.96 and k3v2.layers[i].config.key.bits == 3
         assert k3v2.layers[i].config.value.clip_ratio == searched.value_clip[i]
