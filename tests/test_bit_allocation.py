@@ -82,5 +82,6 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys):
     assert len(rotations.key_clip) == 2
     stored = load_rotation_config(out)["bit_allocation"]
     assert set(stored["key_gain"]) == {"0", "1"} and stored["baseline_kl"] == allocation["baseline_kl"]
-    with pytest.raises(SystemExit, match="add --clip-search"):
-        main(["calibrate", "--model", str(model_dir), "--data", str(data), "--allocate-bits", "1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="drop --no-clip-search"):
+        main(["calibrate", "--model", str(model_dir), "--data", str(data), "--no-clip-search", "--allocate-bits", "1",
+              "--out", str(out)])  # fmt: skip
