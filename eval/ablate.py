@@ -43,7 +43,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
-import bench_gpu as bench  # noqa: E402
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.cache import head_dim_of  # noqa: E402
 from oscar_hf.calibration import collect_covariances, rotations_from_covariances  # noqa: E402
@@ -56,6 +55,7 @@ from oscar_hf.memory import bits_per_element  # noqa: E402
 from oscar_hf.models import DTYPES, load_model, model_context  # noqa: E402
 from oscar_hf.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
 from oscar_hf.niah_forced import needle_summary, score_prompts  # noqa: E402
+from oscar_hf.provenance import machine_line, provenance, provenance_line  # noqa: E402
 from oscar_hf.refine import refine_rotations  # noqa: E402
 from oscar_hf.zoo import resolve_rotations  # noqa: E402
 
@@ -239,8 +239,7 @@ def to_markdown(result: dict) -> str:
                      f"after sink + recent; windows per context: {dict((str(c), w) for c, w in result['kl_windows'])}.")
     if result.get("needles"):
         parts += _needle_markdown(result)
-    meta = (f"`{result['command']}` on {result['machine']} ({bench.machine_line(result['machine_info'])}), "
-            f"{result['date']}, {result['seconds']} s; model {result['model']} in {result['dtype']} on {result['device']}.")
+    meta = (f"{provenance_line(result)}, {result['seconds']} s; model {result['model']} in {result['dtype']} on {result['device']}.")
     return "\n\n".join(parts + [meta]) + "\n"
 
 
@@ -321,7 +320,7 @@ def plot(result: dict, path: Path) -> None:
         axes[0].set_ylim(-0.05, 1.05)
         axes[0].legend(fontsize=7)
     fig.suptitle(f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
-                 f"{result['command']}\n{result['machine']}, {result['date']}", fontsize=8)
+                 f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -355,12 +354,11 @@ def main(argv: list[str] | None = None) -> dict:
         needles["batch_size"] = args.batch_size
     kl_windows = per_context(config) if config.get("eval_texts") else []
     lengths = sorted({c for c, _ in kl_windows} | set(needles["lengths"] if needles else []))
-    machine, head_dim = bench.machine_info(), head_dim_of(model.config.get_text_config(decoder=True))
+    head_dim = head_dim_of(model.config.get_text_config(decoder=True))
     result = {
         "config": str(args.config), "description": config["description"], "model": args.model or config["model"],
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine["host"], "machine_info": machine, "date": bench.utc_date(),
+        **provenance("python " + " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])),
         "kl_windows": kl_windows, "eval_texts": config.get("eval_texts", {}), "needle_settings": needles,
         "calibrations": config.get("calibrations", {}), "recipes": config["variants"],
         "variants": list(caches), "bits_per_element": memory_table(caches, lengths, head_dim),

@@ -36,8 +36,6 @@ import gc
 import importlib
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -62,6 +60,7 @@ from oscar_hf import OscarCache, OscarLayer, RotationSet, StaticDecoder  # noqa:
 from oscar_hf.absorption import absorb_value_rotations  # noqa: E402
 from oscar_hf.cache import ABSORBED_ATTRIBUTE  # noqa: E402
 from oscar_hf.compat import cache_keyword  # noqa: E402
+from oscar_hf.provenance import provenance, provenance_line  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
 from oscar_hf.storage import RowBuffer  # noqa: E402
 
@@ -97,42 +96,6 @@ MODEL_PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 # ------------------------------------------------------------------------------------ plumbing
-
-
-def machine_info() -> dict:
-    """GPU (``torch.cuda.get_device_name``), CPU count and library versions of this process."""
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    cuda = torch.cuda.is_available()
-    return {
-        "host": platform.node(),
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "transformers": transformers.__version__,
-    }
-
-
-def utc_date() -> str:
-    """Now in UTC, as every result file records its date."""
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-
-
-def machine_line(machine: dict) -> str:
-    gpu = f"{machine['gpu_count']}x {machine['gpu']}" if machine["gpu"] else "no GPU"
-    return (f"{gpu}, {machine['cpu_count']} CPUs, torch {machine['torch']}, triton {machine['triton']}, "
-            f"transformers {machine['transformers']}")  # fmt: skip
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -1636,7 +1599,7 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
         cases = bench.run(config)
     result = {
         "name": name, "benchmark": config["benchmark"], "description": config.get("description", ""),
-        "command": command, "machine": machine_info(), "date": utc_date(),
+        **provenance(command),
         "seconds": round(time.perf_counter() - started, 1), "config": config, "cases": cases,
     }  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1649,7 +1612,7 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
 
 def markdown(result: dict) -> str:
     body = BENCHMARKS[result["benchmark"]].markdown(result)
-    footer = f"`{result['command']}` on {machine_line(result['machine'])}, {result['date']} ({result['seconds']} s)."
+    footer = f"{provenance_line(result)} ({result['seconds']} s)."
     description = f"{result['description']}\n\n" if result["description"] else ""
     return f"# {result['name']}\n\n{description}{body}\n\n{footer}\n"
 

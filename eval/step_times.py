@@ -28,6 +28,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402
+from oscar_hf.provenance import provenance, provenance_line  # noqa: E402
 
 FIRST_STEPS = 3
 
@@ -84,7 +85,7 @@ def write(out: Path, result: dict) -> None:
         first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
         each = " / ".join(f"{t:.1f}" for t in row["steady_step_ms_rounds"])
         lines.append(f"| {name} | {first} | {row['steady_step_ms']:.2f} | {row['one_time_ms']:.1f} | {each} |")
-    lines.append(f"\n`{result['command']}` on {bench.machine_line(result['machine'])}, {result['date']}.\n")
+    lines.append(f"\n{provenance_line(result)}.\n")
     (out / "step_times.md").write_text("\n".join(lines))
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, row in result["caches"].items():
@@ -118,8 +119,7 @@ def main() -> None:
     caches = {name: bench.median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
-    write(args.out, {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-                     "date": bench.utc_date(), "model": name,
+    write(args.out, {**provenance("python " + " ".join(sys.argv)), "model": name,
                      "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
                      "rounds": args.rounds, "caches": caches})  # fmt: skip
 

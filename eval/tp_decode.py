@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402  (puts the repository on sys.path too)
 
 from oscar_hf.compat import cache_keyword  # noqa: E402
+from oscar_hf.provenance import provenance  # noqa: E402
 
 
 def load_tensor_parallel(path: str, dtype: torch.dtype):
@@ -183,9 +184,8 @@ def main() -> None:
 
     if rank == 0:
         result = {
-            "command": "torchrun --standalone --nproc_per_node " + f"{world} " + " ".join(
-                [Path(__file__).relative_to(bench.REPO).as_posix(), *sys.argv[1:]]),
-            "machine": bench.machine_info(), "date": bench.utc_date(),
+            **provenance("torchrun --standalone --nproc_per_node " + f"{world} " + " ".join(
+                [Path(__file__).relative_to(bench.REPO).as_posix(), *sys.argv[1:]])),
             "seconds": round(time.perf_counter() - started, 1), "world_size": world, "model": name,
             "model_spec": spec, "context": context, "batch": batch, "new_tokens": new_tokens, "config": config,
             "rows": rows,

@@ -5,17 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 from .config import METHODS
 from .niah import parse_depths, parse_lengths
 from .log import get_logger
 from .models import DTYPES
+from .provenance import provenance
 from .rotations import RotationSet
 
 logger = get_logger(__name__)
@@ -53,13 +52,7 @@ def _methods(text: str) -> list[str]:
 
 
 def _environment(argv: list[str]) -> dict:
-    return {
-        "command": "oscar-hf " + " ".join(argv),
-        "machine": f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "torch": torch.__version__,
-    }
+    return provenance("oscar-hf " + " ".join(argv))
 
 
 def _load(args: argparse.Namespace):

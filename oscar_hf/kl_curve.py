@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from .cache import OscarCache
 from .evaluation import position_stats_of_caches, tokens_label
+from .provenance import machine_line, provenance_line
 from .rotations import RotationSet
 
 
@@ -108,7 +109,7 @@ def kl_curve_markdown(result: dict) -> str:
              "| positions | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
     for i, b in enumerate(curve):
         rows.append(f"| {b['start']}-{b['end'] - 1} | " + " | ".join(_nats(result['curves'][m][i]['kl']) for m in methods) + " |")
-    meta = (f"\n\n`{result['command']}` on {result['machine']} ({result['device']}), {result['date']}, "
+    meta = (f"\n\n{provenance_line(result)}, "
             f"{result['seconds']} s; model {result['model']}, text {result['text']} ({result['text_tokens']} tokens), "
             f"{len(result['window_starts'])} window(s) of {result['ctx']} tokens at {result['window_starts']}, "
             "teacher-forced with the step-by-step decoding schedule; positions before "
@@ -140,7 +141,7 @@ def plot_kl_curve(result: dict, path: Path) -> None:
     ax_top1.set_ylabel("top-1 agreement with BF16")
     ax_kl.legend(fontsize=8)
     fig.suptitle(f"KL from BF16 vs context, {result['model']} on {Path(result['text']).name}\n"
-                 f"{result['command']}\n{result['machine']}, {result['date']}", fontsize=8)
+                 f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .evaluation import tokens_label
 from .log import get_logger
 from .models import model_context
+from .provenance import machine_line, provenance_line
 from .rotations import RotationSet
 
 logger = get_logger(__name__)
@@ -379,7 +380,7 @@ def niah_markdown(result: dict) -> str:
         for n in lengths:
             cell = result["accuracy"][m][str(n)]
             rows.append(f"| {m} | {tokens_label(n)} | " + " | ".join(f"{cell[f'{d:g}']:.2f}" for d in depths) + " |")
-    meta = (f"\n\n`{result['command']}` on {result['machine']} ({result['device']}), {result['date']}, "
+    meta = (f"\n\n{provenance_line(result)}, "
             f"{result['seconds']} s; model {result['model']}, haystack: {result['haystack']}, "
             f"{len(result['seeds'])} needle(s) per cell (seeds {result['seeds']}), greedy, "
             f"{result['max_new_tokens']} new tokens, chat template: {result['chat']}.")
@@ -416,6 +417,6 @@ def plot_niah(result: dict, path: Path) -> None:
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     fig.suptitle(f"Needle in a haystack, {result['model']}: {len(result['seeds'])} needle(s) per cell\n"
-                 f"{result['command']}\n{result['machine']}, {result['date']}", fontsize=8)
+                 f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}", fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .config import METHODS
 from .log import get_logger
 from .memory import bits_per_element
+from .provenance import machine_line
 
 logger = get_logger(__name__)
 
@@ -339,7 +340,7 @@ def write_summary(out_dir: str | Path, methods: list[str], tasks: list[str], see
         row["same_output_as_bf16_by_task"] = {task: rates.get(row["method"]) for task, rates in by_task.items()}
     table = table_markdown(rows, tasks)
     env = environment or {}
-    header = [f"Command: `{env.get('command', '?')}`", f"Machine: {env.get('machine', '?')}, device {env.get('device', '?')}",
+    header = [f"Command: `{env.get('command', '?')}`", f"Machine: {machine_line(env['machine']) if 'machine' in env else '?'}",
               f"Date: {env.get('date', '?')}", f"Settings: {json.dumps(settings or {})}",
               f"Scores in %, mean ± std over {seeds} seed(s); \"same output as BF16\": share of samples whose whole "
               f"generation equals the `none` run's (same task, seed, example); BPE = KV bits per element at 128K "
@@ -347,6 +348,6 @@ def write_summary(out_dir: str | Path, methods: list[str], tasks: list[str], see
     (out_dir / "table.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
     summary = {**env, "settings": settings, "methods": methods, "tasks": tasks, "seeds": seeds, "rows": rows}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    title = textwrap.fill(env.get("command", ""), 120) + f"\n{env.get('machine', '')}, {env.get('date', '')}"
+    title = textwrap.fill(env.get("command", ""), 120) + f"\n{machine_line(env['machine']) if 'machine' in env else ''}, {env.get('date', '')}"
     bar_chart(rows, tasks, out_dir / "accuracy.png", title)
     return {**summary, "table": table}

@@ -89,7 +89,7 @@ def test_a_run_reports_memory_kl_and_needles_per_recipe(run):
     assert set(summary) == set(labels) and summary["clip search"]["by_length"]["520"]["trials"] == 2
     assert len(result["needles"]["trials"]) == 16 and result["needles"]["seconds"]["none"].keys() == {480, 520}
     saved = json.loads(stem.with_suffix(".json").read_text())
-    assert saved["date"].endswith("UTC") and saved["machine_info"]["cpu_count"] and saved["dtype"] == "float32"
+    assert saved["date"].endswith("UTC") and saved["machine"]["cpu_count"] and saved["dtype"] == "float32"
     markdown = stem.with_suffix(".md").read_text()
     assert "| calibrated HP |" in markdown and "EM 480" in markdown and "BPE 128K hd128" in markdown
     assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -21,6 +21,7 @@ import torch
 EVAL = Path(__file__).resolve().parents[1] / "eval"
 sys.path.insert(0, str(EVAL))
 import bench_gpu as bench  # noqa: E402
+from oscar_hf.provenance import machine_info  # noqa: E402
 
 TINY_MODEL = {
     "name": "tiny-qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -362,7 +363,7 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     reported = bench.median_round([slower, row, faster], "steady_step_ms", higher_is_faster=False)
     assert reported["steady_step_ms"] == row["steady_step_ms"]
     assert reported["steady_step_ms_rounds"] == [slower["steady_step_ms"], row["steady_step_ms"], faster["steady_step_ms"]]
-    step_times.write(tmp_path, {"command": "x", "machine": bench.machine_info(), "date": "d", "model": "tiny",
+    step_times.write(tmp_path, {"command": "x", "machine": machine_info(), "date": "d", "model": "tiny",
                                 "context": 300, "batch": 1, "new_tokens": 6, "rounds": 3,
                                 "caches": {"oscar-int2": reported}})  # fmt: skip
     assert "| oscar-int2 |" in (tmp_path / "step_times.md").read_text()

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from oscar_hf.provenance import provenance, provenance_line
 from oscar_hf.cli import main
 from oscar_hf.evaluation import evaluate_methods
 from oscar_hf.kl_curve import (
@@ -87,7 +88,7 @@ def test_bucket_and_context_math_on_known_numbers():
 
 def test_result_markdown_and_png(tmp_path, stats):
     per_method, starts, first = stats
-    meta = {"command": "pytest", "machine": "test", "device": "cpu", "date": "today", "seconds": 1}
+    meta = {**provenance("pytest"), "seconds": 1}
     settings = {"model": "tiny", "text": "random", "text_tokens": 600, "ctx": CTX, "windows": 2,
                 "methods": list(per_method)}
     result = kl_curve_result(per_method, starts, first, 32, meta, settings)
@@ -95,7 +96,7 @@ def test_result_markdown_and_png(tmp_path, stats):
     assert set(result["at_context"]["int4"]) == {str(CTX)}
     assert result["curves"]["none"][2]["kl"] == 0
     markdown = kl_curve_markdown(result)
-    assert "| naive-int2 | " in markdown and "| 64-94 | " in markdown and "`pytest` on test" in markdown
+    assert "| naive-int2 | " in markdown and "| 64-94 | " in markdown and provenance_line(meta) in markdown
     paths = write_outputs(result, tmp_path / "curve", markdown, plot_kl_curve)
     assert json.loads(paths[0].read_text())["curves"]["int4"][0]["kl"] == pytest.approx(0, abs=1e-5)
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

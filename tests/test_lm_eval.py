@@ -19,6 +19,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+from oscar_hf.provenance import provenance
 from oscar_hf import METHODS, OscarCache, bits_per_element  # noqa: E402
 from oscar_hf.cli import build_parser  # noqa: E402
 from oscar_hf.compat import cache_keyword  # noqa: E402
@@ -144,7 +145,7 @@ def test_eval_tasks_end_to_end_fresh_cache_resume_and_table(tmp_path, model, tok
     recorder = GenerateRecorder(model)
     out = tmp_path / "out"
     common = dict(tasks=["tiny"], seeds=1, out_dir=out, limit=2, data_dir=data, max_gen_toks=12, sink=4, recent=8,
-                  task_dirs=[str(tasks)], progress=False, environment={"command": "test", "machine": "ci", "date": "now"})
+                  task_dirs=[str(tasks)], progress=False, environment=provenance("test"))
     summary = run_tasks(model, tok, methods=["none", "quarot-int2"], **common)
 
     # batch_size 1 and two questions: two generate calls per method, each with its own empty cache

@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from oscar_hf.provenance import provenance, provenance_line
 from oscar_hf import OscarCache
 from oscar_hf.cli import main
 from oscar_hf.data import data_dir
@@ -192,7 +193,7 @@ def test_run_niah_on_a_tiny_model_writes_json_markdown_and_png(tmp_path, tokeniz
         assert len(t.expected) == 7
     settings = {"model": "tiny", "haystack": "synthetic", "methods": methods, "lengths": lengths, "depths": depths,
                 "seeds": seeds, "max_new_tokens": 4, "chat": True}
-    meta = {"command": "pytest", "machine": "test", "device": "cpu", "date": "today", "seconds": 1}
+    meta = {**provenance("pytest"), "seconds": 1}
     result = niah_result(trials, meta, settings)
     paths = write_outputs(result, tmp_path / "out" / "niah.json", niah_markdown(result), plot_niah)
     assert [p.name for p in paths] == ["niah.json", "niah.md", "niah.png"]
@@ -202,7 +203,7 @@ def test_run_niah_on_a_tiny_model_writes_json_markdown_and_png(tmp_path, tokeniz
     assert set(loaded["accuracy"]["int4"]["620"]) == {"0", "50"}
     assert len(loaded["trials"]) == len(trials) and loaded["command"] == "pytest"
     markdown = paths[1].read_text()
-    assert "| naive-int2 | 620 | " in markdown and "`pytest` on test" in markdown
+    assert "| naive-int2 | 620 | " in markdown and provenance_line(meta) in markdown
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
