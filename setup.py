@@ -1,7 +1,7 @@
 """Everything about the package is in pyproject.toml; this file only ships oscar_hf_lm_eval.pth.
 
 The .pth file goes to site-packages itself (not inside the package), so that the stock
-``lm_eval --model oscar`` command can find the model; see oscar_hf/lm_eval_plugin.py.
+``lm_eval --model oscar`` command can find the model; see oscar_hf/evaluation/lm_eval_plugin.py.
 setuptools has no pyproject option for a top-level file, hence this build_py step.
 """
 

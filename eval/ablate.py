@@ -12,7 +12,7 @@ A config holds (every section but ``model`` and ``variants`` is optional):
   run once (covariances) for every variant that names it;
 * ``needles``: ``{"lengths", "depths", "needles", "seed"?, "haystack"?, "max_new_tokens"?, "chat"?,
   "batch_size"?}``: needle-in-a-haystack trials scored teacher-forced under the real
-  prefill-then-decode schedule (:mod:`oscar_hf.niah_forced`): exact match of the greedy answer and
+  prefill-then-decode schedule (:mod:`oscar_hf.evaluation.niah_forced`): exact match of the greedy answer and
   the log-probability of the number, one forward pass per trial in the common case;
 * ``variants`` (recipes): ``{"label", "method"}`` plus where the rotations come from, one of
   ``"rotations"`` (``"default"``: the set bundled for the model, or a directory) or
@@ -44,20 +44,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.cache import head_dim_of  # noqa: E402
-from oscar_hf.calibration import collect_covariances, rotations_from_covariances  # noqa: E402
-from oscar_hf.calibration_data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
-from oscar_hf.clip_search import search_layers  # noqa: E402
-from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
-from oscar_hf.evaluation import evaluate_caches, tokens_label, write_outputs  # noqa: E402
+from oscar_hf.core.cache import head_dim_of  # noqa: E402
+from oscar_hf.rotations.calibration import collect_covariances, rotations_from_covariances  # noqa: E402
+from oscar_hf.rotations.calibration_data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
+from oscar_hf.rotations.clip_search import search_layers  # noqa: E402
+from oscar_hf.core.config import METHODS, OscarConfig, resolve_method  # noqa: E402
+from oscar_hf.evaluation.kl import evaluate_caches, tokens_label, write_outputs  # noqa: E402
 from oscar_hf.log import get_logger  # noqa: E402
-from oscar_hf.memory import bits_per_element  # noqa: E402
-from oscar_hf.models import DTYPES, load_model, model_context  # noqa: E402
-from oscar_hf.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
-from oscar_hf.niah_forced import needle_summary, score_prompts  # noqa: E402
+from oscar_hf.core.memory import bits_per_element  # noqa: E402
+from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
+from oscar_hf.evaluation.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
+from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
 from oscar_hf.provenance import machine_line, provenance, provenance_line  # noqa: E402
-from oscar_hf.refine import refine_rotations  # noqa: E402
-from oscar_hf.zoo import resolve_rotations  # noqa: E402
+from oscar_hf.rotations.refine import refine_rotations  # noqa: E402
+from oscar_hf.rotations.zoo import resolve_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 LONG_CONTEXT, LONG_HEAD_DIM = 131072, 128  # the paper's BPE point

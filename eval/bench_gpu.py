@@ -57,12 +57,12 @@ from transformers import DynamicCache, PreTrainedModel, Qwen3Config, StaticCache
 
 import oscar_hf  # noqa: E402
 from oscar_hf import OscarCache, OscarLayer, RotationSet, StaticDecoder  # noqa: E402
-from oscar_hf.absorption import absorb_value_rotations  # noqa: E402
-from oscar_hf.cache import ABSORBED_ATTRIBUTE  # noqa: E402
-from oscar_hf.compat import cache_keyword  # noqa: E402
+from oscar_hf.rotations.absorption import absorb_value_rotations  # noqa: E402
+from oscar_hf.core.cache import ABSORBED_ATTRIBUTE  # noqa: E402
+from oscar_hf.core.compat import cache_keyword  # noqa: E402
 from oscar_hf.provenance import provenance, provenance_line  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
-from oscar_hf.storage import RowBuffer  # noqa: E402
+from oscar_hf.core.storage import RowBuffer  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bench  # noqa: E402  (puts the repository on sys.path too)
 
-from oscar_hf.compat import cache_keyword  # noqa: E402
+from oscar_hf.core.compat import cache_keyword  # noqa: E402
 from oscar_hf.provenance import provenance  # noqa: E402
 
 

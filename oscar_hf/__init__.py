@@ -3,14 +3,14 @@
 Importing the package registers the ``"oscar"`` attention implementation.
 """
 
-from . import attention  # noqa: F401  (registers attn_implementation="oscar")
-from .cache import OscarCache, OscarLayer
-from .compat import cache_keyword
-from .config import METHODS, OscarConfig, TensorQuantConfig
-from .generation import StaticDecoder, generate
-from .memory import MemoryReport, bits_per_element
-from .models import load_model
-from .rotations import RotationSet
+from oscar_hf.core import attention  # noqa: F401  (registers attn_implementation="oscar")
+from oscar_hf.core.cache import OscarCache, OscarLayer
+from oscar_hf.core.compat import cache_keyword
+from oscar_hf.core.config import METHODS, OscarConfig, TensorQuantConfig
+from oscar_hf.core.graph_generate import StaticDecoder, generate
+from oscar_hf.core.memory import MemoryReport, bits_per_element
+from oscar_hf.core.models import load_model
+from oscar_hf.core.rotation_set import RotationSet
 
 __version__ = "0.1.0"
 

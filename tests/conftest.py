@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import oscar_hf  # noqa: F401  (registers the "oscar" attention)
-from oscar_hf.compat import cache_keyword
+from oscar_hf.core.compat import cache_keyword
 
 TINY = dict(
     vocab_size=256,

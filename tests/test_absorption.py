@@ -17,8 +17,8 @@ from transformers import (
 )
 
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.absorption import absorb_value_rotations, absorbed_fingerprint
-from oscar_hf.cache import ABSORBED_ATTRIBUTE
+from oscar_hf.rotations.absorption import absorb_value_rotations, absorbed_fingerprint
+from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
 from tests.conftest import TINY, forward, generate, tiny_model
 
 WINDOWS = dict(sink=4, recent=8, block=2)  # small, so a 40-token prompt fills the INT2 history

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.bit_allocation import allocate_bits
-from oscar_hf.config import METHODS
-from oscar_hf.evaluation import position_stats_of_caches
+from oscar_hf.rotations.bit_allocation import allocate_bits
+from oscar_hf.core.config import METHODS
+from oscar_hf.evaluation.kl import position_stats_of_caches
 from tests.conftest import tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
@@ -60,9 +60,9 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys):
     """``oscar-hf calibrate --clip-search --allocate-bits 1`` on a saved tiny model: widths in the rotation file."""
     from transformers import AutoTokenizer
 
-    from oscar_hf.cli import main
-    from oscar_hf.models import _default_checkpoint
-    from oscar_hf.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.cli.main import main
+    from oscar_hf.core.models import _default_checkpoint
+    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
 
     tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
     model_dir = tmp_path / "model"

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet, TensorQuantConfig
-from oscar_hf.cache import OscarLayer
+from oscar_hf.core.cache import OscarLayer
 from tests.conftest import forward, generate, tiny_model
 
 SMALL = dict(sink=4, recent=8, block=2)
@@ -113,7 +113,7 @@ def test_rotated_storage_matches_unrotated_attention(tiny):
 
 
 def test_every_token_is_quantized_exactly_once(tiny, monkeypatch):
-    import oscar_hf.cache as cache_module
+    import oscar_hf.core.cache as cache_module
 
     rows = []
     real_quantize = cache_module.quantize_pack_into

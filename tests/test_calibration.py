@@ -19,10 +19,10 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar_hf import calibration
-from oscar_hf.calibration import CALIBRATION_ATTENTION, calibrate, collect_covariances
-from oscar_hf.rotations import RotationSet, check_orthogonal, rotation_from_covariance
-from oscar_hf.zoo import (
+from oscar_hf.rotations import calibration
+from oscar_hf.rotations.calibration import CALIBRATION_ATTENTION, calibrate, collect_covariances
+from oscar_hf.core.rotation_set import RotationSet, check_orthogonal, rotation_from_covariance
+from oscar_hf.rotations.zoo import (
     CONFIG_FILE,
     DEFAULT_PAPER_ROTATIONS,
     DEFAULT_ROTATIONS,

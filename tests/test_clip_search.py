@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache
-from oscar_hf.calibration import collect_covariances, rotations_from_covariances
-from oscar_hf.clip_search import CLIP_GRID, search_layers
-from oscar_hf.config import METHODS
+from oscar_hf.rotations.calibration import collect_covariances, rotations_from_covariances
+from oscar_hf.rotations.clip_search import CLIP_GRID, search_layers
+from oscar_hf.core.config import METHODS
 from tests.conftest import tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
@@ -69,8 +69,8 @@ def test_rows_too_short_for_the_window_are_refused():
 
 @pytest.mark.slow
 def test_calibrate_command_on_the_default_model(tmp_path, capsys):
-    from oscar_hf.cli import main
-    from oscar_hf.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.cli.main import main
+    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
 
     data = tmp_path / "text.txt"
     data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
@@ -105,9 +105,9 @@ def test_calibrate_command_per_head(tmp_path, capsys):
     """``oscar-hf calibrate --per-head --clip-search`` on a saved tiny model with the default model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from oscar_hf.cli import main
-    from oscar_hf.models import _default_checkpoint
-    from oscar_hf.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.cli.main import main
+    from oscar_hf.core.models import _default_checkpoint
+    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
 
     tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
     model_dir = tmp_path / "model"

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from oscar_hf import METHODS, OscarCache
-from oscar_hf.cli import _rotations_for, main
-from oscar_hf.data import WIKITEXT2_TEST, data_dir
-from oscar_hf.demo import PROJECTED_TOKENS, demo_prompt, first_difference, format_demo, run_demo, run_method
-from oscar_hf.evaluation import evaluate_methods
-from oscar_hf.memory import bits_per_element
-from oscar_hf.models import load_model
+from oscar_hf.cli.main import _rotations_for, main
+from oscar_hf.evaluation.data import WIKITEXT2_TEST, data_dir
+from oscar_hf.evaluation.demo import PROJECTED_TOKENS, demo_prompt, first_difference, format_demo, run_demo, run_method
+from oscar_hf.evaluation.kl import evaluate_methods
+from oscar_hf.core.memory import bits_per_element
+from oscar_hf.core.models import load_model
 from tests.conftest import generate, tiny_model
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from oscar_hf.cli import main
-from oscar_hf.demo import first_difference
+from oscar_hf.cli.main import main
+from oscar_hf.evaluation.demo import first_difference
 
 
 def test_first_difference_by_word():

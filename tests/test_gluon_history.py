@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from oscar_hf.kernels.decode_attention import decode_attention_reference
-from oscar_hf.storage import RowBuffer
+from oscar_hf.core.storage import RowBuffer
 
 from tests.test_kernels import TOLERANCE, _decode_inputs
 
@@ -225,7 +225,7 @@ def test_a_cache_history_is_aligned_for_staging():
     always for a cache's buffers (capacities of whole ROW_ALIGNMENT rows), not for arbitrary tensors."""
     pytest.importorskip("triton.experimental.gluon")
     from oscar_hf.kernels.decode_history_gluon import staging_aligned
-    from oscar_hf.storage import PackedHistory
+    from oscar_hf.core.storage import PackedHistory
 
     history = PackedHistory(2, 8, 128, 2, 128, torch.bfloat16, torch.device("cpu"))
     for rows in (1, 99, 1000):  # the buffers grow in between

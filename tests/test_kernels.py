@@ -600,16 +600,16 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
 
     Also: a decoding step demotes every layer's K and V rows in a single quantize launch.
     """
-    import oscar_hf.attention
-    import oscar_hf.cache
+    import oscar_hf.core.attention
+    import oscar_hf.core.cache
     from conftest import generate, tiny_model
 
     from oscar_hf import OscarCache
 
     # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
-    monkeypatch.setattr(oscar_hf.attention, "decode_attention", decode_attention)
-    monkeypatch.setattr(oscar_hf.cache, "quantize_pack_into", quantize_pack_into)
-    monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
+    monkeypatch.setattr(oscar_hf.core.attention, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.core.cache, "quantize_pack_into", quantize_pack_into)
+    monkeypatch.setattr(oscar_hf.core.cache, "rotate_rows", _rotate.rotate_rows)
     launches = []
     for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
@@ -651,11 +651,11 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     widths, 4-bit keys in layer 0 and 1-bit values in both layers (oscar-int2's budget).
     """
     import oscar_hf
-    import oscar_hf.static
+    import oscar_hf.core.frozen_decoding
     from conftest import generate, tiny_model
 
     from oscar_hf import METHODS, OscarCache, RotationSet
-    from oscar_hf.compat import cache_keyword
+    from oscar_hf.core.compat import cache_keyword
 
     formats, rotations = 1, None  # K and V rows of one format share a demotion launch
     if method == "k3v2":
@@ -665,9 +665,9 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
         rotations.key_bits.update({0: 4})
         rotations.value_bits.update({0: 1, 1: 1})
 
-    monkeypatch.setattr(oscar_hf.static, "decode_attention", decode_attention)
-    monkeypatch.setattr(oscar_hf.cache, "rotate_rows", _rotate.rotate_rows)
-    monkeypatch.setattr(oscar_hf.static, "WindowQuantizer", _quantize.WindowQuantizer)
+    monkeypatch.setattr(oscar_hf.core.frozen_decoding, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.core.cache, "rotate_rows", _rotate.rotate_rows)
+    monkeypatch.setattr(oscar_hf.core.frozen_decoding, "WindowQuantizer", _quantize.WindowQuantizer)
     launches = []
     launch_decode, launch_quantize = _decode.decode_attention_triton, _quantize._launch_many
     monkeypatch.setattr(_decode, "decode_attention_triton", lambda *a: launches.append("decode") or launch_decode(*a))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from oscar_hf.provenance import provenance, provenance_line
-from oscar_hf.cli import main
-from oscar_hf.evaluation import evaluate_methods
-from oscar_hf.kl_curve import (
+from oscar_hf.cli.main import main
+from oscar_hf.evaluation.kl import evaluate_methods
+from oscar_hf.evaluation.kl_curve import (
     at_contexts,
     buckets,
     default_contexts,
@@ -20,7 +20,7 @@ from oscar_hf.kl_curve import (
     plot_kl_curve,
     position_stats,
 )
-from oscar_hf.evaluation import write_outputs
+from oscar_hf.evaluation.kl import write_outputs
 from tests.conftest import tiny_model
 
 WINDOWS = dict(sink=4, recent=16, block=4)  # first quantized key seen at position 4 + 16 + 4 - 1

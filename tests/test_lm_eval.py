@@ -21,12 +21,12 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from oscar_hf.provenance import provenance
 from oscar_hf import METHODS, OscarCache, bits_per_element  # noqa: E402
-from oscar_hf.cli import build_parser  # noqa: E402
-from oscar_hf.compat import cache_keyword  # noqa: E402
-from oscar_hf.lm_eval_model import OscarLM, StopAfterThinking  # noqa: E402
-from oscar_hf.task_eval import RunKey, run_path, run_tasks  # noqa: E402
-from oscar_hf.tasks import available_tasks, write_task_configs  # noqa: E402
-from oscar_hf.tasks.scoring import gpqa_letter, humaneval_program, run_program  # noqa: E402
+from oscar_hf.cli.main import build_parser  # noqa: E402
+from oscar_hf.core.compat import cache_keyword  # noqa: E402
+from oscar_hf.evaluation.lm_eval_model import OscarLM, StopAfterThinking  # noqa: E402
+from oscar_hf.evaluation.task_eval import RunKey, run_path, run_tasks  # noqa: E402
+from oscar_hf.evaluation.tasks import available_tasks, write_task_configs  # noqa: E402
+from oscar_hf.evaluation.tasks.scoring import gpqa_letter, humaneval_program, run_program  # noqa: E402
 
 from tests.conftest import tiny_model  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_installed_plugin_registers_oscar_lazily_in_a_fresh_process():
                      "from lm_eval.api.registry import get_model, model_registry\n"
                      "print('oscar' in model_registry, 'oscar_hf' in sys.modules)\n"
                      "print(get_model('oscar').__module__)")
-    assert out.split() == ["True", "False", "oscar_hf.lm_eval_model"]
+    assert out.split() == ["True", "False", "oscar_hf.evaluation.lm_eval_model"]
 
 
 def test_stock_lm_eval_command_runs_the_oscar_model_offline(tmp_path, tok):

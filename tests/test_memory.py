@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from oscar_hf import METHODS, OscarCache, RotationSet, bits_per_element
-from oscar_hf.memory import mean_bits_per_element
+from oscar_hf.core.memory import mean_bits_per_element
 from tests.conftest import TINY, forward, tiny_model
 
 
@@ -70,7 +70,7 @@ def test_report_per_layer_and_markdown(tiny):
 
 
 def test_buffer_growth_is_geometric_but_its_unused_tail_is_bounded():
-    from oscar_hf.storage import MAX_SLACK_ROWS, RowBuffer
+    from oscar_hf.core.storage import MAX_SLACK_ROWS, RowBuffer
 
     buffer = RowBuffer(1, 1, (4,), torch.uint8, torch.device("cpu"))
     capacities = []

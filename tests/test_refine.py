@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache
-from oscar_hf.cache import roundtrip_rows
-from oscar_hf.calibration import collect_covariances
-from oscar_hf.clip_search import search_layers
-from oscar_hf.config import METHODS
-from oscar_hf.refine import (
+from oscar_hf.core.cache import roundtrip_rows
+from oscar_hf.rotations.calibration import collect_covariances
+from oscar_hf.rotations.clip_search import search_layers
+from oscar_hf.core.config import METHODS
+from oscar_hf.rotations.refine import (
     RefineSettings,
     cayley,
     capture_rows,
@@ -18,7 +18,7 @@ from oscar_hf.refine import (
     refine_matrix,
     refine_rotations,
 )
-from oscar_hf.rotations import check_orthogonal
+from oscar_hf.core.rotation_set import check_orthogonal
 from tests.conftest import tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
@@ -91,7 +91,7 @@ def test_bad_kind_is_refused(setup):
 
 
 def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
-    from oscar_hf.cli import main
+    from oscar_hf.cli.main import main
 
     with pytest.raises(SystemExit, match="drop --no-clip-search"):
         main(["calibrate", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"), "--refine",
@@ -102,8 +102,8 @@ def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
 def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
     import json
 
-    from oscar_hf.cli import main
-    from oscar_hf.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.cli.main import main
+    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
 
     data = tmp_path / "text.txt"
     data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))

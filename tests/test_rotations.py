@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_hf.rotations import (
+from oscar_hf.core.rotation_set import (
     RotationSet,
     bit_reversal,
     check_orthogonal,

@@ -15,10 +15,10 @@ import torch
 
 import oscar_hf
 from oscar_hf import OscarCache
-from oscar_hf.compat import cache_keyword
-from oscar_hf.config import METHODS
-from oscar_hf.static import StaticDecoding
-from oscar_hf.storage import aligned_rows
+from oscar_hf.core.compat import cache_keyword
+from oscar_hf.core.config import METHODS
+from oscar_hf.core.frozen_decoding import StaticDecoding
+from oscar_hf.core.storage import aligned_rows
 from tests.conftest import generate, tiny_model
 from tests.test_cache_contract import left_pad, prompts
 
@@ -274,9 +274,9 @@ def test_plain_generate_freezes_at_the_first_step_and_keeps_the_eager_tokens(tin
 
 
 def test_a_frozen_cache_grows_when_its_history_is_full(tiny, monkeypatch, static_steps):
-    import oscar_hf.cache
+    import oscar_hf.core.cache
 
-    monkeypatch.setattr(oscar_hf.cache, "MAX_SLACK_ROWS", 8)  # grow every 8 rows instead of every 4,096
+    monkeypatch.setattr(oscar_hf.core.cache, "MAX_SLACK_ROWS", 8)  # grow every 8 rows instead of every 4,096
     ids = prompts([30])[0][None]
     want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=120)
     cache = frozen(tiny)

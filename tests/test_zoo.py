@@ -14,9 +14,10 @@ from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from oscar_hf import OscarCache, zoo
-from oscar_hf.rotations import RotationSet
-from oscar_hf.zoo import (
+from oscar_hf import OscarCache
+from oscar_hf.rotations import zoo
+from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.rotations.zoo import (
     CONFIG_FILE,
     OFFICIAL_KEY_FILE,
     OFFICIAL_VALUE_FILE,
@@ -542,7 +543,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 
 
 @pytest.mark.parametrize(
-    "name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/root/.cache/oscar_hf/models/SmolLM2-135M-Instruct.Q4_1-0123"]
+    "name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/root/.cache/oscar_hf/core/models/SmolLM2-135M-Instruct.Q4_1-0123"]
 )
 def test_default_matches_the_bundled_set_by_name_or_signature(name) -> None:
     config = LlamaConfig(**SMOLLM2)  # a config only: no weights are built
@@ -557,7 +558,7 @@ def test_default_matches_the_bundled_set_by_name_or_signature(name) -> None:
 
 @pytest.mark.slow
 def test_from_zoo_default_model_offline(monkeypatch) -> None:
-    from oscar_hf.models import load_model
+    from oscar_hf.core.models import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, tokenizer = load_model("default")
@@ -715,7 +716,7 @@ def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations(
 
 
 def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
-    from oscar_hf.cli import _rotations_for
+    from oscar_hf.cli.main import _rotations_for
 
     plain = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
     assert torch.equal(_rotations_for("default", None, methods=["none", "oscar-int2-paper"]).key[3], plain.key[3])

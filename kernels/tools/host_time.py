@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 
-from oscar_hf.attention import oscar_attention_forward  # noqa: E402
+from oscar_hf.core.attention import oscar_attention_forward  # noqa: E402
 from oscar_hf.kernels.decode_attention import decode_attention  # noqa: E402
 from oscar_hf.kernels.rotate import rotate_rows  # noqa: E402
 

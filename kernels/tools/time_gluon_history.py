@@ -105,7 +105,7 @@ def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, 
 def alternating_rows(kernels, span, x: dict, scale: float, variant: dict, span_variant) -> list[dict]:
     """The staged span alone and the whole call with K's and V's code rows side by side in one buffer,
     each beside the same with two buffers, twice in turn (the machine drifts)."""
-    from oscar_hf.storage import RowBuffer
+    from oscar_hf.core.storage import RowBuffer
 
     k_codes, v_codes = x["k_codes"], x["v_codes"]
     rows = RowBuffer(*k_codes.shape[:2], (64,), torch.uint8, k_codes.device)

@@ -1,0 +1,1 @@
+"""The ``oscar-hf`` command line (:func:`oscar_hf.cli.main.main`)."""

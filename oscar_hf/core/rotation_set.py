@@ -1,0 +1,256 @@
+"""Orthogonal rotations of the head dimension: R = U·H·P, applied as ``x_rot = x @ R``.
+
+U are eigenvectors of an attention-aware covariance (ascending ``eigh`` order), H the normalised
+Sylvester Walsh-Hadamard matrix and P the eigenvalue-driven bit-reversal permutation, exactly as
+the reference builds them (oscar-reference.md sections 1.3-1.6). A layer's R is either shared by
+all of its heads (``[D, D]``, the paper's setting) or one per KV head (``[H_kv, D, D]``, the
+reference's later format, oscar-reference.md Appendix C); query head ``i`` uses the R of its KV head
+``i // g`` (contiguous GQA groups of ``g`` query heads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from oscar_hf.quant import SUPPORTED_BITS
+
+ORTHOGONALITY_TOLERANCE = 1e-3
+FACTOR_CHOICES = ("UHP", "UH", "UP", "HP", "H", "U", "")
+# The reference script's names for the same compositions (compute_kv_rotation.py --composition).
+COMPOSITION_NAMES = {"UHP": "r_h_pbr", "UH": "r_h", "UP": "br", "HP": "h_pbr", "H": "hadamard", "U": "plain", "": "identity"}
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def require_power_of_two(head_dim: int, what: str) -> None:
+    """Raise a clear error when a Hadamard-based ``what`` meets a head_dim that is not 2^k."""
+    if not is_power_of_two(head_dim):
+        raise ValueError(
+            f"{what} needs a Walsh-Hadamard matrix, which exists only for a power-of-two head_dim; "
+            f"this model has head_dim={head_dim}. Use an identity-based method (none, naive-int2) instead."
+        )
+
+
+def hadamard(dim: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Normalised Sylvester Hadamard matrix in natural order: H[i, j] = (-1)^popcount(i & j) / sqrt(dim)."""
+    require_power_of_two(dim, "hadamard()")
+    idx = torch.arange(dim)
+    signs = torch.zeros(dim, dim, dtype=torch.int64)
+    and_bits = idx[:, None] & idx[None, :]
+    while bool(and_bits.any()):
+        signs ^= and_bits & 1
+        and_bits = and_bits >> 1
+    return (1 - 2 * signs).to(dtype) / dim**0.5
+
+
+def bit_reversal(dim: int) -> torch.Tensor:
+    """``br[i]`` is ``i`` with its log2(dim) bits reversed."""
+    require_power_of_two(dim, "bit_reversal()")
+    bits = dim.bit_length() - 1
+    return torch.tensor([int(format(i, f"0{bits}b")[::-1], 2) if bits else 0 for i in range(dim)])
+
+
+def eigen_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
+    """Column order of P: output channel ``br[i]`` receives the i-th largest eigen-direction.
+
+    ``P = I[:, perm]``, so ``(X @ P)[:, j] = X[:, perm[j]]``.
+    """
+    dim = eigenvalues.numel()
+    order_desc = torch.argsort(eigenvalues, descending=True, stable=True)
+    perm = torch.empty(dim, dtype=torch.long)
+    perm[bit_reversal(dim)] = order_desc
+    return perm
+
+
+def compose_rotation(eigenvectors: torch.Tensor, eigenvalues: torch.Tensor, factors: str = "UHP") -> torch.Tensor:
+    """Product of the chosen factors, in the order U, H, P (``UHP`` is the validated OSCAR composition)."""
+    if factors not in FACTOR_CHOICES:
+        raise ValueError(f"factors must be one of {FACTOR_CHOICES}, got {factors!r}")
+    dim = eigenvectors.shape[0]
+    rotation = torch.eye(dim, dtype=torch.float64)
+    if "U" in factors:
+        rotation = eigenvectors.to(torch.float64)
+    if "H" in factors:
+        rotation = rotation @ hadamard(dim)
+    if "P" in factors:
+        rotation = rotation[:, eigen_permutation(eigenvalues)]
+    return rotation
+
+
+def rotation_from_covariance(covariance: torch.Tensor, factors: str = "UHP") -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigendecompose a symmetric covariance in float64 and compose R; returns (R fp32, ascending eigenvalues fp32)."""
+    if covariance.ndim != 2 or covariance.shape[0] != covariance.shape[1]:
+        raise ValueError(f"covariance must be square, got shape {tuple(covariance.shape)}")
+    cov = covariance.to("cpu", torch.float64)  # eigh in float64 on the host, whatever device collected it
+    eigenvalues, eigenvectors = torch.linalg.eigh((cov + cov.T) / 2)
+    rotation = compose_rotation(eigenvectors, eigenvalues, factors)
+    return rotation.to(torch.float32), eigenvalues.to(torch.float32)
+
+
+def check_orthogonal(rotation: torch.Tensor, name: str, tolerance: float = ORTHOGONALITY_TOLERANCE) -> None:
+    """Raise ``ValueError`` unless ``rotation`` is a square orthogonal matrix (max |R^T R - I| <= tolerance)."""
+    if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1]:
+        raise ValueError(f"{name}: a rotation must be a square [head_dim, head_dim] matrix, got {tuple(rotation.shape)}")
+    r = rotation.to(torch.float64)
+    error = (r.T @ r - torch.eye(r.shape[0], dtype=torch.float64)).abs().max().item()
+    if not error <= tolerance:
+        raise ValueError(f"{name} is not orthogonal: max |R^T R - I| = {error:.3g} > {tolerance:g}")
+
+
+def heads_of(rotation: torch.Tensor) -> list[torch.Tensor]:
+    """The ``[D, D]`` matrices of a shared ``[D, D]`` or per-KV-head ``[H_kv, D, D]`` rotation."""
+    return [rotation] if rotation.ndim == 2 else list(rotation.unbind(0))
+
+
+def per_query_head(rotation: torch.Tensor, heads: int) -> torch.Tensor:
+    """A rotation for ``heads`` rows of heads: ``[D, D]`` as it is, ``[H_kv, D, D]`` repeated over each GQA group.
+
+    ``heads`` is the KV head count (the rotation itself) or a multiple of it (the query heads).
+    """
+    if rotation.ndim == 2 or rotation.shape[0] == heads:
+        return rotation
+    if heads % rotation.shape[0]:
+        raise ValueError(f"{heads} heads cannot be grouped onto a rotation of {rotation.shape[0]} KV heads")
+    return rotation.repeat_interleave(heads // rotation.shape[0], dim=0)
+
+
+@dataclass
+class RotationSet:
+    """Per-layer key and value rotations (R_K, R_V), float32, keyed by global layer id.
+
+    Each rotation is shared by the layer's heads (``[head_dim, head_dim]``) or one per KV head
+    (``[H_kv, head_dim, head_dim]``, the same ``H_kv`` throughout the set); eigenvalues follow the
+    same layout (``[head_dim]`` or ``[H_kv, head_dim]``). A layer missing from ``key`` or ``value``
+    uses the identity. The ascending eigenvalues of the calibration covariances are kept for
+    inspection only; they are not needed at run time. ``key_clip`` / ``value_clip`` and ``key_bits`` /
+    ``value_bits`` are optional per-layer clip ratios and history bit widths that calibrated methods
+    apply (:meth:`oscar_hf.core.config.OscarConfig.for_layer`).
+    """
+
+    head_dim: int
+    key: dict[int, torch.Tensor] = field(default_factory=dict)
+    value: dict[int, torch.Tensor] = field(default_factory=dict)
+    description: str = ""
+    key_eigenvalues: dict[int, torch.Tensor] = field(default_factory=dict)
+    value_eigenvalues: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_clip: dict[int, float] = field(default_factory=dict)
+    value_clip: dict[int, float] = field(default_factory=dict)
+    key_bits: dict[int, int] = field(default_factory=dict)
+    value_bits: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind, table in (("key_clip", self.key_clip), ("value_clip", self.value_clip)):
+            for layer_id, ratio in table.items():
+                if not 0.0 <= float(ratio) <= 1.0:
+                    raise ValueError(f"{kind} of layer {layer_id} must be in [0, 1], got {ratio}")
+        for kind, table in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            for layer_id, bits in table.items():
+                if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+                    raise ValueError(f"{kind} of layer {layer_id} must be one of {SUPPORTED_BITS}, got {bits!r}")
+                table[layer_id] = int(bits)
+        dim = self.head_dim
+        for kind, table in (("R_K", self.key), ("R_V", self.value)):
+            for layer_id, rotation in table.items():
+                if rotation.ndim not in (2, 3) or tuple(rotation.shape[-2:]) != (dim, dim):
+                    raise ValueError(
+                        f"{kind} of layer {layer_id} has shape {tuple(rotation.shape)}, expected ({dim}, {dim}) "
+                        f"(shared) or (kv_heads, {dim}, {dim}) (per KV head) for head_dim={dim}"
+                    )
+                for head, matrix in enumerate(heads_of(rotation)):
+                    where = f", KV head {head}" if rotation.ndim == 3 else ""
+                    check_orthogonal(matrix, f"{kind} of layer {layer_id}{where}")
+                table[layer_id] = rotation.to(torch.float32)
+        counts = {r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3}
+        if len(counts) > 1:
+            raise ValueError(f"per-head rotations of one set must have one KV head count, got {sorted(counts)}")
+
+    @classmethod
+    def hadamard(cls, head_dim: int, layer_ids: list[int]) -> "RotationSet":
+        """The data-free QuaRot-style rotation: R_K = R_V = H for every layer."""
+        h = hadamard(head_dim).to(torch.float32)
+        return cls(head_dim, {i: h for i in layer_ids}, {i: h for i in layer_ids}, "hadamard")
+
+    @classmethod
+    def identity(cls, head_dim: int) -> "RotationSet":
+        return cls(head_dim, {}, {}, "identity")
+
+    @property
+    def kv_heads(self) -> int | None:
+        """The KV head count of the per-head rotations, or None when every rotation is shared."""
+        counts = [r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3]
+        return counts[0] if counts else None
+
+    @property
+    def per_head(self) -> bool:
+        """Whether some rotation of the set is one per KV head."""
+        return self.kv_heads is not None
+
+    def for_layer(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(R_K, R_V) of a layer, ``[D, D]`` or ``[H_kv, D, D]``; ``None`` stands for the identity."""
+        return self.key.get(layer_id), self.value.get(layer_id)
+
+    def select_kv_heads(self, start: int, stop: int) -> "RotationSet":
+        """The rotations of KV heads ``start .. stop - 1`` (a tensor-parallel rank's own heads).
+
+        Shared rotations serve any heads and are kept as they are.
+        """
+        heads = self.kv_heads
+        if heads is None:
+            return self
+        if not 0 <= start < stop <= heads:
+            raise ValueError(f"KV heads {start}..{stop - 1} are not within the set's {heads} KV heads")
+
+        def pick(table: dict[int, torch.Tensor], per_head_ndim: int) -> dict[int, torch.Tensor]:
+            return {i: t[start:stop] if t.ndim == per_head_ndim else t for i, t in table.items()}
+
+        return RotationSet(
+            self.head_dim, pick(self.key, 3), pick(self.value, 3), self.description,
+            pick(self.key_eigenvalues, 2), pick(self.value_eigenvalues, 2), dict(self.key_clip), dict(self.value_clip),
+            dict(self.key_bits), dict(self.value_bits),
+        )  # fmt: skip
+
+    def as_per_head(self, kv_heads: int) -> "RotationSet":
+        """The same rotations with every shared ``[D, D]`` repeated into ``[kv_heads, D, D]``."""
+        if self.kv_heads not in (None, kv_heads):
+            raise ValueError(f"the set already has per-head rotations for {self.kv_heads} KV heads, not {kv_heads}")
+
+        def expand(table: dict[int, torch.Tensor], shared_ndim: int) -> dict[int, torch.Tensor]:
+            return {i: t.expand(kv_heads, *t.shape).clone() if t.ndim == shared_ndim else t for i, t in table.items()}
+
+        return RotationSet(
+            self.head_dim, expand(self.key, 2), expand(self.value, 2), self.description,
+            expand(self.key_eigenvalues, 1), expand(self.value_eigenvalues, 1), dict(self.key_clip),
+            dict(self.value_clip), dict(self.key_bits), dict(self.value_bits),
+        )  # fmt: skip
+
+    def value_fingerprint(self) -> str:
+        """A short hash of all R_V (every head's), to recognise the rotations a model's weights were folded with."""
+        digest = hashlib.sha256()
+        for layer_id in sorted(self.value):
+            digest.update(str(layer_id).encode())
+            digest.update(self.value[layer_id].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def check_model(self, head_dim: int, layer_ids: list[int], kv_heads: int | None = None) -> None:
+        """Raise a clear error if these rotations were made for another model shape.
+
+        ``kv_heads`` (the KV heads the cache or weights hold) is checked against per-head rotations.
+        """
+        if head_dim != self.head_dim:
+            raise ValueError(f"rotations are for head_dim={self.head_dim} but the model has head_dim={head_dim}")
+        if kv_heads is not None and self.kv_heads not in (None, kv_heads):
+            raise ValueError(
+                f"the rotations hold one R per KV head for {self.kv_heads} KV heads but the model has {kv_heads} "
+                "KV heads (under tensor parallelism each rank takes its own heads: RotationSet.select_kv_heads)"
+            )
+        extra = sorted((set(self.key) | set(self.value)) - set(layer_ids))
+        if extra:
+            raise ValueError(
+                f"rotations name layers {extra} that are not quantized full-attention layers of this model "
+                f"(those are {layer_ids[:8]}{'...' if len(layer_ids) > 8 else ''})"
+            )
