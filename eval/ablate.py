@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.core.cache import head_dim_of  # noqa: E402
+from oscar_hf.core.model_info import head_dim_of  # noqa: E402
 from oscar_hf.rotations.calibration import collect_covariances, rotations_from_covariances  # noqa: E402
 from oscar_hf.rotations.calibration_data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
 from oscar_hf.rotations.clip_search import search_layers  # noqa: E402
@@ -57,7 +57,7 @@ from oscar_hf.evaluation.niah import Haystack, build_prompt, check_lengths, hays
 from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
 from oscar_hf.provenance import machine_line, provenance, provenance_line  # noqa: E402
 from oscar_hf.rotations.refine import refine_rotations  # noqa: E402
-from oscar_hf.rotations.zoo import resolve_rotations  # noqa: E402
+from oscar_hf.rotations.resolve import resolve_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
 LONG_CONTEXT, LONG_HEAD_DIM = 131072, 128  # the paper's BPE point
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         needles["batch_size"] = args.batch_size
     kl_windows = per_context(config) if config.get("eval_texts") else []
     lengths = sorted({c for c, _ in kl_windows} | set(needles["lengths"] if needles else []))
-    head_dim = head_dim_of(model.config.get_text_config(decoder=True))
+    head_dim = head_dim_of(model)
     result = {
         "config": str(args.config), "description": config["description"], "model": args.model or config["model"],
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),

@@ -1,18 +1,31 @@
 """oscar-hf: OSCAR 2-bit KV-cache quantization for Hugging Face transformers.
 
-Importing the package registers the ``"oscar"`` attention implementation.
+Importing the package registers the ``"oscar"`` attention implementation. Everything a user needs is
+importable from here::
+
+    from oscar_hf import OscarCache, load_model, cache_keyword
+    model, tokenizer = load_model("default")
+    cache = OscarCache.from_zoo(model)
+    model.generate(**inputs, **{cache_keyword(model): cache})
 """
 
+from oscar_hf._version import __version__
 from oscar_hf.core import attention  # noqa: F401  (registers attn_implementation="oscar")
-from oscar_hf.core.cache import OscarCache, OscarLayer
+from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.config import METHODS, OscarConfig, TensorQuantConfig
 from oscar_hf.core.graph_generate import StaticDecoder, generate
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import MemoryReport, bits_per_element
 from oscar_hf.core.models import load_model
 from oscar_hf.core.rotation_set import RotationSet
-
-__version__ = "0.1.0"
+from oscar_hf.core.teacher_forcing import teacher_forced_logits
+from oscar_hf.rotations.absorption import absorb_value_rotations
+from oscar_hf.rotations.calibration import calibrate
+from oscar_hf.rotations.files import save_rotations
+from oscar_hf.rotations.hub import load_rotations, push_rotations_to_hub
+from oscar_hf.rotations.official import convert_official, load_official
+from oscar_hf.rotations.resolve import resolve_rotations  # also installs OscarCache.from_zoo's reader
 
 __all__ = [
     "METHODS",
@@ -23,8 +36,18 @@ __all__ = [
     "RotationSet",
     "StaticDecoder",
     "TensorQuantConfig",
+    "__version__",
+    "absorb_value_rotations",
     "bits_per_element",
     "cache_keyword",
+    "calibrate",
+    "convert_official",
     "generate",
     "load_model",
+    "load_official",
+    "load_rotations",
+    "push_rotations_to_hub",
+    "resolve_rotations",
+    "save_rotations",
+    "teacher_forced_logits",
 ]

@@ -62,7 +62,8 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys):
 
     from oscar_hf.cli.main import main
     from oscar_hf.core.models import _default_checkpoint
-    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
 
     tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
     model_dir = tmp_path / "model"
@@ -77,7 +78,7 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys):
     allocation = summary["bit_allocation"]
     assert len(allocation["key_4bit_layers"]) == 1 and allocation["value_1bit_layers"] == [0, 1]
     assert summary["per_layer"][0]["value_bits"] == 1
-    rotations = from_pretrained(out)
+    rotations = load_rotations(out)
     assert rotations.key_bits == dict.fromkeys(allocation["key_4bit_layers"], 4) and rotations.value_bits == {0: 1, 1: 1}
     assert len(rotations.key_clip) == 2
     stored = load_rotation_config(out)["bit_allocation"]

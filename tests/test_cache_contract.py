@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet, TensorQuantConfig
-from oscar_hf.core.cache import OscarLayer
+from oscar_hf.core.layer import OscarLayer
 from tests.conftest import forward, generate, tiny_model
 
 SMALL = dict(sink=4, recent=8, block=2)
@@ -113,16 +113,16 @@ def test_rotated_storage_matches_unrotated_attention(tiny):
 
 
 def test_every_token_is_quantized_exactly_once(tiny, monkeypatch):
-    import oscar_hf.core.cache as cache_module
+    import oscar_hf.core.quantize_jobs as jobs_module
 
     rows = []
-    real_quantize = cache_module.quantize_pack_into
+    real_quantize = jobs_module.quantize_pack_into
 
     def counting(sources, *args, **kwargs):
         rows.extend(source.shape[2] for source in sources)
         return real_quantize(sources, *args, **kwargs)
 
-    monkeypatch.setattr(cache_module, "quantize_pack_into", counting)
+    monkeypatch.setattr(jobs_module, "quantize_pack_into", counting)
     cache = OscarCache(tiny, "quarot-int2", **SMALL)
     generate(tiny, prompts([30])[0][None], cache, prefill_chunk_size=7)
     quantized = sum(layer.history_length for layer in cache.layers)

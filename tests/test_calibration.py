@@ -22,16 +22,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from oscar_hf.rotations import calibration
 from oscar_hf.rotations.calibration import CALIBRATION_ATTENTION, calibrate, collect_covariances
 from oscar_hf.core.rotation_set import RotationSet, check_orthogonal, rotation_from_covariance
-from oscar_hf.rotations.zoo import (
-    CONFIG_FILE,
-    DEFAULT_PAPER_ROTATIONS,
-    DEFAULT_ROTATIONS,
-    TENSORS_FILE,
-    bundled_rotations_dir,
-    load_rotation_config,
-    from_pretrained,
-    save_pretrained,
-)
+from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
+from oscar_hf.rotations.hub import load_rotations
+from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
 
 VOCAB = 128
 HEAD_DIM = 16
@@ -284,9 +277,9 @@ def random_rotation_set(layer_ids: list[int], head_dim: int = HEAD_DIM) -> Rotat
 def test_save_load_round_trip(tmp_path) -> None:
     rotations = random_rotation_set([1, 3])
     metadata = {"model_id": "tiny", "objective": "qqt_sst", "composition": "r_h_pbr", "tokens": 123}
-    out = save_pretrained(rotations, tmp_path / "rot", metadata)
+    out = save_rotations(rotations, tmp_path / "rot", metadata)
     assert {p.name for p in out.iterdir()} == {TENSORS_FILE, CONFIG_FILE}
-    loaded = from_pretrained(out)
+    loaded = load_rotations(out)
     assert loaded.head_dim == HEAD_DIM and loaded.description == "test rotations"
     for table in ("key", "value", "key_eigenvalues", "value_eigenvalues"):
         expected, actual = getattr(rotations, table), getattr(loaded, table)
@@ -301,26 +294,26 @@ def test_save_load_round_trip(tmp_path) -> None:
 
 def test_save_hadamard_set_with_shared_tensors(tmp_path) -> None:
     rotations = RotationSet.hadamard(HEAD_DIM, [0, 1, 2])
-    loaded = from_pretrained(save_pretrained(rotations, tmp_path))
+    loaded = load_rotations(save_rotations(rotations, tmp_path))
     assert torch.equal(loaded.key[2], rotations.key[0]) and loaded.key_eigenvalues == {}
 
 
 def test_load_rejects_wrong_shape(tmp_path) -> None:
-    out = save_pretrained(random_rotation_set([0]), tmp_path)
+    out = save_rotations(random_rotation_set([0]), tmp_path)
     save_file({"layers.0.key_rotation": torch.eye(8), "layers.0.value_rotation": torch.eye(8)}, str(out / TENSORS_FILE))
     with pytest.raises(ValueError, match="shape"):
-        from_pretrained(out)
+        load_rotations(out)
 
 
 def test_load_rejects_bad_directories(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
-        from_pretrained(tmp_path / "missing")
+        load_rotations(tmp_path / "missing")
     with pytest.raises(FileNotFoundError):
-        from_pretrained(tmp_path)
-    out = save_pretrained(random_rotation_set([0]), tmp_path / "rot")
+        load_rotations(tmp_path)
+    out = save_rotations(random_rotation_set([0]), tmp_path / "rot")
     (out / TENSORS_FILE).unlink()
     with pytest.raises(FileNotFoundError):
-        from_pretrained(out)
+        load_rotations(out)
     (out / CONFIG_FILE).write_text(json.dumps({"format": "something-else", "format_version": 1}))
     with pytest.raises(ValueError, match="format"):
         load_rotation_config(out)
@@ -328,7 +321,7 @@ def test_load_rejects_bad_directories(tmp_path) -> None:
 
 def test_metadata_cannot_override_format_keys(tmp_path) -> None:
     with pytest.raises(ValueError, match="reserved"):
-        save_pretrained(random_rotation_set([0]), tmp_path, {"head_dim": 3})
+        save_rotations(random_rotation_set([0]), tmp_path, {"head_dim": 3})
 
 
 @pytest.mark.parametrize("name, composition", [(DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)"),
@@ -336,7 +329,7 @@ def test_metadata_cannot_override_format_keys(tmp_path) -> None:
 def test_bundled_default_rotations_load(name: str, composition: str) -> None:
     path = bundled_rotations_dir(name)
     assert path.parts[-4:] == ("oscar_hf", "assets", "rotations", name)
-    rotations = from_pretrained(path)  # also checks every rotation is orthogonal
+    rotations = load_rotations(path)  # also checks every rotation is orthogonal
     config = load_rotation_config(path)
     assert rotations.head_dim == 64 and sorted(rotations.key) == sorted(rotations.value) == list(range(30))
     assert config["objective"] == "qqt_sst" and config["composition"] == composition and config["tokens"] == 20000

@@ -70,7 +70,8 @@ def test_rows_too_short_for_the_window_are_refused():
 @pytest.mark.slow
 def test_calibrate_command_on_the_default_model(tmp_path, capsys):
     from oscar_hf.cli.main import main
-    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
 
     data = tmp_path / "text.txt"
     data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
@@ -80,7 +81,7 @@ def test_calibrate_command_on_the_default_model(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["out"] == str(out) and summary["layers"] == 30 and summary["tokens"] == 1200
     assert len(summary["per_layer"]) == 30 and "key" in summary["per_layer"][0]
-    rotations = from_pretrained(out)
+    rotations = load_rotations(out)
     assert len(rotations.key_clip) == 30
     config = load_rotation_config(out)
     assert config["tokens"] == 1200 and config["model_signature"]["head_dim"] == 64
@@ -107,7 +108,8 @@ def test_calibrate_command_per_head(tmp_path, capsys):
 
     from oscar_hf.cli.main import main
     from oscar_hf.core.models import _default_checkpoint
-    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
 
     tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
     model_dir = tmp_path / "model"
@@ -120,6 +122,6 @@ def test_calibrate_command_per_head(tmp_path, capsys):
           "--per-head", "--clip-search", "--out", str(out), "--json"])  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
     assert summary["layers"] == 2 and "key" in summary["per_layer"][0]
-    rotations = from_pretrained(out)
+    rotations = load_rotations(out)
     assert rotations.kv_heads == 2 and len(rotations.key_clip) == 2
     assert load_rotation_config(out)["source_grouping"] == "per_kv_head"

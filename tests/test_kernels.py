@@ -601,15 +601,18 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     Also: a decoding step demotes every layer's K and V rows in a single quantize launch.
     """
     import oscar_hf.core.attention
-    import oscar_hf.core.cache
+    import oscar_hf.core.layer
+    import oscar_hf.core.layer_rotation
+    import oscar_hf.core.quantize_jobs
     from conftest import generate, tiny_model
 
     from oscar_hf import OscarCache
 
     # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
     monkeypatch.setattr(oscar_hf.core.attention, "decode_attention", decode_attention)
-    monkeypatch.setattr(oscar_hf.core.cache, "quantize_pack_into", quantize_pack_into)
-    monkeypatch.setattr(oscar_hf.core.cache, "rotate_rows", _rotate.rotate_rows)
+    monkeypatch.setattr(oscar_hf.core.quantize_jobs, "quantize_pack_into", quantize_pack_into)
+    monkeypatch.setattr(oscar_hf.core.layer, "rotate_rows", _rotate.rotate_rows)
+    monkeypatch.setattr(oscar_hf.core.layer_rotation, "rotate_rows", _rotate.rotate_rows)
     launches = []
     for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
@@ -652,6 +655,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     """
     import oscar_hf
     import oscar_hf.core.frozen_decoding
+    import oscar_hf.core.layer
+    import oscar_hf.core.layer_rotation
     from conftest import generate, tiny_model
 
     from oscar_hf import METHODS, OscarCache, RotationSet
@@ -666,7 +671,8 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
         rotations.value_bits.update({0: 1, 1: 1})
 
     monkeypatch.setattr(oscar_hf.core.frozen_decoding, "decode_attention", decode_attention)
-    monkeypatch.setattr(oscar_hf.core.cache, "rotate_rows", _rotate.rotate_rows)
+    monkeypatch.setattr(oscar_hf.core.layer, "rotate_rows", _rotate.rotate_rows)
+    monkeypatch.setattr(oscar_hf.core.layer_rotation, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.core.frozen_decoding, "WindowQuantizer", _quantize.WindowQuantizer)
     launches = []
     launch_decode, launch_quantize = _decode.decode_attention_triton, _quantize._launch_many

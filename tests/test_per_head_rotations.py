@@ -15,7 +15,8 @@ from transformers import DynamicCache
 import oscar_hf
 from oscar_hf import OscarCache, RotationSet
 from oscar_hf.rotations.absorption import absorb_value_rotations
-from oscar_hf.core.cache import OscarLayer, roundtrip_rows
+from oscar_hf.core.layer import OscarLayer
+from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.config import OscarConfig
 from oscar_hf.core.teacher_forcing import teacher_forced_logits

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache
-from oscar_hf.core.cache import roundtrip_rows
+from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.rotations.calibration import collect_covariances
 from oscar_hf.rotations.clip_search import search_layers
 from oscar_hf.core.config import METHODS
@@ -103,7 +103,8 @@ def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
     import json
 
     from oscar_hf.cli.main import main
-    from oscar_hf.rotations.zoo import from_pretrained, load_rotation_config
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
 
     data = tmp_path / "text.txt"
     data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
@@ -111,7 +112,7 @@ def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
     main(["calibrate", "--model", "default", "--data", str(data), "--tokens", "1200", "--seq-len", "600",
           "--clip-search", "--refine", "--out", str(out), "--json"])
     summary = json.loads(capsys.readouterr().out)
-    rotations = from_pretrained(out)
+    rotations = load_rotations(out)
     config = load_rotation_config(out)
     assert summary["layers"] == 30 and "refined" in config["composition"]
     for row in summary["per_layer"]:

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet
-from oscar_hf.core.cache import OscarLayer
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.teacher_forcing import history_lengths, teacher_forced_logits
 from tests.conftest import forward
 

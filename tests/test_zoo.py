@@ -15,23 +15,13 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from oscar_hf import OscarCache
-from oscar_hf.rotations import zoo
+from oscar_hf.core.model_info import full_attention_layer_ids
+from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
 from oscar_hf.core.rotation_set import RotationSet
-from oscar_hf.rotations.zoo import (
-    CONFIG_FILE,
-    OFFICIAL_KEY_FILE,
-    OFFICIAL_VALUE_FILE,
-    ROTATION_ZOO,
-    TENSORS_FILE,
-    RotationsNotFoundError,
-    convert_official,
-    from_pretrained,
-    load_official,
-    load_rotation_config,
-    push_to_hub,
-    resolve_rotations,
-    save_pretrained,
-)
+from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
+from oscar_hf.rotations.hub import RotationsNotFoundError, load_rotations, push_rotations_to_hub
+from oscar_hf.rotations.official import OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE, convert_official, load_official
+from oscar_hf.rotations.resolve import ROTATION_ZOO, resolve_rotations
 from tests.conftest import forward
 
 HEAD_DIM = 16
@@ -168,11 +158,11 @@ def fake_zoo(tmp_path, monkeypatch, online) -> FakeHub:
 def test_round_trip_with_clip_ratios(tmp_path) -> None:
     rotations = rotation_set()
     metadata = {"model_id": "tiny", "revision": "abc", "objective": "qqt_sst", "group_size": 16, "sink": 4}
-    out = save_pretrained(rotations, tmp_path / "rot", metadata)
+    out = save_rotations(rotations, tmp_path / "rot", metadata)
     assert {p.name for p in out.iterdir()} == {TENSORS_FILE, CONFIG_FILE}
     tensors = load_file(str(out / TENSORS_FILE))
     assert tensors["layers.0.key_clip"].dtype == torch.float32 and tensors["layers.1.value_clip"].numel() == 1
-    loaded = from_pretrained(out)
+    loaded = load_rotations(out)
     assert_same(loaded, rotations)
     assert loaded.key_clip == {0: 0.96, 1: 0.9} and loaded.value_clip == {0: 0.92, 1: 0.875}  # exact, not float32 noise
     config = load_rotation_config(out)
@@ -181,27 +171,27 @@ def test_round_trip_with_clip_ratios(tmp_path) -> None:
 
 def test_round_trip_without_clip_ratios_and_clip_only_layers(tmp_path) -> None:
     rotations = rotation_set(clips=False)
-    assert_same(from_pretrained(save_pretrained(rotations, tmp_path / "a")), rotations)
+    assert_same(load_rotations(save_rotations(rotations, tmp_path / "a")), rotations)
     clip_only = RotationSet(HEAD_DIM, key_clip={3: 0.5})
-    loaded = from_pretrained(save_pretrained(clip_only, tmp_path / "b"))
+    loaded = load_rotations(save_rotations(clip_only, tmp_path / "b"))
     assert loaded.key_clip == {3: 0.5} and loaded.key == {} and load_rotation_config(tmp_path / "b")["layer_ids"] == [3]
 
 
 def test_clip_tensors_may_be_0d_but_not_longer(tmp_path) -> None:
-    out = save_pretrained(rotation_set(clips=False), tmp_path)
+    out = save_rotations(rotation_set(clips=False), tmp_path)
     tensors = load_file(str(out / TENSORS_FILE))
     save_file({**tensors, "layers.0.key_clip": torch.tensor(0.96)}, str(out / TENSORS_FILE))
-    assert from_pretrained(out).key_clip == {0: 0.96}
+    assert load_rotations(out).key_clip == {0: 0.96}
     save_file({**tensors, "layers.0.key_clip": torch.tensor([0.9, 0.8])}, str(out / TENSORS_FILE))
     with pytest.raises(ValueError, match="single clip ratio"):
-        from_pretrained(out)
+        load_rotations(out)
     save_file({**tensors, "layers.0.key_clip": torch.tensor([1.5])}, str(out / TENSORS_FILE))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        from_pretrained(out)
+        load_rotations(out)
 
 
 def test_bundled_artifact_without_clip_tensors_still_loads() -> None:
-    rotations = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
+    rotations = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
     assert rotations.head_dim == 64 and len(rotations.key) == 30 and rotations.key_clip == {} == rotations.value_clip
     assert rotations.key_bits == {} == rotations.value_bits
 
@@ -210,34 +200,34 @@ def test_round_trip_with_per_layer_bit_widths(tmp_path) -> None:
     rotations = rotation_set()
     rotations.key_bits.update({0: 4})
     rotations.value_bits.update({0: 1, 1: 1})
-    out = save_pretrained(rotations, tmp_path)
+    out = save_rotations(rotations, tmp_path)
     assert load_file(str(out / TENSORS_FILE))["layers.1.value_bits"].tolist() == [1.0]
-    loaded = from_pretrained(out)
+    loaded = load_rotations(out)
     assert_same(loaded, rotations)
     assert loaded.key_bits == {0: 4} and loaded.value_bits == {0: 1, 1: 1}
     assert all(type(b) is int for b in loaded.value_bits.values())
 
 
 def test_bit_width_tensors_must_be_one_supported_whole_number(tmp_path) -> None:
-    out = save_pretrained(rotation_set(clips=False), tmp_path)
+    out = save_rotations(rotation_set(clips=False), tmp_path)
     tensors = load_file(str(out / TENSORS_FILE))
     for bad, message in ((torch.tensor([1.5]), "whole bit width"), (torch.tensor([4.0, 1.0]), "whole bit width"),
                          (torch.tensor([8.0]), r"one of \(1, 2, 3, 4\)")):  # fmt: skip
         save_file({**tensors, "layers.0.key_bits": bad}, str(out / TENSORS_FILE))
         with pytest.raises(ValueError, match=message):
-            from_pretrained(out)
+            load_rotations(out)
 
 
 def test_from_pretrained_local_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        from_pretrained(tmp_path / "missing")
+        load_rotations(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        from_pretrained(str(tmp_path / "missing"))  # an absolute path is never taken for a hub id
+        load_rotations(str(tmp_path / "missing"))  # an absolute path is never taken for a hub id
     with pytest.raises(FileNotFoundError, match="holds no rotations"):
-        from_pretrained(tmp_path)
+        load_rotations(tmp_path)
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(NotADirectoryError):
-        from_pretrained(tmp_path / "file.txt")
+        load_rotations(tmp_path / "file.txt")
 
 
 # --- the official RotationZoo layout -------------------------------------------------------------
@@ -253,7 +243,7 @@ def test_load_official_reads_the_files_as_they_are(tmp_path, str_keys, eigenvalu
     assert torch.equal(rotations.value[5], orthogonal(HEAD_DIM, 105))
     assert sorted(rotations.key_eigenvalues) == ([0, 2, 5] if eigenvalues else [])
     assert "Qwen3-8B/seq20000_prompt83_group128" in rotations.description
-    assert_same(from_pretrained(folder), rotations)  # from_pretrained detects the official layout
+    assert_same(load_rotations(folder), rotations)  # load_rotations detects the official layout
 
 
 @pytest.mark.parametrize("str_keys", [False, True])
@@ -261,7 +251,7 @@ def test_convert_official_round_trip(tmp_path, str_keys) -> None:
     src = write_official(tmp_path / "zoo" / QWEN_FOLDER, (3, 7), str_keys=str_keys)
     official = load_official(src)
     out = convert_official(src, tmp_path / "converted", metadata={"model_id": "Qwen/Qwen3-8B"})
-    assert_same(from_pretrained(out), official)
+    assert_same(load_rotations(out), official)
     config = load_rotation_config(out)
     assert config["objective"] == "qqt_sst" and config["composition"] == "r_h_pbr"
     assert config["key_objective"] == "qqt_r_h_pbr" and config["value_objective"] == "sst_r_h_pbr"
@@ -329,7 +319,7 @@ def test_official_errors(tmp_path) -> None:
 
 
 def test_from_pretrained_official_zoo_on_the_hub(fake_zoo) -> None:
-    rotations = from_pretrained(ROTATION_ZOO, subfolder=QWEN_FOLDER, revision="v1")
+    rotations = load_rotations(ROTATION_ZOO, subfolder=QWEN_FOLDER, revision="v1")
     assert_same(rotations, load_official(fake_zoo.repo_root / QWEN_FOLDER))
     (call,) = fake_zoo.calls
     assert call["repo_id"] == ROTATION_ZOO and call["revision"] == "v1" and call["local_files_only"] is False
@@ -341,19 +331,19 @@ def test_from_pretrained_official_zoo_on_the_hub(fake_zoo) -> None:
 def test_from_pretrained_our_format_on_the_hub(tmp_path, monkeypatch, online) -> None:
     root = tmp_path / "repo"
     rotations = rotation_set()
-    save_pretrained(rotations, root)
+    save_rotations(rotations, root)
     hub = FakeHub(root, tmp_path / "cache")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
-    assert_same(from_pretrained("someone/my-rotations", cache_dir=tmp_path / "c"), rotations)
+    assert_same(load_rotations("someone/my-rotations", cache_dir=tmp_path / "c"), rotations)
     assert hub.calls[0]["cache_dir"] == tmp_path / "c"
     assert TENSORS_FILE in hub.calls[0]["allow_patterns"] and CONFIG_FILE in hub.calls[0]["allow_patterns"]
 
 
 def test_hub_folder_without_rotations(fake_zoo) -> None:
     with pytest.raises(RotationsNotFoundError, match="holds no rotation files matching"):
-        from_pretrained(ROTATION_ZOO, subfolder="Qwen3-8B/no-such-calibration")
+        load_rotations(ROTATION_ZOO, subfolder="Qwen3-8B/no-such-calibration")
     with pytest.raises(RotationsNotFoundError, match="pass subfolder='<Model>/<calibration>'"):
-        from_pretrained(ROTATION_ZOO)
+        load_rotations(ROTATION_ZOO)
 
 
 def test_offline_error_is_actionable(monkeypatch) -> None:
@@ -364,11 +354,11 @@ def test_offline_error_is_actionable(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(RotationsNotFoundError) as info:
-        from_pretrained(ROTATION_ZOO, subfolder=QWEN_FOLDER)
+        load_rotations(ROTATION_ZOO, subfolder=QWEN_FOLDER)
     message = str(info.value)
     assert "offline mode is on" in message and ROTATION_ZOO in message and OFFICIAL_KEY_FILE[:11] in message
     assert f"hf download {ROTATION_ZOO} --include '{QWEN_FOLDER}/*'" in message
-    assert f"from_pretrained('DIR/{QWEN_FOLDER}')" in message and "HF_HUB_OFFLINE" in message
+    assert f"load_rotations('DIR/{QWEN_FOLDER}')" in message and "HF_HUB_OFFLINE" in message
     # Deriving the folder from the model needs the zoo too; a local copy of its root then works as is.
     with pytest.raises(RotationsNotFoundError, match=r"--include 'Qwen3-8B/\*'.*OscarCache.from_zoo\(model, 'DIR'\)"):
         OscarCache.from_zoo(tiny_llama("Qwen/Qwen3-8B"), ROTATION_ZOO)
@@ -380,7 +370,7 @@ def test_unreachable_hub_error(monkeypatch, online) -> None:
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     with pytest.raises(RotationsNotFoundError, match="hub is unreachable.*pass the local directory instead"):
-        from_pretrained("someone/rotations")
+        load_rotations("someone/rotations")
 
 
 def test_real_snapshot_download_offline_with_empty_cache(tmp_path, monkeypatch) -> None:
@@ -388,7 +378,7 @@ def test_real_snapshot_download_offline_with_empty_cache(tmp_path, monkeypatch) 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RotationsNotFoundError, match="offline mode is on"):
-        from_pretrained(ROTATION_ZOO, subfolder=QWEN_FOLDER, cache_dir=tmp_path)
+        load_rotations(ROTATION_ZOO, subfolder=QWEN_FOLDER, cache_dir=tmp_path)
 
 
 def test_missing_hub_repo(monkeypatch, online) -> None:
@@ -398,7 +388,7 @@ def test_missing_hub_repo(monkeypatch, online) -> None:
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", missing)
     with pytest.raises(RotationsNotFoundError, match="no local directory 'nobody/nothing' either"):
-        from_pretrained("nobody/nothing")
+        load_rotations("nobody/nothing")
 
 
 class FakeHfApi:
@@ -427,7 +417,7 @@ def fake_api(monkeypatch):
 
 
 def test_push_rotation_set(fake_api) -> None:
-    commit = push_to_hub(rotation_set(), "me/rot", private=True, commit_message="add", token="hf_x")
+    commit = push_rotations_to_hub(rotation_set(), "me/rot", private=True, commit_message="add", token="hf_x")
     assert commit == "https://huggingface.co/me/rot/commit/123"
     (api,) = fake_api.instances
     assert api.token == "hf_x"
@@ -437,20 +427,20 @@ def test_push_rotation_set(fake_api) -> None:
 
 
 def test_push_directory_uploads_only_rotation_files(tmp_path, fake_api) -> None:
-    out = save_pretrained(rotation_set(), tmp_path / "rot")
+    out = save_rotations(rotation_set(), tmp_path / "rot")
     (out / "notes.txt").write_text("private notes")
-    push_to_hub(out, "me/rot")
+    push_rotations_to_hub(out, "me/rot")
     assert fake_api.instances[0].calls[1][2] == [CONFIG_FILE, TENSORS_FILE]
     official = write_official(tmp_path / "official")
-    push_to_hub(official, "me/zoo")
+    push_rotations_to_hub(official, "me/zoo")
     assert fake_api.instances[1].calls[1][2] == [OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE]
 
 
 def test_push_refuses_a_broken_directory(tmp_path, fake_api) -> None:
-    out = save_pretrained(rotation_set(), tmp_path / "rot")
+    out = save_rotations(rotation_set(), tmp_path / "rot")
     (out / TENSORS_FILE).unlink()
     with pytest.raises(FileNotFoundError):
-        push_to_hub(out, "me/rot")
+        push_rotations_to_hub(out, "me/rot")
     assert fake_api.instances == []
 
 
@@ -460,7 +450,7 @@ def test_push_refuses_a_broken_directory(tmp_path, fake_api) -> None:
 def test_from_zoo_with_a_local_directory(tmp_path) -> None:
     model = tiny_llama()
     rotations = rotation_set()
-    cache = OscarCache.from_zoo(model, save_pretrained(rotations, tmp_path / "rot"), sink=2, recent=2)
+    cache = OscarCache.from_zoo(model, save_rotations(rotations, tmp_path / "rot"), sink=2, recent=2)
     assert_same(cache.rotations, rotations)
     assert cache.oscar_config.sink == 2
     forward(model, torch.randint(3, 256, (1, 12)), cache)
@@ -470,10 +460,10 @@ def test_from_zoo_with_a_local_directory(tmp_path) -> None:
 def test_from_zoo_rejects_mismatched_rotations(tmp_path) -> None:
     model = tiny_llama("someone/tiny")
     with pytest.raises(ValueError, match="head_dim=32 but someone/tiny has head_dim=16"):
-        OscarCache.from_zoo(model, save_pretrained(rotation_set(head_dim=32), tmp_path / "a"))
+        OscarCache.from_zoo(model, save_rotations(rotation_set(head_dim=32), tmp_path / "a"))
     with pytest.raises(ValueError, match=r"cover layers \[0-2\] but the full-attention layers of someone/tiny "
                                          r"are \[0, 1\] \(extra \[2\]\)"):
-        OscarCache.from_zoo(model, save_pretrained(rotation_set((0, 1, 2), clips=False), tmp_path / "b"))
+        OscarCache.from_zoo(model, save_rotations(rotation_set((0, 1, 2), clips=False), tmp_path / "b"))
     with pytest.raises(ValueError, match=r"missing \[1\]"):
         resolve_rotations(model, rotation_set((0,)))
 
@@ -484,7 +474,7 @@ def test_layer_types_select_the_full_attention_layers(tmp_path) -> None:
         head_dim=HEAD_DIM, num_hidden_layers=4, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     )
-    assert zoo.full_attention_layer_ids(config) == [1, 3]
+    assert full_attention_layer_ids(config) == [1, 3]
     sparse = write_official(tmp_path / "gemma", (1, 3))
     assert sorted(resolve_rotations(config, sparse).key) == [1, 3]
     with pytest.raises(ValueError, match="full-attention layers"):
@@ -601,22 +591,22 @@ def write_official_per_head(directory: Path, layer_ids=(0, 1), kv_heads: int = K
 
 def test_our_format_round_trips_per_head_rotations(tmp_path):
     rotations = per_head_set()
-    out = save_pretrained(rotations, tmp_path / "heads", {"model_id": "tiny"})
+    out = save_rotations(rotations, tmp_path / "heads", {"model_id": "tiny"})
     assert load_rotation_config(out)["kv_heads"] == KV_HEADS
-    loaded = from_pretrained(out)
+    loaded = load_rotations(out)
     assert loaded.kv_heads == KV_HEADS
     assert_same(loaded, rotations)
-    assert "kv_heads" not in load_rotation_config(save_pretrained(rotation_set(), tmp_path / "shared"))
-    assert from_pretrained(out, per_head=True).per_head
+    assert "kv_heads" not in load_rotation_config(save_rotations(rotation_set(), tmp_path / "shared"))
+    assert load_rotations(out, per_head=True).per_head
     with pytest.raises(ValueError, match="holds one rotation per KV head only, but shared rotations were asked"):
-        from_pretrained(out, per_head=False)
+        load_rotations(out, per_head=False)
     with pytest.raises(ValueError, match="holds rotations shared by all heads of a layer only, but per-head"):
-        from_pretrained(tmp_path / "shared", per_head=True)
+        load_rotations(tmp_path / "shared", per_head=True)
     tensors = load_file(str(out / TENSORS_FILE))
     tensors["layers.0.key_rotation"] = tensors["layers.0.key_rotation"][None]
     save_file(tensors, str(out / TENSORS_FILE))
     with pytest.raises(ValueError, match="has shape \\(1, 2, 16, 16\\), expected \\(16, 16\\) or \\(kv_heads"):
-        from_pretrained(out)
+        load_rotations(out)
 
 
 def test_official_per_head_files_load_beside_the_shared_ones(tmp_path):
@@ -629,8 +619,8 @@ def test_official_per_head_files_load_beside_the_shared_ones(tmp_path):
     shared = load_official(folder, per_head=False)  # the V1 files, on request
     assert not shared.per_head
     assert torch.equal(shared.key[0], torch.load(folder / OFFICIAL_KEY_FILE)["layers"][0]["rotation"])
-    assert from_pretrained(folder, per_head=True).kv_heads == KV_HEADS
-    converted = from_pretrained(convert_official(folder, tmp_path / "ours"))
+    assert load_rotations(folder, per_head=True).kv_heads == KV_HEADS
+    converted = load_rotations(convert_official(folder, tmp_path / "ours"))
     assert_same(converted, heads)
     assert load_rotation_config(tmp_path / "ours")["source_files"] == ["k_rotation_perhead.pt", "v_rotation_perhead.pt"]
 
@@ -689,8 +679,8 @@ def smollm2_config() -> LlamaConfig:
 def test_the_default_recipe_takes_the_clip_searched_set_and_the_paper_recipe_its_own() -> None:
     best = OscarCache.from_zoo(smollm2_config(), "default", "oscar-int2")
     paper = OscarCache.from_zoo(smollm2_config(), "default", "oscar-int2-paper")
-    searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
-    plain = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
+    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    plain = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
     assert len(searched.key_clip) == 30 and plain.key_clip == {}
     # The bundled default also moves bits between layers: K at 4 bits in 6, V at 1 bit in 12.
     assert sorted(searched.key_bits.values()) == [4] * 6 and sorted(searched.value_bits.values()) == [1] * 12
@@ -705,7 +695,7 @@ def test_the_default_recipe_takes_the_clip_searched_set_and_the_paper_recipe_its
 
 
 def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations() -> None:
-    searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
     paper = OscarCache(smollm2_config(), "oscar-int2-paper", rotations=searched)
     assert {(layer.config.key.clip_ratio, layer.config.value.clip_ratio) for layer in paper.layers} == {(0.96, 0.92)}
     per_head = RotationSet(64, {i: searched.key[i].expand(3, 64, 64) for i in range(30)},
@@ -718,7 +708,7 @@ def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations(
 def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
     from oscar_hf.cli.main import _rotations_for
 
-    plain = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_PAPER_ROTATIONS))
+    plain = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
     assert torch.equal(_rotations_for("default", None, methods=["none", "oscar-int2-paper"]).key[3], plain.key[3])
     assert len(_rotations_for("default", None, methods=["oscar-int2", "oscar-k3v2"]).key_clip) == 30
     with pytest.raises(SystemExit, match="separate commands"):
@@ -727,7 +717,7 @@ def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
 
 def test_searched_clips_apply_to_2_bit_tensors_only() -> None:
     """The clip search measures at 2 bits; 3- and 4-bit keys keep their method's own ratio."""
-    searched = from_pretrained(zoo.bundled_rotations_dir(zoo.DEFAULT_ROTATIONS))
+    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
     k3v2 = OscarCache(smollm2_config(), "oscar-k3v2", rotations=searched)
     for i in (0, 17):  # nor do 2-bit allocations of bits reach a 3-bit method
         assert k3v2.layers[i].config.key.clip_ratio == 0.96 and k3v2.layers[i].config.key.bits == 3

@@ -28,7 +28,8 @@ SEARCH_ROWS = 2
 def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str]) -> tuple[Path, dict]:
     """Calibrate, save to ``args.out`` and return the directory and a JSON-ready summary."""
     from oscar_hf.core.models import DEFAULT_MODEL, DEFAULT_MODEL_ID
-    from oscar_hf.rotations.zoo import model_signature, save_pretrained
+    from oscar_hf.rotations.files import save_rotations
+    from oscar_hf.rotations.resolve import model_signature
 
     started = time.perf_counter()
     files = [Path(p) for p in args.data]
@@ -80,7 +81,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
                      "value": f"{c.value_factors}@{rotations.value_clip[i]}"}
             for i, c in choices.items()
         }
-    out = save_pretrained(rotations, args.out, metadata)
+    out = save_rotations(rotations, args.out, metadata)
     summary = {
         "out": str(out),
         "layers": len(rotations.key),

@@ -29,10 +29,11 @@ def _rotations_for(model_name: str, rotations_dir: str | None, shared: bool = Fa
     """Rotations from ``--rotations`` (its per-KV-head ones where it has them, unless ``shared``), else the
     set bundled for the default model that ``methods`` use (clip-searched, or the paper's), else none."""
     from oscar_hf.core.models import DEFAULT_MODEL
-    from oscar_hf.rotations.zoo import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir, from_pretrained
+    from oscar_hf.rotations.hub import load_rotations
+    from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
 
     if rotations_dir:
-        return from_pretrained(rotations_dir, per_head=False if shared else None)
+        return load_rotations(rotations_dir, per_head=False if shared else None)
     if model_name != DEFAULT_MODEL:
         return None
     recipes = {METHODS[m].shared_rotations for m in methods if METHODS[m].rotation == "calibrated"}
@@ -40,7 +41,7 @@ def _rotations_for(model_name: str, rotations_dir: str | None, shared: bool = Fa
         raise SystemExit("oscar-int2-paper uses the default model's bundled rotations made without the clip search, "
                          "the other calibrated methods the clip-searched ones: run them in separate commands, or "
                          "pass --rotations DIR")
-    return from_pretrained(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS if True in recipes else DEFAULT_ROTATIONS))
+    return load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS if True in recipes else DEFAULT_ROTATIONS))
 
 
 def _methods(text: str) -> list[str]:

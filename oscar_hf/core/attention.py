@@ -16,12 +16,17 @@ replayed from a CUDA graph (:mod:`oscar_hf.core.frozen_decoding`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
+from transformers import PreTrainedModel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from oscar_hf.core.cache import ATTENTION_NAME, OscarCache, OscarLayer, StepPlan, active_cache, allowed_keys
+from oscar_hf.core.cache import ATTENTION_NAME, OscarCache, active_cache
+from oscar_hf.core.layer import OscarLayer, StepPlan, allowed_keys
 from oscar_hf.kernels.decode_attention import decode_attention
 
 
@@ -131,3 +136,33 @@ def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> tuple[OscarCac
 AttentionInterface.register(ATTENTION_NAME, oscar_attention_forward)
 # Without a mask function for the name, transformers silently builds no mask (no causal, no padding).
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def swapped_attention(model: PreTrainedModel, name: str, forward: Callable | None = None) -> Iterator[None]:
+    """Run ``model`` with the attention implementation ``name`` inside the block.
+
+    ``forward`` is registered under ``name`` first, with transformers' SDPA mask function (without a mask
+    function for the name, transformers silently builds no mask). The implementation of the model and of
+    each sub-config is restored afterwards, also on error.
+    """
+    if forward is not None:
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, sdpa_mask)
+    previous = _attention_implementations(model)
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _attention_implementations(model: PreTrainedModel) -> dict[str, str]:
+    """The current implementation of the model and of each sub-config, in set_attn_implementation's dict form."""
+    config = model.config
+    implementations = {"": config._attn_implementation}
+    for name in config.sub_configs:
+        sub_config = getattr(config, name, None)
+        if sub_config is not None:
+            implementations[name] = sub_config._attn_implementation
+    return implementations

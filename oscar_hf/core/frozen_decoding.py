@@ -32,56 +32,16 @@ from __future__ import annotations
 
 import functools
 import gc
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_hf.kernels.decode_attention import decode_attention
 from oscar_hf.kernels.quantize import WindowQuantizer
 from oscar_hf.log import get_logger
 
-if TYPE_CHECKING:
-    from oscar_hf.core.cache import OscarCache, OscarLayer
-
 logger = get_logger(__name__)
-
-
-def static_unsupported(cache: "OscarCache") -> str | None:
-    """Why ``cache`` cannot be frozen for static decoding now, or None when it can."""
-    from oscar_hf.core.cache import ATTENTION_NAME, OscarLayer
-
-    layers = cache.layers
-    if not all(isinstance(layer, OscarLayer) for layer in layers):
-        return "the model has sliding-window or other non-full-attention layers"
-    if cache.text_config._attn_implementation != ATTENTION_NAME:
-        return f"the model runs attn_implementation={cache.text_config._attn_implementation!r}, not 'oscar'"
-    config = cache.oscar_config
-    if not config.quantized:
-        return f"method {config.method!r} keeps everything in BF16 (no window to demote)"
-    if config.check_finite:
-        return "check_finite=True reads every step's K/V on the host"
-    reason = static_not_yet(cache)
-    if reason is not None:
-        return reason
-    if len({layer.device for layer in layers}) > 1:  # one device tensor of lengths serves every layer
-        return "the cache's layers live on several devices (device_map); static decoding needs one"
-    lengths = {(layer.sink_keys.length, layer.history_length, layer.recent_keys.length) for layer in layers}
-    if len(lengths) > 1:
-        return f"layers hold different numbers of tokens {sorted(lengths)}"
-    return None
-
-
-def static_not_yet(cache: "OscarCache") -> str | None:
-    """Why ``cache`` cannot be frozen yet, though it may be later (after its prefill), or None."""
-    from oscar_hf.core.cache import OscarLayer
-
-    layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
-    if not layers or not all(layer.is_initialized and layer.sink_end is not None for layer in layers):
-        return "the prefill has not run yet"
-    first = layers[0]
-    if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
-        return "the sink is not complete yet (new tokens still go to the sink)"
-    return None
 
 
 class ReplayedCall:
@@ -146,11 +106,11 @@ class StaticDecoding:
     ``grows``: the owner grows a full cache (:meth:`OscarCache.freeze_for_decoding`) instead of raising.
     """
 
-    def __init__(self, cache: "OscarCache", capacity: int, sink_mask: torch.Tensor | None, replay: bool = False,
+    def __init__(self, cache: Cache, capacity: int, sink_mask: torch.Tensor | None, replay: bool = False,
                  grows: bool = False):  # fmt: skip
         self.cache = cache
         self.grows = grows
-        self.layers: list[OscarLayer] = list(cache.layers)
+        self.layers: list[CacheLayerMixin] = list(cache.layers)
         first = self.layers[0]
         config = first.config
         self.block = config.block
@@ -243,7 +203,7 @@ class StaticDecoding:
             rows -= self.block
         self.ring_rows = rows
 
-    def attend(self, layer: "OscarLayer", query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def attend(self, layer: CacheLayerMixin, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attend over all the layer's tiers and its new token, which the same launch stores in the ring's
         newest slot (reserved by :meth:`advance`): ``[B, 1, Hq, D]``."""
         keys, values = layer.take_pending()
@@ -252,7 +212,7 @@ class StaticDecoding:
             return self._attend(layer, scaling, query, keys, values)
         return call(query, keys, values)
 
-    def _attend(self, layer: "OscarLayer", scaling: float | None, query: torch.Tensor, keys: torch.Tensor,
+    def _attend(self, layer: CacheLayerMixin, scaling: float | None, query: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor) -> torch.Tensor:  # fmt: skip
         query, keys, values = layer.rotate_step(query, keys, values, into_window=False)
         ring_k, ring_v = layer.recent_keys.data, layer.recent_values.data

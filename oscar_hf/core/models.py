@@ -140,10 +140,6 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(source)
     model.eval()
     _prepare_tokenizer(tokenizer)
-    if attn_implementation == "oscar":
-        # Imported here, not at the top: "oscar" is registered as a side effect of this import,
-        # and every other attention must keep working without it.
-        import oscar_hf.core.attention  # noqa: F401
     model.set_attn_implementation(attn_implementation)
     return model, tokenizer
 

@@ -17,11 +17,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
-from oscar_hf.core.cache import OscarCache, OscarLayer
+from oscar_hf.core.attention import swapped_attention
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.config import OscarConfig
 
@@ -105,20 +106,14 @@ def _mixed_attention(layer: OscarLayer, query: torch.Tensor, key: torch.Tensor, 
     return output.transpose(1, 2).contiguous()
 
 
-AttentionInterface.register(TEACHER_FORCED, _teacher_forced_attention)
-AttentionMaskInterface.register(TEACHER_FORCED, sdpa_mask)
-
-
 @contextlib.contextmanager
 def _teacher_forced(model: PreTrainedModel, cache: OscarCache, prefill: int) -> Iterator[None]:
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(TEACHER_FORCED)
     _state.update(cache=cache, prefill=prefill)
     try:
-        yield
+        with swapped_attention(model, TEACHER_FORCED, _teacher_forced_attention):
+            yield
     finally:
         _state.clear()
-        model.set_attn_implementation(previous)
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from oscar_hf.core.cache import OscarCache, head_dim_of
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.core.model_info import head_dim_of
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.config import METHODS
 from oscar_hf.core.memory import MemoryReport
@@ -183,7 +184,7 @@ def run_demo(
             run_method(model, tokenizer, prompt, method, rotations, SETUP_STEPS + 2)
             warmup_seconds[method] = round(time.perf_counter() - start, 3)
     runs = [run_method(model, tokenizer, prompt, method, rotations, max_new_tokens) for method in methods]
-    head_dim = head_dim_of(model.config.get_text_config(decoder=True))
+    head_dim = head_dim_of(model)
     return Demo(prompt.shape[1], head_dim, str(model.device), str(model.dtype).removeprefix("torch."), runs,
                 warmup_seconds)
 

@@ -12,7 +12,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import OscarCache, OscarLayer, head_dim_of
+from oscar_hf.core.cache import OscarCache
+
+from oscar_hf.core.layer import OscarLayer
+from oscar_hf.core.model_info import head_dim_of
 from oscar_hf.core.memory import mean_bits_per_element
 from oscar_hf.core.rotation_set import RotationSet
 from oscar_hf.core.teacher_forcing import teacher_forced_logits

@@ -45,7 +45,7 @@ from oscar_hf.log import get_logger
 from oscar_hf.core.models import DTYPES, load_model
 from oscar_hf.core.rotation_set import RotationSet
 from oscar_hf.core.teacher_forcing import teacher_forced_logits
-from oscar_hf.rotations.zoo import resolve_rotations
+from oscar_hf.rotations.resolve import resolve_rotations
 
 logger = get_logger(__name__)
 
@@ -140,7 +140,7 @@ class OscarLM(HFLM):
 
     def _resolve_rotations(self, rotations: RotationSet | str | None) -> RotationSet | None:
         """None for methods without calibrated rotations; else ``rotations`` (a set, a directory or a hub
-        id) or the set bundled for this model, checked against it (:func:`oscar_hf.rotations.zoo.resolve_rotations`)."""
+        id) or the set bundled for this model, checked against it (:func:`oscar_hf.rotations.resolve.resolve_rotations`)."""
         if METHODS[self.method].rotation != "calibrated":
             return None
         return resolve_rotations(self.model, rotations if rotations is not None else "default", method=self.method)

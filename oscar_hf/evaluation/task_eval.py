@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from oscar_hf.core.config import METHODS
 from oscar_hf.log import get_logger
 from oscar_hf.core.memory import bits_per_element
+from oscar_hf.core.model_info import head_dim_of
 from oscar_hf.provenance import machine_line
 
 logger = get_logger(__name__)
@@ -218,9 +219,8 @@ def _check_resumable(out_dir: Path, done: list[RunKey], settings: dict) -> None:
 
 
 def _head_dim(model) -> int:
-    from oscar_hf.core.cache import head_dim_of
 
-    return head_dim_of(model.config.get_text_config(decoder=True))
+    return head_dim_of(model)
 
 
 def load_runs(out_dir: str | Path, methods: list[str], tasks: list[str], seeds: int) -> dict[tuple[str, str], list[float]]:

@@ -21,7 +21,7 @@ values as plain ones, and the mark survives ``save_pretrained``/``from_pretraine
 
 Example::
 
-    rotations = from_pretrained(path)
+    rotations = load_rotations(path)
     absorb_value_rotations(model, rotations)
     cache = OscarCache(model, "oscar-int2", rotations=rotations)
 """
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PretrainedConfig, PreTrainedModel
 
-from oscar_hf.core.cache import ABSORBED_ATTRIBUTE, head_dim_of, kv_heads_of
+from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
+from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.log import get_logger
 from oscar_hf.core.rotation_set import RotationSet, per_query_head
 
@@ -108,9 +108,8 @@ def _refuse_quantized_model(model: PreTrainedModel) -> None:
 
 
 def _full_attention_layers(config: PretrainedConfig) -> list[int]:
-    """The layers OscarCache quantizes, found exactly as it finds them (plain ``DynamicLayer``)."""
-    layers = DynamicCache(config=config).layers
-    layer_ids = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
+    """The layers OscarCache quantizes; refuses a model without any."""
+    layer_ids = full_attention_layer_ids(config)
     if not layer_ids:
         raise ValueError("this model has no full-attention layers: there is no value rotation to fold")
     return layer_ids

@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import OscarCache, OscarLayer
+from oscar_hf.core.cache import OscarCache
+
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.config import METHODS, OscarConfig
 from oscar_hf.evaluation.kl import position_stats_of_caches
 from oscar_hf.core.rotation_set import RotationSet

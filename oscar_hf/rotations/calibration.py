@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from oscar_hf.core.attention import swapped_attention
+from oscar_hf.core.model_info import full_attention_layer_ids
 from oscar_hf.log import get_logger
 from oscar_hf.core.rotation_set import RotationSet, rotation_from_covariance
 
@@ -158,14 +159,6 @@ def _pooled(per_head: torch.Tensor) -> torch.Tensor:
     return _symmetrise(per_head.mean(dim=0))
 
 
-def _declared_full_attention(model: PreTrainedModel) -> Callable[[int], bool]:
-    """Whether the config declares a layer id full attention (every layer when it has no ``layer_types``)."""
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
-    if layer_types is None:
-        return lambda layer_id: True
-    return lambda layer_id: layer_types[layer_id] == "full_attention"
-
-
 LayerObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -236,24 +229,18 @@ def observe_attention(
     """
     global _active_recorder
     rows = _as_batches(batches)
-    recorder = _Recorder(_declared_full_attention(model), observer)
-    AttentionInterface.register(CALIBRATION_ATTENTION, _calibration_attention)
-    # Without a registered mask function under the same name, create_causal_mask silently returns None.
-    AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
-    previous = _attention_implementations(model)
+    recorder = _Recorder(set(full_attention_layer_ids(model)).__contains__, observer)
     was_training = model.training
     # Only the attention inputs matter; keeping one logit skips most of the LM head where the model allows it.
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         _active_recorder = recorder
         model.eval()
-        model.set_attn_implementation(CALIBRATION_ATTENTION)
-        with torch.no_grad():
+        with swapped_attention(model, CALIBRATION_ATTENTION, _calibration_attention), torch.no_grad():
             for batch in tqdm(rows, desc=description, unit="batch", disable=not progress):
                 model(input_ids=batch.to(model.device), use_cache=False, **extra)
     finally:
         _active_recorder = None
-        model.set_attn_implementation(previous)
         model.train(was_training)
     if not recorder.seen:
         raise ValueError(
@@ -286,16 +273,6 @@ def collect_covariances(
     logger.info("calibrated %d layers on %d tokens", len(covariances), next(iter(covariances.values())).tokens)
     return covariances
 
-
-def _attention_implementations(model: PreTrainedModel) -> dict[str, str]:
-    """The current implementation of the model and of each sub-config, in set_attn_implementation's dict form."""
-    config = model.config
-    implementations = {"": config._attn_implementation}
-    for name in config.sub_configs:
-        sub_config = getattr(config, name, None)
-        if sub_config is not None:
-            implementations[name] = sub_config._attn_implementation
-    return implementations
 
 
 def rotations_from_covariances(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import roundtrip_rows
+from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.rotations.calibration import LayerCovariances, observe_attention, rotations_from_covariances
 from oscar_hf.core.config import METHODS, OscarConfig
 from oscar_hf.core.rotation_set import RotationSet

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import roundtrip_rows
+from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.rotations.calibration import observe_attention
 from oscar_hf.core.config import METHODS, OscarConfig, TensorQuantConfig
 from oscar_hf.core.rotation_set import RotationSet

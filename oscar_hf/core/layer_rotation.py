@@ -1,0 +1,81 @@
+"""The rotations of one cache layer: R_K and R_V applied to states, queries and attention outputs.
+
+A layer keeps R_K and R_V in float32 and uses copies cast once to each dtype and device it meets. A
+shared R is ``[D, D]``; a per-KV-head R is ``[H_kv, D, D]`` and query head ``i`` uses its KV head's
+``i // g``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.core.rotation_set import per_query_head
+from oscar_hf.kernels.rotate import rotate_rows
+
+
+def _rotate(states: torch.Tensor, rotation: torch.Tensor | None, heads_axis: int = 1) -> torch.Tensor:
+    """``states @ rotation``, one GEMM in the states' dtype (``rotation`` is stored in it).
+
+    A per-head rotation ``[H, D, D]`` (one R per head of ``states``, whose heads sit on ``heads_axis``)
+    is one batched GEMM. For 16-bit models R is rounded to 16 bits, as the reference does:
+    orthogonal to ~1e-3, far below the INT2 error, while a float32 product would cost two extra
+    casts and a slow SIMT GEMM per call.
+    """
+    if rotation is None:
+        return states
+    if rotation.ndim == 2 or heads_axis == 1:
+        return states @ rotation
+    return (states.transpose(1, heads_axis) @ rotation).transpose(1, heads_axis)
+
+
+class RotatedLayer:
+    """R_K / R_V of a layer and the products with them; ``None`` is the identity."""
+
+    def set_rotations(self, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None) -> None:
+        self.key_rotation, self.value_rotation = key_rotation, value_rotation
+        self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dtype, device) -> R cast once
+
+    def unrotate_output(self, output: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention output ``[B, Hq, D]`` mapped back (``o·R_V^T``), as ``[B, 1, Hq, D]``."""
+        rotation = self._rotation("value", output, expand=False)
+        if rotation is None:
+            return output.unsqueeze(1)
+        unrotated = torch.empty_like(output)
+        rotate_rows([(output, rotation.mT, unrotated)])
+        return unrotated.unsqueeze(1)
+
+    def rotate_keys(self, states: torch.Tensor) -> torch.Tensor:
+        """``x @ R_K`` of ``[B, H, T, D]`` states; queries are rotated like keys (each by its KV head's
+        R_K) so that scores are unchanged."""
+        return _rotate(states, self._rotation("key", states))
+
+    def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
+        return _rotate(states, self._rotation("value", states))
+
+    def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        rotation = self._rotation("key", keys)
+        return keys if rotation is None else _rotate(keys, rotation.mT)
+
+    def unrotate_values(self, values: torch.Tensor, heads_axis: int = 1) -> torch.Tensor:
+        """``x @ R_V^T``; also maps attention outputs back, ``o = o_rot @ R_V^T`` (``heads_axis=2`` for
+        ``[B, T, H, D]`` outputs)."""
+        rotation = self._rotation("value", values, heads_axis=heads_axis)
+        return values if rotation is None else _rotate(values, rotation.mT, heads_axis)
+
+    def _rotation(
+        self, which: str, like: torch.Tensor, identity: bool = False, expand: bool = True, heads_axis: int = 1
+    ) -> torch.Tensor | None:
+        """R_K or R_V (kept in float32) on ``like``'s device and in its dtype, cast once; without one,
+        None or (``identity``) the identity matrix. A per-head R is repeated over the GQA groups of
+        ``like``'s heads (on ``heads_axis``) when ``expand``, else kept as ``[H_kv, D, D]``."""
+        master = self.key_rotation if which == "key" else self.value_rotation
+        if master is None and not identity:
+            return None
+        heads = like.shape[heads_axis] if expand and master is not None and master.ndim == 3 else None
+        key = (which if master is not None else "identity", heads, like.dtype, like.device)
+        if key not in self._rotation_copies:
+            master = torch.eye(like.shape[-1]) if master is None else master
+            if heads is not None:
+                master = per_query_head(master, heads)
+            self._rotation_copies[key] = master.to(device=like.device, dtype=like.dtype)
+        return self._rotation_copies[key]
