@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -144,3 +145,69 @@ def teacher_forced_logits(
     with _teacher_forced(model, cache, prefill):
         past = {} if past_key_values is None else {cache_keyword(model): past_key_values}
         return model(input_ids, use_cache=past_key_values is not None, logits_to_keep=logits_to_keep, **past).logits
+
+
+def window_starts(n_tokens: int, context: int, windows: int) -> list[int]:
+    """Start of each of ``windows`` windows spread evenly: window k starts at k * floor((n - ctx) / (N - 1))."""
+    if n_tokens < context:
+        raise ValueError(f"the text has {n_tokens} tokens, fewer than one window of {context}")
+    if windows < 1:
+        raise ValueError("windows must be at least 1")
+    stride = (n_tokens - context) // (windows - 1) if windows > 1 else 0
+    return [k * stride for k in range(windows)]
+
+
+def token_stats(
+    log_probs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position: NLL of the target, KL(reference || log_probs) in nats, and top-1 agreement (0/1).
+
+    ``log_probs`` and ``reference`` are ``[positions, vocab]`` log-probabilities, ``targets`` ``[positions]``.
+    """
+    nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+    kl = (reference.exp() * (reference - log_probs)).sum(-1)
+    agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
+    return nll, kl, agree
+
+
+@torch.no_grad()
+def position_stats_of_caches(
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    caches: dict[str, OscarCache],
+    context: int,
+    windows: int,
+    progress: bool = True,
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """``{label: [3, context - 1]}`` window-averaged NLL, KL from ``none`` and top-1 agreement per position.
+
+    Position ``p`` predicts token ``p + 1``. Every window is decoded teacher-forced once unquantized
+    (the reference) and once per quantizing cache; caches that quantize nothing reuse the reference.
+    Also returns the window starts.
+    """
+    reference_cache = OscarCache(model, "none")
+    starts = window_starts(token_ids.numel(), context, windows)
+    sums = {label: torch.zeros(3, context - 1, dtype=torch.float64) for label in caches}
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(starts) * (1 + sum(c.oscar_config.quantized for c in caches.values())),
+               desc="teacher-forced passes", disable=not progress)
+    for start in starts:
+        ids = token_ids[start : start + context][None].to(device)
+        bar.set_postfix_str(f"window at {start}, none")
+        reference = _log_probs(teacher_forced_logits(model, ids, reference_cache))
+        bar.update()
+        for label, cache in caches.items():
+            if cache.oscar_config.quantized:
+                bar.set_postfix_str(f"window at {start}, {label}")
+                log_probs = _log_probs(teacher_forced_logits(model, ids, cache))
+                bar.update()
+            else:
+                log_probs = reference
+            sums[label] += torch.stack(token_stats(log_probs, reference, ids[0, 1:])).double().cpu()
+            del log_probs
+    bar.close()
+    return {label: s / len(starts) for label, s in sums.items()}, starts
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return logits[0, :-1].float().log_softmax(dim=-1)

@@ -1,7 +1,7 @@
 """Per-layer bit widths at ``oscar-int2``'s budget: 4-bit keys where they help most, paid for by 1-bit values.
 
 Each layer is scored twice on calibration rows, by the teacher-forced KL divergence of the model's
-next-token distributions from the unquantized model's (:func:`oscar_hf.evaluation.kl.position_stats_of_caches`),
+next-token distributions from the unquantized model's (:func:`oscar_hf.core.teacher_forcing.position_stats_of_caches`),
 against the baseline of the given rotations and clip ratios at 2 bits everywhere:
 
 * ``key_gain``: how much the KL falls with that layer's keys at 4 bits (min-max, no clipping);
@@ -23,7 +23,7 @@ from oscar_hf.core.cache import OscarCache
 
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.config import METHODS, OscarConfig
-from oscar_hf.evaluation.kl import position_stats_of_caches
+from oscar_hf.core.teacher_forcing import position_stats_of_caches
 from oscar_hf.core.rotation_set import RotationSet
 
 KEY_BITS, VALUE_BITS = 4, 1

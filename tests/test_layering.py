@@ -1,0 +1,122 @@
+"""The package's import graph: layers import only downwards, nothing imports in a cycle, and the
+library never reaches into eval/ or the kernel-development tools.
+
+Layers, bottom to top: leaf modules (``oscar_hf.quant``, ``oscar_hf.log``, ``oscar_hf.provenance``,
+``oscar_hf._version``), ``kernels`` (``oscar_hf.kernels``), ``core``, ``rotations``, ``evaluation``, ``cli``.
+The package ``__init__`` is the public facade above them all. Every import counts, including those
+inside functions and under ``if TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "oscar_hf"
+LEAVES = {"oscar_hf.quant", "oscar_hf.log", "oscar_hf.provenance", "oscar_hf._version"}
+LAYERS = ["leaf", "kernels", "core", "rotations", "evaluation", "cli", "facade"]
+SIZE_LIMITS = {"kernels": 600}  # lines; every other layer: MODULE_LIMIT
+MODULE_LIMIT = 425  # "about 400"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)  # a module under oscar_hf/
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def library_modules() -> dict[str, Path]:
+    """Every module of the installed package: oscar_hf/ and the kernels it ships (not kernels/tools)."""
+    modules = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}  # rglob skips the kernels link
+    # oscar_hf/kernels links to kernels/, whose top level ships; kernels/tools holds development scripts.
+    modules.update({f"oscar_hf.kernels.{path.stem}": path for path in sorted((ROOT / "kernels").glob("*.py"))})
+    return modules
+
+
+def layer_of(module: str) -> str:
+    if module in LEAVES:
+        return "leaf"
+    if module == "oscar_hf":
+        return "facade"
+    return module.split(".")[1]
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """Modules ``path`` imports, resolved to absolute names, wherever the import statement sits."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return found
+
+
+def library_graph() -> dict[str, set[str]]:
+    modules = library_modules()
+    return {name: {m for m in imports_of(path, name) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_layers_import_only_downwards():
+    wrong = []
+    for module, targets in library_graph().items():
+        for target in targets:
+            if LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(module)):
+                wrong.append(f"{module} ({layer_of(module)}) imports {target} ({layer_of(target)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_kernels_import_only_leaf_modules_of_the_package():
+    graph = library_graph()
+    reached = {t for m, ts in graph.items() if layer_of(m) == "kernels" for t in ts if layer_of(t) != "kernels"}
+    assert reached <= LEAVES
+
+
+def test_there_is_no_import_cycle():
+    graph, state, cycles = library_graph(), {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("module", sorted(library_modules()))
+def test_library_modules_stay_small_and_never_import_eval(module: str):
+    path = library_modules()[module]
+    limit = SIZE_LIMITS.get(layer_of(module), MODULE_LIMIT)
+    assert len(path.read_text().splitlines()) <= limit, f"{module} is over {limit} lines: split it by responsibility"
+    assert not any(name == "eval" or name.startswith("eval.") for name in imports_of(path, module))
+    assert not re.search(r"sys\.path\.(insert|append)", path.read_text()), f"{module} edits sys.path"
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_import(monkeypatch):
+    """The graph checks above must be able to fail: a core module importing the cli is both."""
+    graph = library_graph()
+    graph["oscar_hf.core.cache"] = graph["oscar_hf.core.cache"] | {"oscar_hf.cli.main"}
+    monkeypatch.setattr(sys.modules[__name__], "library_graph", lambda: graph)
+    with pytest.raises(AssertionError, match="core.cache"):
+        test_layers_import_only_downwards()
+    with pytest.raises(AssertionError, match="->"):
+        test_there_is_no_import_cycle()
