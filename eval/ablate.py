@@ -49,7 +49,8 @@ from oscar_hf.rotations.calibration import collect_covariances, rotations_from_c
 from oscar_hf.rotations.calibration_data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
 from oscar_hf.rotations.clip_search import search_layers  # noqa: E402
 from oscar_hf.core.config import METHODS, OscarConfig, resolve_method  # noqa: E402
-from oscar_hf.evaluation.kl import evaluate_caches, tokens_label, write_outputs  # noqa: E402
+from oscar_hf.evaluation.kl import evaluate_caches  # noqa: E402
+from oscar_hf.evaluation.report import tokens_label, write_outputs  # noqa: E402
 from oscar_hf.log import get_logger  # noqa: E402
 from oscar_hf.core.memory import bits_per_element  # noqa: E402
 from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402

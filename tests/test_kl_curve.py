@@ -20,7 +20,7 @@ from oscar_hf.evaluation.kl_curve import (
     plot_kl_curve,
     position_stats,
 )
-from oscar_hf.evaluation.kl import write_outputs
+from oscar_hf.evaluation.report import write_outputs
 from tests.conftest import tiny_model
 
 WINDOWS = dict(sink=4, recent=16, block=4)  # first quantized key seen at position 4 + 16 + 4 - 1

@@ -14,7 +14,7 @@ from oscar_hf.provenance import provenance, provenance_line
 from oscar_hf import OscarCache
 from oscar_hf.cli.main import main
 from oscar_hf.evaluation.data import data_dir
-from oscar_hf.evaluation.kl import write_outputs
+from oscar_hf.evaluation.report import write_outputs
 from oscar_hf.evaluation.niah import (
     ANSWER_PREFIX,
     INSTRUCTION,

@@ -182,7 +182,7 @@ def _data_folder(given: str | None) -> Path | None:
 
 
 def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
-    from oscar_hf.evaluation.kl import write_outputs
+    from oscar_hf.evaluation.report import write_outputs
     from oscar_hf.evaluation.niah import (Haystack, NeedleError, haystack_files, niah_markdown, niah_result, plot_niah, read_haystack,
                        run_niah)
 
@@ -212,7 +212,7 @@ def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
 
 def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
     from oscar_hf.evaluation.data import WIKITEXT2_TEST
-    from oscar_hf.evaluation.kl import write_outputs
+    from oscar_hf.evaluation.report import write_outputs
     from oscar_hf.evaluation.kl_curve import kl_curve_markdown, kl_curve_result, plot_kl_curve, position_stats
     from oscar_hf.core.models import model_context
 

@@ -21,9 +21,8 @@ the cache thaws back into its eager layout without a device sync.
 
 Plain ``model.generate`` uses the same layout (:meth:`OscarCache.freeze_for_decoding`): there each
 layer's attention call, and the step's advance, are replayed from small CUDA graphs of their own
-(:class:`ReplayedCall`) instead of launching their kernels one by one from Python: a step of a
-Qwen3-8B shape at 100K tokens, batch 1, took 28.6 ms against DynamicCache's 29.6 on an H200
-(``eval/results/step_times_b1.md``). Such a cache grows: when its
+(:class:`ReplayedCall`) instead of launching their kernels one by one from Python, which removes most
+of a step's host time (``eval/results/step_times_b1.md``). Such a cache grows: when its
 history is full it thaws and freezes again with ``MAX_SLACK_ROWS`` more rows (one copy of the history
 and new graphs every 4,096 tokens).
 """

@@ -1,8 +1,8 @@
 """Sibling projections of one input (q/k/v, gate/up) computed by one GEMM over their stacked weights.
 
-A batch-1 decode step is a chain of matrix-vector products bound by reading weights. On an H200,
-cuBLAS reads Qwen3-8B's 8 MB k and v projections at about half the bandwidth of its 32 MB q
-projection, and each of the three gets its own split-K reduction. One GEMM over ``[W_q; W_k; W_v]``
+A batch-1 decode step is a chain of matrix-vector products bound by reading weights. cuBLAS reads
+small projections (k and v under GQA) at a lower bandwidth than large ones, and each of the three
+gets its own split-K reduction. One GEMM over ``[W_q; W_k; W_v]``
 reads the same bytes in one launch. The products are the same up to rounding: on a GPU a stacked
 GEMM may run another kernel (another split of the reduction) than the sibling's own, so a value can
 differ in its last bit.

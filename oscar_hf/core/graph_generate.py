@@ -52,15 +52,13 @@ class StaticDecoder:
             the many small kernels of norms, RoPE and activations that a replay still runs one by
             one; compiling takes about a minute for an 8B model, once per process and batch size.
             True uses ``torch.compile``'s default mode; a string picks one of :data:`COMPILE_MODES`
-            (``"max-autotune-no-cudagraphs"`` also lets Inductor time Triton GEMMs against cuBLAS's:
-            6.43 instead of 6.52 ms for the Qwen3-8B step at 100K, batch 1, on an H200; but at batch 8,
-            after batch 1 in the same process, its kernel tuning ran inside the capture, which failed;
-            ``eval/results/bench_graph_gemms.md``).
+            (``"max-autotune-no-cudagraphs"`` also lets Inductor time Triton GEMMs against cuBLAS's;
+            its kernel tuning can run inside the capture and make it fail, so it is not the default).
         fuse_projections: while decoding, run each layer's q/k/v and gate/up projections as one GEMM
             over their stacked weights (:mod:`oscar_hf.core.fused_projections`; the same outputs up to
             rounding, no extra memory; default). At batch 1 the small k and v projections read their
-            weights at about half the bandwidth of q's: on an H200 the captured, compiled Qwen3-8B step at 100K took
-            5.87 ms fused and 6.52 ms not (``eval/results/bench_graph.md``). The weights are
+            weights at a lower bandwidth than q's, which the stacked GEMM avoids
+            (``eval/results/bench_graph.md``). The weights are
             views into the stacked ones until :meth:`stop` (which ``generate`` calls) clones them back.
 
     Raises:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -105,21 +103,3 @@ def scores_to_markdown(scores: Sequence[MethodScore]) -> str:
     for s in scores:
         rows.append(f"| {s.method} | {s.bits_per_element:.2f} | {s.perplexity:.3f} | {s.kl_from_none:.4f} | {s.top1_agreement:.3f} |")
     return "\n".join(rows)
-
-
-def tokens_label(count: int) -> str:
-    """``4096`` -> ``4K``; counts that are no whole multiple of 1024 stay as they are."""
-    return f"{count // 1024}K" if count >= 1024 and count % 1024 == 0 else str(count)
-
-
-def write_outputs(result: dict, stem: Path, markdown: str, plot: Callable[[dict, Path], None]) -> list[Path]:
-    """``stem``.json, ``stem``.md and ``stem``.png of an evaluation (``stem`` may end in .json; parents are created)."""
-    stem = Path(stem)
-    if stem.suffix in (".json", ".md", ".png"):
-        stem = stem.with_suffix("")
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_name(stem.name + ext) for ext in (".json", ".md", ".png")]
-    paths[0].write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    paths[1].write_text(markdown)
-    plot(result, paths[2])
-    return paths

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.teacher_forcing import position_stats_of_caches
-from oscar_hf.evaluation.kl import tokens_label
+from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.provenance import machine_line, provenance_line
 from oscar_hf.core.rotation_set import RotationSet
 

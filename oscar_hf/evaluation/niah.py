@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from oscar_hf.evaluation.kl import tokens_label
+from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.log import get_logger
 from oscar_hf.core.models import model_context
 from oscar_hf.provenance import machine_line, provenance_line
