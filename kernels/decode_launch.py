@@ -138,15 +138,16 @@ def decode_attention_triton(
     lengths: torch.Tensor | None = None,
     history_settled: bool = False,
     *,
-    span_variant: SpanVariant = PRODUCTION,
-    launch_variant: LaunchVariant = PRODUCTION_LAUNCH,
+    span_variant: SpanVariant | None = None,
+    launch_variant: LaunchVariant | None = None,
 ) -> torch.Tensor:
     """Launch stage 1 and stage 2 (arguments as :func:`.decode_attention.decode_attention`).
 
     ``num_splits``, ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` of stage 1 are tuning
     knobs, 0 meaning automatic (see :func:`_block_sizes`). ``span_variant`` (:class:`.gluon_span_variant.SpanVariant`)
-    and ``launch_variant`` (:class:`LaunchVariant`) are for kernel development; the defaults are production.
+    and ``launch_variant`` (:class:`LaunchVariant`) are for kernel development; None is production.
     """
+    span_variant, launch_variant = span_variant or PRODUCTION, launch_variant or PRODUCTION_LAUNCH
     gluon = _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned=bool(num_splits or block_n or num_warps))
     batch, q_heads, head_dim = q.shape
     kv_heads = sink_k.shape[1]
@@ -274,7 +275,7 @@ def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) ->
 
 @functools.cache
 def _gluon_unavailable() -> str | None:
-    """Why the Gluon span cannot load with this Triton (it was written for 3.6 and later), or None.
+    """Why the Gluon span cannot load with this Triton (it needs 3.6 or later), or None.
     Logged once; the Triton stage 1 then reads the history."""
     try:
         from . import decode_history_gluon  # noqa: F401
@@ -283,7 +284,6 @@ def _gluon_unavailable() -> str | None:
         logger.warning("the Gluon history span cannot load (%s): decoding uses the Triton kernel alone", reason)
         return reason
     return None
-
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_span_layouts import (
     COPY_K, COPY_V, HEAD_COLS, K_STAGES, META, META_COPY, META_PAIRS, META_STAGES, MMA, V_STAGES, WORDS_K, WORDS_V,
-    D, broadcast_heads, by_half, as_columns, head_halves, head_total, key_rows, lane_sum,
+    D, as_columns, broadcast_heads, by_half, head_halves, head_total, key_rows, lane_sum,
 )  # fmt: skip
 from .gluon_span_operands import (
     OFFSET, half_columns, k_operands, narrow, q_int8, unpack_k, unpack_v, v_operands, weights_operand, widen,
@@ -230,8 +230,9 @@ def _history_span(
 ):  # fmt: skip
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
-    fixed point (:func:`q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and ``OFFSET + c`` (see
-    :func:`value_unpack_asm`). Whole tiles run without masks; a last partial tile runs masked.
+    fixed point (:func:`.gluon_span_operands.q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and
+    ``OFFSET + c`` (see :func:`.gluon_span_operands.value_unpack_asm`). Whole tiles run without masks; a
+    last partial tile runs masked.
     ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
     computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
     needs more than the cap leaves). ``EARLY``: see :func:`history_kernel`."""

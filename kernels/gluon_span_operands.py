@@ -39,8 +39,8 @@ def v_operands(codes, PACK: gl.constexpr):
     """V codes ``[keys, bytes]`` as the value MMA's A operands ``[dims m, keys K]``, one a half, for free.
 
     Byte ``4g + b`` becomes row ``m = 8b + g``; key ``16t + 8e + (8 // PACK) h + c`` becomes ``K = 8c + 2t + e``
-    of half h, which is score row ``m = 8c + g'`` of key ``8g' + (8 // PACK) h + c`` (see :func:`key_rows`
-    and :func:`weights_operand`).
+    of half h, which is score row ``m = 8c + g'`` of key ``8g' + (8 // PACK) h + c`` (see
+    :func:`.gluon_span_layouts.key_rows` and :func:`weights_operand`).
     """
     codes = gl.reshape(codes, [4, 2, PACK, 8 // PACK, 8, 4])  # [t, e, h, c, g, b]
     if PACK == 2:
