@@ -477,6 +477,17 @@ def test_decode_attention_splits_do_not_change_the_result():
     torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
 
+def test_a_launch_variant_changes_how_the_merge_runs_not_its_result():
+    """``decode_launch.LaunchVariant`` (kernels/tools/time_gluon_history.py): a smaller merge tile splits
+    the merge into narrower blocks of dims (8 here instead of 32), the same output."""
+    args, options = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
+    knobs = (options["key_mask"], 4, 2, 0.125, 5, 16, 0, 0)
+    default = _launch.decode_attention_triton(*args, *knobs)
+    narrow = _launch.decode_attention_triton(*args, *knobs, launch_variant=_launch.LaunchVariant(merge_tile=64,
+                                                                                                  merge_warps=1))
+    torch.testing.assert_close(narrow, default, atol=1e-6, rtol=1e-6)
+
+
 def test_the_gluon_span_fills_its_wave_and_the_triton_history_is_capped(monkeypatch):
     """History splits on an H200 (132 SMs) at the kernel benchmark's 100K (99,679 rows) and 8 KV heads:
     the span's 16 programs an SM give 260 splits of 6 tiles (the old cap of 256 left 223 of 7); the
