@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LOG2E = 1.4426950408889634  # scores go to the decode kernels in base-2 units (see decode_attention._online_softmax)
+LOG2E = 1.4426950408889634  # scores go to the decode kernels in base-2 units (see decode_stages._online_softmax)
 
 try:
     import triton

@@ -55,7 +55,7 @@ def test_the_span_unpacks_value_words_as_offset_plus_factor_times_code():
     """``value_unpack_asm`` executed on the CPU over every byte value, against its docstring: blocks
     j < 3 of both keys' byte b are bf16 ``128 + 4**j c``, block 3 ``128 + c``."""
     pytest.importorskip("triton.experimental.gluon")
-    from oscar_hf.kernels.decode_history_gluon import value_unpack_asm
+    from oscar_hf.kernels.gluon_span_operands import value_unpack_asm
     from tests.test_kernels import run_ptx
 
     for first in range(0, 256, 4):
@@ -72,7 +72,7 @@ def test_the_span_unpacks_key_words_as_int8_factor_times_code():
     """``K_UNPACK`` executed on the CPU over every byte value: output j's byte b is the int8
     ``f_j * c`` of byte b's block j, f = 1, 4, 16, 16 (all below 128)."""
     pytest.importorskip("triton.experimental.gluon")
-    from oscar_hf.kernels.decode_history_gluon import K_FACTORS, K_UNPACK
+    from oscar_hf.kernels.gluon_span_operands import K_FACTORS, K_UNPACK
     from tests.test_kernels import run_ptx
 
     for first in range(0, 256, 4):
@@ -151,20 +151,22 @@ def test_the_span_reads_key_and_value_rows_that_alternate_in_one_buffer(pipeline
 def test_a_timed_span_records_each_program_once_and_computes_the_same(pipeline):
     """``timeline`` (kernels/tools/timeline_decode.py): one record a program, its phases in order, and the
     same partials as untimed (1000 rows in 3 splits: 6, 6 and 4 tiles, the last one masked)."""
-    from oscar_hf.kernels import decode_history_gluon as span
+    from oscar_hf.kernels.decode_history_gluon import history_partials
+    from oscar_hf.kernels.gluon_span_kernel import TIMELINE_FIELDS, placement
+    from oscar_hf.kernels.gluon_span_variant import SpanVariant
 
     args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=5)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
     packed = [_in_buffer(t) for t in packed]
-    untimed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
-    timeline = torch.zeros(2 * 2 * 3 + 1, int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
-    timed = span.history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline,
-                                  variant=span.SpanVariant(timeline=timeline))  # fmt: skip
+    untimed = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
+    timeline = torch.zeros(2 * 2 * 3 + 1, int(TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
+    timed = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline,
+                             variant=SpanVariant(timeline=timeline))  # fmt: skip
     for a, b in zip(timed, untimed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     records = timeline.cpu()
     assert not records[-1].any()  # 12 programs, 12 records
-    sm, _, tiles = span.placement(records[:-1])
+    sm, _, tiles = placement(records[:-1])
     _, started, ended, *cycles = records[:-1].T
     assert (sm < torch.cuda.get_device_properties(0).multi_processor_count).all()
     assert tiles.tolist() == [6, 6, 4] * 4
@@ -177,7 +179,8 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(pipeline):
 def test_the_span_variants_for_kernel_development_compute_the_same():
     """One half of 64 keys a tile instead of two of 32 (4 query heads a KV head), and a lower register
     cap (it spills): the same partials as the production span, up to the order of the sums."""
-    from oscar_hf.kernels.decode_history_gluon import SpanVariant, history_partials
+    from oscar_hf.kernels.decode_history_gluon import history_partials
+    from oscar_hf.kernels.gluon_span_variant import SpanVariant
 
     args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=8)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
@@ -339,16 +342,16 @@ def test_the_history_kernel_choice(monkeypatch, choice, available, want):
     and the device flag matter, so q stands in without a GPU)."""
     import types
 
-    from oscar_hf.kernels import decode_attention as kernels
+    from oscar_hf.kernels import decode_launch
 
     monkeypatch.delenv("OSCAR_DECODE_HISTORY", raising=False)
     if choice is not None:
         monkeypatch.setenv("OSCAR_DECODE_HISTORY", choice)
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-    monkeypatch.setattr(kernels, "_gluon_unavailable", lambda: None if available else "triton 3.0: ImportError")
+    monkeypatch.setattr(decode_launch, "INTERPRET", False)
+    monkeypatch.setattr(decode_launch, "_gluon_unavailable", lambda: None if available else "triton 3.0: ImportError")
     q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 32, 128))
     codes, scale = torch.empty(1, 8, 1000, 32, dtype=torch.uint8), torch.empty(1, 8, 1000, 1)
-    choose = functools.partial(kernels._gluon_history, q, codes, 2, 2, scale, scale, tuned=False)
+    choose = functools.partial(decode_launch._gluon_history, q, codes, 2, 2, scale, scale, tuned=False)
     if want is RuntimeError:
         with pytest.raises(RuntimeError, match="cannot load here"):
             choose()
@@ -361,12 +364,12 @@ def test_other_bit_widths_take_the_triton_history(monkeypatch, k_bits, v_bits):
     """The span covers 2-bit K and V only: 3- and 4-bit keys go to the Triton stage 1 on the same shape."""
     import types
 
-    from oscar_hf.kernels import decode_attention as kernels
+    from oscar_hf.kernels import decode_launch
 
     monkeypatch.delenv("OSCAR_DECODE_HISTORY", raising=False)
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-    monkeypatch.setattr(kernels, "_gluon_unavailable", lambda: None)
+    monkeypatch.setattr(decode_launch, "INTERPRET", False)
+    monkeypatch.setattr(decode_launch, "_gluon_unavailable", lambda: None)
     q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 32, 128))
     codes, scale = torch.empty(1, 8, 1000, 128 * k_bits // 8, dtype=torch.uint8), torch.empty(1, 8, 1000, 1)
-    assert kernels._gluon_history(q, codes, 2, 2, scale, scale, tuned=False)
-    assert not kernels._gluon_history(q, codes, k_bits, v_bits, scale, scale, tuned=False)
+    assert decode_launch._gluon_history(q, codes, 2, 2, scale, scale, tuned=False)
+    assert not decode_launch._gluon_history(q, codes, k_bits, v_bits, scale, scale, tuned=False)

@@ -63,16 +63,16 @@ def _import_kernels():
         spec = importlib.machinery.ModuleSpec("oscar_hf.kernels", None, is_package=True)
         spec.submodule_search_locations = [str(KERNELS_DIR)]
         sys.modules["oscar_hf.kernels"] = importlib.util.module_from_spec(spec)
-    names = ("_triton", "quantize", "decode_attention", "rotate")
+    names = ("_triton", "quantize", "decode_attention", "decode_launch", "rotate")
     return tuple(importlib.import_module(f"oscar_hf.kernels.{name}") for name in names)
 
 
-_triton, _quantize, _decode, _rotate = _import_kernels()
+_triton, _quantize, _decode, _launch, _rotate = _import_kernels()
 if not CUDA and not _triton.INTERPRET:
     # Imported earlier (by another test module) without the interpreter: import the modules again.
     for name in [n for n in sys.modules if n.startswith("oscar_hf.kernels.")]:
         del sys.modules[name]
-    _triton, _quantize, _decode, _rotate = _import_kernels()
+    _triton, _quantize, _decode, _launch, _rotate = _import_kernels()
 
 quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
 quantize_pack_into = _quantize.quantize_pack_into
@@ -444,9 +444,9 @@ def test_unpack_ptx_gives_offset_plus_factor_times_code(bits, dtype):
     """The compiled kernels' PTX unpack (GPU only) against its specification, on every byte value:
     block j of byte i comes out as OFFSET + 2**(j*bits) * code for the shift-free blocks, else
     OFFSET + code, in output register 2j (bytes 0, 1) or 2j + 1 (bytes 2, 3)."""
-    from oscar_hf.kernels.decode_attention import _CODE_MAGIC, _shift_free_blocks, _unpack_asm
+    from oscar_hf.kernels.decode_unpack import CODE_MAGIC, shift_free_blocks, unpack_asm
 
-    ptx, free, offset = _unpack_asm(bits, dtype), _shift_free_blocks(bits, dtype), _CODE_MAGIC[dtype][1]
+    ptx, free, offset = unpack_asm(bits, dtype), shift_free_blocks(bits, dtype), CODE_MAGIC[dtype][1]
     assert free >= 1 and ptx.count("shr") == 2 * (8 // bits - free)
     for first in range(0, 256, 4):
         word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
@@ -477,16 +477,27 @@ def test_decode_attention_splits_do_not_change_the_result():
     torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
 
+def test_a_launch_variant_changes_how_the_merge_runs_not_its_result():
+    """``decode_launch.LaunchVariant`` (kernels/tools/time_gluon_history.py): a smaller merge tile splits
+    the merge into narrower blocks of dims (8 here instead of 32), the same output."""
+    args, options = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
+    knobs = (options["key_mask"], 4, 2, 0.125, 5, 16, 0, 0)
+    default = _launch.decode_attention_triton(*args, *knobs)
+    narrow = _launch.decode_attention_triton(*args, *knobs, launch_variant=_launch.LaunchVariant(merge_tile=64,
+                                                                                                  merge_warps=1))
+    torch.testing.assert_close(narrow, default, atol=1e-6, rtol=1e-6)
+
+
 def test_the_gluon_span_fills_its_wave_and_the_triton_history_is_capped(monkeypatch):
     """History splits on an H200 (132 SMs) at the kernel benchmark's 100K (99,679 rows) and 8 KV heads:
     the span's 16 programs an SM give 260 splits of 6 tiles (the old cap of 256 left 223 of 7); the
     Triton stage 1 stays within ``_MAX_SPLITS``."""
-    monkeypatch.setattr(_decode, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(_launch, "_multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
-    assert _decode._splits(99_679, 0, 8, cuda, 64, 16, None) == (260, 384)
-    assert _decode._splits(99_679, 0, 8, cuda, 64, 16, 256) == (223, 448)
-    assert _decode._splits(10**6, 0, 1, cuda, 64, 8, _decode._MAX_SPLITS)[0] <= _decode._MAX_SPLITS
-    assert _decode._splits(10**6, 0, 1, cuda, 64, 8, None)[0] > _decode._MAX_SPLITS  # a wave of 1,056
+    assert _launch._splits(99_679, 0, 8, cuda, 64, 16, None) == (260, 384)
+    assert _launch._splits(99_679, 0, 8, cuda, 64, 16, 256) == (223, 448)
+    assert _launch._splits(10**6, 0, 1, cuda, 64, 8, _launch._MAX_SPLITS)[0] <= _launch._MAX_SPLITS
+    assert _launch._splits(10**6, 0, 1, cuda, 64, 8, None)[0] > _launch._MAX_SPLITS  # a wave of 1,056
 
 
 def test_decode_attention_merges_more_than_256_slots():
@@ -499,10 +510,10 @@ def test_decode_attention_merges_more_than_256_slots():
 
 @gpu_only
 def test_eager_calls_of_one_shape_share_slot_buffers_not_outputs():
-    """Consecutive eager calls reuse the partial buffers (_decode._partials) and keep their own outputs."""
+    """Consecutive eager calls reuse the partial buffers (_launch._partials) and keep their own outputs."""
     calls = [_decode_inputs(2, 8, 2, 128, 4, 3000, 9, 1, torch.bfloat16, 2, 2, seed=seed) for seed in (1, 2)]
     outputs = [decode_attention(*args, **options) for args, options in calls]
-    assert outputs[0].data_ptr() != outputs[1].data_ptr() and len(_decode._PARTIALS) >= 1
+    assert outputs[0].data_ptr() != outputs[1].data_ptr() and len(_launch._PARTIALS) >= 1
     for (args, options), got in zip(calls, outputs):
         torch.testing.assert_close(got, decode_attention_reference(*args, **options), **TOLERANCE[torch.bfloat16])
 

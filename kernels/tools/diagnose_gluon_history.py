@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from oscar_hf.kernels.decode_attention import decode_attention_reference, split_rows  # noqa: E402
+from oscar_hf.kernels._triton import split_rows  # noqa: E402
+from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import merge_partials  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402

@@ -2,7 +2,7 @@
 
     python kernels/tools/emulate_gluon_history.py
 
-Every layout conversion of ``kernels/decode_history_gluon.py`` is an identity and its reshape /
+Every layout conversion of the span (``kernels/gluon_span_*.py``) is an identity and its reshape /
 permute / join are logical operations, so its program can be replayed with torch tensors: the same
 unpacked code values (``K_UNPACK``'s and ``value_unpack_asm``'s elementwise meaning), relabellings,
 q's fixed point, scores,

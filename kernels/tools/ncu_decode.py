@@ -44,7 +44,8 @@ def main() -> None:
     knobs = (options.splits, options.block_n, options.warps, options.stages)
     for _ in range(3):
         if options.staged:
-            from oscar_hf.kernels.decode_history_gluon import history_partials, programs_per_sm
+            from oscar_hf.kernels.decode_history_gluon import history_partials
+            from oscar_hf.kernels.gluon_span_variant import programs_per_sm
 
             packed = [inputs[name] for name in bench.TIER_NAMES[2:8]]
             splits = tune.splits_for(programs_per_sm(), options.batch)

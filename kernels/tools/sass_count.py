@@ -4,7 +4,7 @@
     python kernels/tools/sass_count.py --span [--registers 128]
 
 No GPU is needed: Triton compiles the stage-1 kernel (or, ``--span``, the Gluon history span of
-``kernels/decode_history_gluon.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
+``kernels/gluon_span_kernel.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
 specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, 100K
 history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
 unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``); this counts them without
@@ -49,15 +49,16 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
     from triton.runtime import driver
 
     driver.set_active(_Sm90Driver())
-    from oscar_hf.kernels import decode_attention as kernel
+    from oscar_hf.kernels import decode_launch, decode_stages
+    from oscar_hf.kernels.decode_unpack import CODE_MAGIC, shift_free_blocks, unpack_asm
 
     bf16, u8, f32 = torch.bfloat16, torch.uint8, torch.float32
     kv_heads, dims = 8, 128
     dense = (kv_heads * 512 * dims, 512 * dims, dims)
     codes, meta = (kv_heads * history * 32, history * 32, 32), (kv_heads * history, history, 1)
-    magic, offset = kernel._CODE_MAGIC[bf16][:2]
-    unpack, free = kernel._unpack_asm(2, bf16), kernel._shift_free_blocks(2, bf16)
-    block_h, head_blocks, _ = kernel._block_sizes(4, dims, block_n)
+    magic, offset = CODE_MAGIC[bf16][:2]
+    unpack, free = unpack_asm(2, bf16), shift_free_blocks(2, bf16)
+    block_h, head_blocks, _ = decode_launch._block_sizes(4, dims, block_n)
     args = (
         bf16, (32 * dims, dims),
         bf16, dense, bf16, dense, 64, 64,
@@ -66,12 +67,12 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         u8, codes, bf16, meta, bf16, meta, u8, codes, bf16, meta, bf16, meta, history, 1536,
         bf16, 128, f32, f32, f32, 0.088, 66, 2, 72, 0, torch.int64 if ring else bf16,
     )  # fmt: skip  (the launcher's argument order)
-    return kernel._decode_stage1_kernel.warmup(
+    return decode_stages._decode_stage1_kernel.warmup(
         *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
         D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
         K_UNPACK=unpack, V_UNPACK=unpack,
         HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, num_warps=num_warps,
-        num_stages=kernel._STAGES,
+        num_stages=decode_launch._STAGES,
     )  # fmt: skip
 
 
@@ -80,14 +81,16 @@ def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_
     from triton.runtime import driver
 
     driver.set_active(_Sm90Driver())
-    from oscar_hf.kernels import decode_history_gluon as span
+    from oscar_hf.kernels.gluon_span_kernel import history_kernel
+    from oscar_hf.kernels.gluon_span_layouts import halves
+    from oscar_hf.kernels.gluon_span_operands import value_unpack_asm
 
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     words, meta = (8 * history * 8, history * 8), (8 * history, history)
-    return span.history_kernel.warmup(
+    return history_kernel.warmup(
         bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-        f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=span.value_unpack_asm(),
-        RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=span.halves(4), TIMED=False,
+        f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
+        RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
         ROW_WORDS=8,
         grid=(1,),
         num_warps=1, maxnreg=registers,
@@ -174,14 +177,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.span:
-        from oscar_hf.kernels.decode_history_gluon import REGISTERS
+        from oscar_hf.kernels.gluon_span_variant import REGISTERS
 
         print_span(args.registers or REGISTERS)
         return
-    from oscar_hf.kernels import decode_attention as kernel
+    from oscar_hf.kernels import decode_launch
 
-    args.warps = args.warps or kernel._WARPS
-    args.block_n = kernel._block_sizes(4, 128, args.block_n)[2]
+    args.warps = args.warps or decode_launch._WARPS
+    args.block_n = decode_launch._block_sizes(4, 128, args.block_n)[2]
     compiled = compile_stage1(args.warps, args.block_n, args.ring)
     sass = sass_of(compiled)
     print(f"stage 1: {resource_usage(compiled)}; shared {compiled.metadata.shared} B")

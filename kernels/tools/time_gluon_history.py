@@ -37,6 +37,9 @@ What each saves is the most that making that part cheaper could.
 ``--registers`` caps the span's registers a thread (``maxnreg``); each cap runs at the programs an SM
 it fits (65536 registers an SM), unless ``--programs-per-sm`` is given.
 
+The variants reach the launcher through ``decode_attention_triton``'s ``span_variant``
+(``gluon_span_variant.SpanVariant``) and ``launch_variant`` (``decode_launch.LaunchVariant``) arguments.
+
 Writes ``gluon_history_timing.json`` and ``.md`` with the command, machine and date.
 """
 
@@ -56,9 +59,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
-from oscar_hf.kernels.decode_attention import _MERGE_TILE as MERGE_TILE  # noqa: E402
-from oscar_hf.kernels.decode_attention import _MERGE_WARPS as MERGE_WARPS  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import REGISTERS  # noqa: E402
+from oscar_hf.kernels.decode_launch import PRODUCTION_LAUNCH, LaunchVariant  # noqa: E402
+from oscar_hf.kernels.gluon_span_variant import REGISTERS, SpanVariant  # noqa: E402
 
 
 def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, variant: dict, span_variant,
@@ -70,16 +72,15 @@ def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, 
     tiers = [x[name] for name in bench.TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
 
-    def row(kernel: str, settled: bool = False, **extra) -> dict:
+    def row(kernel: str, settled: bool = False, launch: LaunchVariant = PRODUCTION_LAUNCH, **extra) -> dict:
         def run():
             return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=settled,
-                                                   span_variant=span_variant)  # fmt: skip
+                                                   span_variant=span_variant, launch_variant=launch)  # fmt: skip
 
         return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
                 "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
 
     rows = [row("triton, all tiers")] if baseline else []
-    defaults = kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE, kernels._MERGE_WARPS
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     for tokens, pdl, merge_tile, merge_warps, settled in itertools.product(
         numbers(options.dense_split_tokens), numbers(options.pdl), numbers(options.merge_tiles),
@@ -89,15 +90,12 @@ def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, 
             continue  # a settled history changes nothing without programmatic launches
         if not 8 <= merge_tile // (32 * merge_warps) <= 128:
             continue  # floats a thread: more spill, fewer leave most lanes idle
-        # the launcher's constants
-        kernels._SPAN_DENSE_SPLIT_TOKENS, kernels._MERGE_TILE, kernels._MERGE_WARPS = tokens, merge_tile, merge_warps
-        kernels.programmatic_launch = defaults[1] if pdl else lambda device: False
+        launch = LaunchVariant(span_dense_split_tokens=tokens, merge_tile=merge_tile, merge_warps=merge_warps,
+                               programmatic=bool(pdl))  # fmt: skip
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
-        rows.append(row(kernel, bool(settled), dense_split_tokens=tokens, merge_tile=merge_tile,
+        rows.append(row(kernel, bool(settled), launch, dense_split_tokens=tokens, merge_tile=merge_tile,
                         merge_warps=merge_warps, **variant))  # fmt: skip
         print(rows[-1], flush=True)
-    (kernels._SPAN_DENSE_SPLIT_TOKENS, kernels.programmatic_launch, kernels._MERGE_TILE,
-     kernels._MERGE_WARPS) = defaults
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
 
@@ -153,21 +151,20 @@ def floor_rows(kernels, x: dict, scale: float) -> list[dict]:
     empty = x["sink_k"][:, :, :0]
     full, dense_empty = [x[name] for name in bench.TIER_NAMES], [empty, empty, *(x[n] for n in bench.TIER_NAMES[2:8]),
                                                                  empty, empty, empty, empty]  # fmt: skip
-    merge = kernels._decode_stage2_kernel
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     out = []
     for turn, (tiers_name, tiers), merge_name in itertools.product(
         range(3), (("all tiers", full), ("dense tiers empty", dense_empty)), ("merge", "merge floor"),
     ):  # fmt: skip
-        kernels._decode_stage2_kernel = merge if merge_name == "merge" else _merge_floor
+        launch = PRODUCTION_LAUNCH if merge_name == "merge" else LaunchVariant(merge_kernel=_merge_floor)
 
         def call():
-            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=True)
+            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=True,
+                                                   launch_variant=launch)  # fmt: skip
 
         out.append({"batch": x["q"].shape[0], "kernel": f"gluon, {tiers_name}, {merge_name}, settled (timing only)",
                     "turn": turn, "us": tune.time_graph(call), "max_abs_error": float("nan")})  # fmt: skip
         print(out[-1], flush=True)
-    kernels._decode_stage2_kernel = merge
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return out
 
@@ -183,9 +180,9 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16
                         help="programs an SM for the span alone (default: as many as its registers fit)")
     parser.add_argument("--registers", default=str(REGISTERS), help="register caps of the span to time")
-    parser.add_argument("--merge-tiles", default=str(MERGE_TILE),
+    parser.add_argument("--merge-tiles", default=str(PRODUCTION_LAUNCH.merge_tile),
                         help="floats of a merge program's [slots, dims] tile, for the whole call")
-    parser.add_argument("--merge-warps", default=str(MERGE_WARPS), help="warps of a merge program, for the whole call")
+    parser.add_argument("--merge-warps", default=str(PRODUCTION_LAUNCH.merge_warps), help="warps of a merge program, for the whole call")
     parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
                         help="sizes of the dense tiers' splits beside the span, for the whole call")
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
@@ -225,7 +222,7 @@ def main() -> None:
         caps = numbers(options.registers)
         for index, (registers, halves) in enumerate(itertools.product(caps, numbers(options.halves))):
             variant = {"registers": registers, "halves": 2 if halves else 1}
-            span_variant = span.SpanVariant(two_halves=bool(halves), registers=registers)
+            span_variant = SpanVariant(two_halves=bool(halves), registers=registers)
             per_sm_choices = numbers(options.programs_per_sm or str(span_variant.programs_per_sm()))
             for per_sm, pipeline in itertools.product(per_sm_choices, (False, True)):
                 splits = tune.splits_for(per_sm, batch)

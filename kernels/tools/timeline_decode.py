@@ -13,7 +13,7 @@ replay). Three views:
   merge). The whole call picks its own splits, which are a whole wave from 4 tiles on.
 * **programs** (``--context``, 100K by default): each span program's SM, start and end (global timer) and its SM's cycle
   counter at the start, after waiting for the kernel ahead, once q is ready, after the last tile and
-  at the end (``decode_history_gluon.SpanVariant.timeline``), from the last of several calls replayed in one
+  at the end (``gluon_span_variant.SpanVariant.timeline``), from the last of several calls replayed in one
   graph: how the wave ramps up and drains, and the cycles of each phase.
 * **kernels** (the same context): the span's, the dense tiers' and the merge's start and duration per call from
   the profiler (CUPTI), over the same graph.
@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
 import bench_gpu as bench  # noqa: E402
 import tune_decode as tune  # noqa: E402
+from oscar_hf.kernels.gluon_span_variant import SpanVariant, programs_per_sm  # noqa: E402
 
 CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
@@ -46,7 +47,7 @@ def whole_call(x: dict, span_variant=None):
 
 def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
     """The span alone and the whole call where each program runs ``tiles`` tiles."""
-    splits = tune.splits_for(span.programs_per_sm(), batch)
+    splits = tune.splits_for(programs_per_sm(), batch)
     scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
     rows = []
     for count in tiles:
@@ -81,21 +82,23 @@ def replayed(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def program_timeline(span, x: dict) -> dict:
+def program_timeline(x: dict) -> dict:
     """Each span program's record from the last call of a replayed graph, and phase summaries."""
-    timeline = torch.zeros(4 * 2112 * int(span.TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
-    graph = replayed(whole_call(x, span.SpanVariant(timeline=timeline)), CALLS_A_GRAPH)
+    from oscar_hf.kernels.gluon_span_kernel import TIMELINE_FIELDS, placement
+
+    timeline = torch.zeros(4 * 2112 * int(TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
+    graph = replayed(whole_call(x, SpanVariant(timeline=timeline)), CALLS_A_GRAPH)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    records = timeline.view(-1, int(span.TIMELINE_FIELDS)).cpu()
+    records = timeline.view(-1, int(TIMELINE_FIELDS)).cpu()
     ran = records[:, 1] != 0
     batch, kv_heads = x["q"].shape[0], x["sink_k"].shape[1]
     splits = int(ran.sum()) // (batch * kv_heads)
     index = torch.arange(len(records))[ran]  # (b, kv head, split) in record order
     launch = index // (kv_heads * splits) + batch * (index // splits % kv_heads + kv_heads * (index % splits))
     records = records[ran]
-    sm, slot, tiles = span.placement(records)
+    sm, slot, tiles = placement(records)
     # relative to the first start before going to float: the counters' raw values exceed float64's 53 bits
     started, ended = (records[:, 1:3] - records[:, 1].min()).double().T
     c_start, c_waited, c_q, c_loop, c_end = (records[:, 3:] - records[:, 3:4]).double().T
@@ -260,7 +263,7 @@ def main() -> None:
         entry = {"batch": batch, "tiles": tiles, "call_us": tune.time_graph(whole_call(x)),
                  "span_fit": line([(r["tiles"], r["span_us"]) for r in tiles]),
                  "call_fit": line([(r["tiles"], r["call_us"]) for r in tiles if r["call_us"] is not None]),
-                 "programs": program_timeline(span, x), "kernels": kernel_windows(x)}  # fmt: skip
+                 "programs": program_timeline(x), "kernels": kernel_windows(x)}  # fmt: skip
         result["batches"].append(entry)
         print({k: v for k, v in entry["programs"].items() if k != "records"}, entry["kernels"], flush=True)
     options.out.mkdir(parents=True, exist_ok=True)

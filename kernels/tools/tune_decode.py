@@ -6,7 +6,7 @@ Qwen3-8B attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, INT2 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), so they are the
 kernels' device time without Python launch overhead; BF16 SDPA over the same context is measured
 in the same run. Writes ``decode_kernel_tuning.json`` and ``.md`` with command, machine and date.
-The best setting per batch feeds the launcher's defaults (``kernels/decode_attention.py``).
+The best setting per batch feeds the launcher's defaults (``kernels/decode_launch.py``).
 """
 
 from __future__ import annotations
