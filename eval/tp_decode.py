@@ -45,7 +45,8 @@ from benchmarks.cases import free_memory  # noqa: E402
 from benchmarks.config import deep_merge  # noqa: E402
 from benchmarks.decoding import decode_case, generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
-    DTYPES, full_attention_layers, head_dim, model_spec, random_rotations, random_tokens, save_random_model, text_config,
+    DTYPES, full_attention_layers, head_dim, model_spec, random_rotations, random_tokens, save_random_model,
+    text_config,
 )  # fmt: skip
 from benchmarks.multigpu import DEFAULTS  # noqa: E402
 

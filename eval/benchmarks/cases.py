@@ -12,12 +12,14 @@ from tqdm.auto import tqdm
 
 
 def free_memory() -> None:
+    """Collect garbage and return cached CUDA blocks, so that the next case starts from what is resident."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def first_line(error: BaseException) -> str:
+    """An error's first line (at most 500 characters), as a row records it."""
     return (str(error).strip().splitlines() or [""])[0][:500]
 
 

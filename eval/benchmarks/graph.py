@@ -173,6 +173,7 @@ def profile_graph_step(model: PreTrainedModel, method: str, options: dict, conte
 
 
 def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
+    """One model's decode rows per (context, batch, cache), compiled StaticCache rows and the profile rows."""
     rotations = model_rotations(model, config)
     run, rows = {**config["decode"], "dtype": config["dtype"]}, []
     grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
@@ -211,6 +212,7 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
 
 
 def bench_graph(config: dict) -> list[dict]:
+    """Every configured model's rows, with step and generate speedups over DynamicCache."""
     rows = model_cases(config, functools.partial(graph_model, config))
     decode = [r for r in rows if r.get("part") == "decode"]
     add_speedups(decode, ("model", "context", "batch"), {"cache": "dynamic"},
@@ -234,6 +236,7 @@ PROFILE_COLUMNS: list[Column] = [
 
 
 def graph_markdown(result: dict) -> str:
+    """The decode-step table, then the captured step's profile if there is one."""
     cases = result["cases"]
     text = ("Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
             "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS))

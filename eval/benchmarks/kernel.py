@@ -176,6 +176,7 @@ def kernel_case(method: str, config: dict, context: int, batch: int, device: tor
 
 
 def bench_kernel(config: dict) -> list[dict]:
+    """One row per (context, batch, method), with its speedup over BF16 SDPA."""
     device = torch.device(config["device"])
     grid = [(c, b, m) for c in config["contexts"] for b in config["batches"] for m in config["methods"]]
     rows = []
@@ -195,6 +196,7 @@ KERNEL_COLUMNS: list[Column] = [
 
 
 def kernel_markdown(result: dict) -> str:
+    """The kernel rows as one markdown table."""
     return table(result["cases"], KERNEL_COLUMNS)
 
 

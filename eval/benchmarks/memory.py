@@ -24,6 +24,7 @@ from .timing import median, synchronize, tensor_bytes
 
 
 def allocated(device: torch.device) -> int | None:
+    """Bytes allocated on ``device`` (None on CPU, where they are not counted)."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
@@ -147,6 +148,7 @@ def max_batch_case(model: PreTrainedModel, cache_name: str, config: dict, rotati
 
 
 def memory_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
+    """One model's KV report rows, then its largest-batch rows, per cache."""
     rotations = model_rotations(model, config)
     weights = tensor_bytes(model.parameters())
     report = config["report"]
@@ -164,6 +166,7 @@ def memory_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
 
 
 def bench_memory(config: dict) -> list[dict]:
+    """Every configured model's rows, with KV ratios and throughput speedups over DynamicCache."""
     rows = model_cases(config, functools.partial(memory_model, config))
     report = [r for r in rows if r.get("part") == "report"]
     for row in report:
@@ -194,6 +197,7 @@ MAX_BATCH_COLUMNS: list[Column] = [
 
 
 def memory_markdown(result: dict) -> str:
+    """The KV memory table, then the largest-batch table."""
     cases = result["cases"]
     paper = result["config"].get("paper")
     note = f"\n\nPaper: {paper}" if paper else ""

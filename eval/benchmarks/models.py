@@ -45,7 +45,7 @@ def add_model_arguments(parser) -> None:
     options of the single-model diagnostics (``eval/step_times.py``, ``kernels/tools/profile_decode.py``,
     ``kernels/tools/host_time.py``)."""
     parser.add_argument("--model", default="qwen3-8b", type=lambda text: model_spec(json.loads(text) if
-                        text.startswith("{") else text), help="a preset of eval/benchmarks/models.py or a JSON object")  # fmt: skip
+                        text.startswith("{") else text), help="a preset (MODEL_PRESETS) or a JSON object")  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=1)

@@ -121,6 +121,7 @@ def part_rows(part: str, cases: Callable[[], list[dict]]) -> list[dict]:
 
 
 def bench_multigpu(config: dict) -> list[dict]:
+    """The device_map and tensor-parallel rows, or one skipped row each on fewer GPUs than configured."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < config["gpus"]:
         reason = f"needs {config['gpus']} CUDA GPUs, found {gpus}"
@@ -139,6 +140,7 @@ MULTIGPU_COLUMNS: list[Column] = [
 
 
 def multigpu_markdown(result: dict) -> str:
+    """One table of both parts, with each row's checks in one column."""
     names = ("buffers_on_layer_device", "heads_per_rank_ok", "frozen_on_every_rank", "identical_across_ranks",
              "matches_single_gpu")  # fmt: skip
     rows = [{**row, "checks": ", ".join(f"{k}={row[k]}" for k in names if k in row)} for row in result["cases"]]
@@ -146,6 +148,7 @@ def multigpu_markdown(result: dict) -> str:
 
 
 def multigpu_plot(result: dict, path: Path) -> None:
+    """Decode tokens/s per part and cache, or the reason nothing ran."""
     rows = [r for r in result["cases"] if r.get("status") == "ok" and r.get("tokens_per_s")]
     fig, axes = figure()
     if rows:

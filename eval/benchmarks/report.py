@@ -8,6 +8,7 @@ Column = tuple[str, str, str]  # header, row key, format spec ("" for str())
 
 
 def fmt(value: Any, spec: str) -> str:
+    """``value`` for a table cell: ``spec`` is a format spec, ``MiB`` or ``GiB`` (bytes), or empty."""
     if value is None:
         return ""
     if spec == "MiB":
@@ -40,6 +41,7 @@ def short_tokens(count: int) -> str:
 
 
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.5):
+    """A row of ``ncols`` matplotlib axes (headless backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,6 +51,7 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.5):
 
 
 def no_data(ax, text: str = "no successful cases") -> None:
+    """Replace an empty panel by ``text``."""
     ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True)
     ax.set_axis_off()
 

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks (sibling tools sit beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
 from benchmarks import REPO, RESULTS  # noqa: E402
 from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 

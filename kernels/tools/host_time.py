@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks (sibling tools sit beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
 from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     add_model_arguments, build_model, head_dim, input_device, random_rotations, text_config,

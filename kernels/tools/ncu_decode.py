@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks (sibling tools sit beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
 from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
 import tune_decode as tune  # noqa: E402
 

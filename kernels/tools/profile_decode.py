@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks (sibling tools sit beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
 from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
 from benchmarks.cases import free_memory  # noqa: E402
 from benchmarks.decoding import decode_steps, generate  # noqa: E402

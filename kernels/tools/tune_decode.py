@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks (sibling tools sit beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
 from benchmarks import REPO  # noqa: E402
 from benchmarks.kernel import TIER_NAMES, decode_kernels, dense_inputs, sdpa_bf16, tiered_inputs  # noqa: E402
 from benchmarks.timing import tensor_bytes  # noqa: E402
