@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU checks and benchmarks, each under its own time limit, results packed
-# into one archive (the device tool returns at most 8 files).
+# GPU checks and benchmarks for one device call: each step runs under its own time limit (the second
+# argument of its `run` line) and its results are packed into one archive.
 #
 #   bash eval/gpu_session.sh OUT_DIR STEP...      e.g.  bash eval/gpu_session.sh $OUT tests kernel e2e
 #
-# Steps and their wall time on one H200 (2026-11-30, 2026-12-01): tests ~210 s (compiled kernel and static
-# tests, 8 workers), static-tests 135 s, graph ~290 s, graph-4b 120 s, graph-8b-64k 60 s, graph-100k ~100 s
-# (issue 7's CUDA-graph decode), graph-gemms ~80 s (8B at 100K, the best step compiled with and without GEMM
-# autotuning), tune 4 min (batches 1, 8, 32), kernel 60 s, decode-graphs 60 s (plain generate's per-layer graphs), step-times ~200 s (3 rounds), e2e 140 s per model for 2 contexts and 3 caches
-# (here 3 and 4: expect ~280 s), e2e-100k ~150 s, memory 100 s (both models), multigpu 100 s and multigpu-tests (both need 2 GPUs), profile 60 s, kernel-b1 ~90 s, timeline ~120 s (where a call's time goes, kernels/tools/timeline_decode.py), floors ~120 s, timeline-32k ~80 s, alternating-rows ~150 s, ncu-call ~40 s, registers ~300 s, halves ~150 s, quality (not timed yet),
-# threebit-tests ~200 s (3-bit write path, decode, static decoding, compiled), kernel-bits ~6 x 60 s (decode
-# attention at 100K, batches 1 and 8, keys at 2, 3 and 4 bits, head_dim 128 and 64),
-# ncu ~100 s (Nsight Compute on the Gluon history span, direct and staged; ncu must be on PATH, as in
-# /usr/local/cuda/bin), gluon ~110 s (the span's GPU tests, its diagnosis against torch, and its timing
-# against the Triton stage 1).
-# A device call may run 10 minutes.
-# Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step); unpack them into
-# eval/results/ to commit.
+# Run from the repository root; the steps run in the order given. Pick steps whose limits fit in one
+# device call. The steps:
+#   GPU tests          tests, static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
+#                      tests, diagnosis and timing), multigpu-tests (2 GPUs)
+#   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, graph, graph-4b, graph-8b-64k, graph-100k,
+#                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
+#   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included
+#   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
+#   kernel diagnostics tune, profile, timeline, timeline-32k, merge, floors, kernel-b1, alternating-rows, halves,
+#                      registers, ncu, ncu-call: kernels/tools/ (see its README.md); ncu and ncu-call need
+#                      Nsight Compute's `ncu` on PATH (e.g. /usr/local/cuda/bin)
+# Results land in OUT_DIR/results.tgz (JSON, markdown, PNG and a log per step), repacked after every step so
+# that a call cut short keeps what finished; unpack them into eval/results/ to commit.
 set -uo pipefail
 out=$1
 mkdir -p "$out"
@@ -102,7 +102,7 @@ for step in "$@"; do
         floors)  # the whole call with the dense tiers empty and the merge trivial (timing only)
             run floors 200 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --floors ;;
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;
-        multigpu-tests)  # issue 4 item 7's tests (two GPUs): device_map="auto", and tp_plan="auto" under torchrun
+        multigpu-tests)  # two GPUs: device_map="auto", and tp_plan="auto" under torchrun
             run gpu_test_multigpu 400 python3 -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py -k two_gpus ;;
         profile) run profile 120 python3 kernels/tools/profile_decode.py --out "$work" ;;
         gluon)  # the explicit-layout history span, tested and timed against the Triton stage 1
@@ -124,7 +124,7 @@ for step in "$@"; do
             run registers 420 python3 kernels/tools/time_gluon_history.py --out "$work" --batches 1,8 --registers 128,120,112,104,96 \
                 --dense-split-tokens 32 --pdl 1 ;;
         ncu)  # the history span's occupancy and stall reasons, direct and staged, batches 1 and 8
-            # NCU_VARIANTS picks direct and/or staged; NCU_TAG suffixes the logs (to keep earlier ones)
+            # NCU_VARIANTS picks direct and/or staged; NCU_TAG suffixes the logs (to keep several runs apart)
             for batch in 1 8; do
                 for variant in ${NCU_VARIANTS:-direct staged}; do
                     flag=""

@@ -27,7 +27,13 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_gpu as bench  # noqa: E402
+from benchmarks.caches import attention_for, fill_cache, make_cache, model_for  # noqa: E402
+from benchmarks.cases import free_memory, median_round  # noqa: E402
+from benchmarks.decoding import generate  # noqa: E402
+from benchmarks.models import (  # noqa: E402
+    add_model_arguments, build_model, input_device, random_rotations, random_tokens,
+)  # fmt: skip
+from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from oscar_hf.provenance import provenance, provenance_line  # noqa: E402
 
 FIRST_STEPS = 3
@@ -48,17 +54,17 @@ class StepClock(LogitsProcessor):
 
 def step_ms(model, cache_name: str, batch: int, context: int, new_tokens: int, rotations) -> list[float]:
     """Milliseconds of each decode step after the first logits (the step over the filled context)."""
-    model.set_attn_implementation(bench.attention_for(cache_name))
-    with bench.model_for(model, cache_name, rotations) as method:
-        cache = bench.make_cache(method, model, context + new_tokens + 8, rotations)
-        bench.fill_cache(cache, model, batch, context, 65536)
-        clock = StepClock(bench.input_device(model))
+    model.set_attn_implementation(attention_for(cache_name))
+    with model_for(model, cache_name, rotations) as method:
+        cache = make_cache(method, model, context + new_tokens + 8, rotations)
+        fill_cache(cache, model, batch, context, 65536)
+        clock = StepClock(input_device(model))
         start = time.perf_counter()
-        bench.generate(model, cache, bench.random_tokens(model, batch, context + 1), new_tokens,
-                       logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+        generate(model, cache, random_tokens(model, batch, context + 1), new_tokens,
+                 logits_processor=LogitsProcessorList([clock]))  # fmt: skip
     stamps = [start, *clock.stamps]
     del cache
-    bench.free_memory()
+    free_memory()
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
 
 
@@ -99,14 +105,14 @@ def write(out: Path, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_model_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--caches", nargs="+", default=["dynamic", "oscar-int2", "oscar-int2+eager-layout"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     name, spec = args.model
-    model = bench.build_model(spec, args.device, torch.bfloat16)
-    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
+    model = build_model(spec, args.device, torch.bfloat16)
+    rotations = random_rotations(head_dim_of(model), full_attention_layer_ids(model))
 
     def measure(cache_name: str) -> dict:
         return summary(step_ms(model, cache_name, args.batch, args.context, args.new_tokens, rotations))
@@ -116,7 +122,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {cache_name: [] for cache_name in args.caches}
     for _, cache_name in tqdm([(r, c) for r in range(args.rounds) for c in args.caches], desc="rounds"):
         rounds[cache_name].append(measure(cache_name))
-    caches = {name: bench.median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
+    caches = {name: median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
     write(args.out, {**provenance("python " + " ".join(sys.argv)), "model": name,

@@ -39,7 +39,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_gpu as bench  # noqa: E402  (puts the repository on sys.path too)
+from benchmarks import REPO, RESULTS  # noqa: E402  (puts this checkout first on sys.path too)
+from benchmarks.caches import attention_for, make_cache  # noqa: E402
+from benchmarks.cases import free_memory  # noqa: E402
+from benchmarks.config import deep_merge  # noqa: E402
+from benchmarks.decoding import decode_case, generate  # noqa: E402
+from benchmarks.models import (  # noqa: E402
+    DTYPES, model_spec, random_rotations, random_tokens, save_random_model,
+)  # fmt: skip
+from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, text_config_of  # noqa: E402
+from benchmarks.multigpu import DEFAULTS  # noqa: E402
 
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
 from oscar_hf.provenance import provenance  # noqa: E402
@@ -70,16 +79,16 @@ def shared_model_dir(spec: dict, dtype: torch.dtype, rank: int) -> str:
     path = [None]
     if rank == 0:
         path[0] = tempfile.mkdtemp(prefix="oscar_tp_model_")
-        bench.save_random_model(spec, Path(path[0]), local_device(), dtype)
+        save_random_model(spec, Path(path[0]), local_device(), dtype)
     dist.broadcast_object_list(path, src=0)
     return path[0]
 
 
 def greedy(model, cache_name: str, prompt: torch.Tensor, new_tokens: int, rotations) -> tuple[list[list[int]], object]:
     """Greedy tokens after ``prompt`` (generate prefills it), and the cache it filled."""
-    model.set_attn_implementation(bench.attention_for(cache_name))
-    cache = bench.make_cache(cache_name, model, prompt.shape[1] + new_tokens + 8, rotations)
-    tokens = bench.generate(model, cache, prompt, new_tokens)[:, prompt.shape[1]:]
+    model.set_attn_implementation(attention_for(cache_name))
+    cache = make_cache(cache_name, model, prompt.shape[1] + new_tokens + 8, rotations)
+    tokens = generate(model, cache, prompt, new_tokens)[:, prompt.shape[1]:]
     return tokens.tolist(), cache
 
 
@@ -108,8 +117,19 @@ def gather(value, world: int) -> list:
     return gathered
 
 
+def first_mismatch(a: list[list[int]], b: list[list[int]]) -> int | None:
+    """Index of the first decoding step at which two batches of token lists differ (None: identical)."""
+    def column(rows: list[list[int]], step: int) -> list[int | None]:
+        return [row[step] if step < len(row) else None for row in rows]
+
+    for step in range(max((len(row) for row in a + b), default=0)):
+        if column(a, step) != column(b, step):
+            return step
+    return None
+
+
 def prefill_fill(model, prompt: torch.Tensor):
-    """A ``fill`` for bench.decode_case: a real prefill of all but the last prompt token."""
+    """A ``fill`` for ``decode_case``: a real prefill of all but the last prompt token."""
 
     def fill(cache) -> None:
         with torch.no_grad():
@@ -125,41 +145,39 @@ def single_gpu_tokens(path: str, dtype: torch.dtype, caches: list[str], prompt, 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": local_device()})
     tokens = {name: greedy(model.eval(), name, prompt, new_tokens, rotations)[0] for name in caches}
     del model
-    bench.free_memory()
+    free_memory()
     return tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=bench.RESULTS / "tp_decode.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "tp_decode.json")
     args = parser.parse_args()
     config = json.loads(args.config.read_text())
-    config = bench.deep_merge(bench.DEFAULTS["multigpu"]["tensor_parallel"],
-                              config.get("tensor_parallel", config))  # fmt: skip
-    dtype = bench.DTYPES[config.get("dtype", "bfloat16")]
+    config = deep_merge(DEFAULTS["tensor_parallel"], config.get("tensor_parallel", config))
+    dtype = DTYPES[config.get("dtype", "bfloat16")]
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
-    name, spec = bench.model_spec(config["model"])
+    name, spec = model_spec(config["model"])
     path = shared_model_dir(spec, dtype, rank)
     model = load_tensor_parallel(path, dtype)
-    text = bench.text_config(model)
+    text = text_config_of(model)
     # per_head_rotations: one random R per KV head; each rank's cache then takes its own heads' R
     kv_heads = text.num_key_value_heads if config.get("per_head_rotations") else None
-    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model), config.get("seed", 0),
-                                       kv_heads)  # fmt: skip
+    rotations = random_rotations(head_dim_of(model), full_attention_layer_ids(model), config.get("seed", 0), kv_heads)
     batch, context, new_tokens = config["batch"], config["context"], config["new_tokens"]
-    prompt = bench.random_tokens(model, batch, context + 1)
+    prompt = random_tokens(model, batch, context + 1)
 
     rows = []
     for cache_name in config["caches"]:
         tokens, cache = greedy(model, cache_name, prompt, new_tokens, rotations)
         frozen = all(gather(getattr(cache, "static", None) is not None, world))  # before the report thaws it
-        heads = cache_heads(cache, batch, bench.head_dim(model))
+        heads = cache_heads(cache, batch, head_dim_of(model))
         identical = all(t == tokens for t in gather(tokens, world))
         row = {"cache": cache_name, "tokens": tokens, "identical_across_ranks": identical}
         if heads:
@@ -168,24 +186,24 @@ def main() -> None:
         if heads and rotations.per_head:
             row["own_head_rotations_on_every_rank"] = all(gather(own_head_rotations(cache, rotations, rank, world), world))
         del cache
-        bench.free_memory()
-        row.update(bench.decode_case(model, cache_name, prefill_fill(model, prompt), prompt, config, rotations))
+        free_memory()
+        row.update(decode_case(model, cache_name, prefill_fill(model, prompt), prompt, config, rotations))
         rows.append(row)
 
     if config["single_gpu_reference"]:
         del model
-        bench.free_memory()
+        free_memory()
         reference = single_gpu_tokens(path, dtype, config["caches"], prompt, new_tokens, rotations) if rank == 0 else {}
         for row in rows:
             if rank == 0:
-                mismatch = bench.first_mismatch(row["tokens"], reference[row["cache"]])
+                mismatch = first_mismatch(row["tokens"], reference[row["cache"]])
                 row.update(matches_single_gpu=mismatch is None, first_mismatch_step=mismatch)
         dist.barrier()
 
     if rank == 0:
         result = {
             **provenance("torchrun --standalone --nproc_per_node " + f"{world} " + " ".join(
-                [Path(__file__).relative_to(bench.REPO).as_posix(), *sys.argv[1:]])),
+                [Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]])),
             "seconds": round(time.perf_counter() - started, 1), "world_size": world, "model": name,
             "model_spec": spec, "context": context, "batch": batch, "new_tokens": new_tokens, "config": config,
             "rows": rows,

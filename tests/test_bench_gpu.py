@@ -1,4 +1,4 @@
-"""Smoke tests of the GPU benchmark suite (eval/bench_gpu.py) at tiny shapes on CPU.
+"""Smoke tests of the GPU benchmark suite (eval/bench_gpu.py, eval/benchmarks/) at tiny shapes on CPU.
 
 They exercise every benchmark's code path and output files, not its numbers: on CPU the timings are
 ``time.perf_counter`` medians of a toy model. The multi-GPU benchmark takes its skip path; its
@@ -20,7 +20,20 @@ import torch
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
 sys.path.insert(0, str(EVAL))
-import bench_gpu as bench  # noqa: E402
+import tp_decode  # noqa: E402
+from bench_gpu import resolve_config, run_benchmark  # noqa: E402
+from benchmarks import REPO, multigpu  # noqa: E402
+from benchmarks.caches import attention_for, fill_cache, make_cache, model_for  # noqa: E402
+from benchmarks.cases import guarded, median_round  # noqa: E402
+from benchmarks.config import apply_sets, deep_merge  # noqa: E402
+from benchmarks.decoding import generate  # noqa: E402
+from benchmarks.graph import graph_variant  # noqa: E402
+from benchmarks.memory import predict_max_batch  # noqa: E402
+from benchmarks.models import (  # noqa: E402
+    build_model, model_spec, random_rotations, random_tokens, save_random_model,
+)  # fmt: skip
+from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+from benchmarks.multigpu import device_map_cases, placement_check, tensors_of, torchrun_command  # noqa: E402
 from oscar_hf.provenance import machine_info  # noqa: E402
 
 TINY_MODEL = {
@@ -48,7 +61,7 @@ def one_thread():
 
 
 def _run(config: dict, out: Path, name: str) -> dict:
-    result = bench.run_benchmark(config, out, name, f"pytest {name}")
+    result = run_benchmark(config, out, name, f"pytest {name}")
     for suffix in (".json", ".md", ".png"):
         assert (out / f"{name}{suffix}").stat().st_size > 0
     saved = json.loads((out / f"{name}.json").read_text())
@@ -137,33 +150,33 @@ def test_graph_benchmark(tmp_path):
 
 
 def test_absorbed_case_folds_r_v_for_its_duration_only():
-    model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
-    rotations = bench.random_rotations(64, bench.full_attention_layers(model))
+    model = build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    rotations = random_rotations(64, full_attention_layer_ids(model))
     before = {n: p.clone() for n, p in model.named_parameters()}
-    with bench.model_for(model, "oscar-int2+absorbed", rotations) as method:
+    with model_for(model, "oscar-int2+absorbed", rotations) as method:
         assert method == "oscar-int2"
         assert not torch.equal(model.model.layers[0].self_attn.v_proj.weight, before["model.layers.0.self_attn.v_proj.weight"])
-        assert bench.make_cache(method, model, 64, rotations).values_prerotated
+        assert make_cache(method, model, 64, rotations).values_prerotated
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert not bench.make_cache("oscar-int2", model, 64, rotations).values_prerotated
-    assert bench.make_cache("oscar-int2", model, 64, rotations).decode_graphs is None  # the library's default
-    eager = bench.make_cache("oscar-int2+eager-layout", model, 64, rotations)
+    assert not make_cache("oscar-int2", model, 64, rotations).values_prerotated
+    assert make_cache("oscar-int2", model, 64, rotations).decode_graphs is None  # the library's default
+    eager = make_cache("oscar-int2+eager-layout", model, 64, rotations)
     assert eager.decode_graphs is False and eager.oscar_config.method == "oscar-int2"
-    frozen = bench.make_cache("oscar-int2+frozen", model, 64, rotations)
+    frozen = make_cache("oscar-int2+frozen", model, 64, rotations)
     assert frozen.decode_graphs is True and frozen.oscar_config.method == "oscar-int2"
 
 
 @pytest.mark.parametrize("cache_name", ["dynamic", "static", "oscar-int2"])
 def test_generate_over_a_filled_cache_runs_only_the_new_tokens(cache_name):
     """The e2e timing relies on generate continuing from the synthetic context, not prefilling it again."""
-    model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
-    model.set_attn_implementation(bench.attention_for(cache_name))
-    rotations = bench.random_rotations(64, bench.full_attention_layers(model))
-    cache = bench.make_cache(cache_name, model, 400, rotations)
+    model = build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    model.set_attn_implementation(attention_for(cache_name))
+    rotations = random_rotations(64, full_attention_layer_ids(model))
+    cache = make_cache(cache_name, model, 400, rotations)
     with torch.no_grad():
-        bench.fill_cache(cache, model, batch=2, context=350, chunk_rows=256)
+        fill_cache(cache, model, batch=2, context=350, chunk_rows=256)
         assert int(cache.get_seq_length()) == 350
-        out = bench.generate(model, cache, bench.random_tokens(model, 2, 351), new_tokens=4)
+        out = generate(model, cache, random_tokens(model, 2, 351), new_tokens=4)
     assert out.shape == (2, 355)
     assert int(cache.get_seq_length()) == 350 + 4  # the last prompt token and 3 of the 4 generated ones
     if cache_name == "oscar-int2":
@@ -200,10 +213,10 @@ def test_committed_configs_resolve():
     configs = sorted((EVAL / "configs").glob("bench_*.json"))
     assert [c.stem for c in configs] == ["bench_e2e", "bench_graph", "bench_kernel", "bench_memory", "bench_multigpu"]
     for path in configs:
-        config = bench.resolve_config(json.loads(path.read_text()))
+        config = resolve_config(json.loads(path.read_text()))
         assert config["description"]
         for entry in config.get("models", []) + [config.get("model")] * ("model" in config):
-            name, spec = bench.model_spec(entry)
+            name, spec = model_spec(entry)
             assert spec["num_key_value_heads"] == 8 and spec["head_dim"] == 128, name
 
 
@@ -218,61 +231,61 @@ def test_sass_count_compiles_the_decode_kernel_for_sm90_without_a_gpu():
 
 
 def test_helpers():
-    overridden = bench.apply_sets({"a": {"b": 1}}, ["a.b=2", "c=[1, 2]", "d=text"])
+    overridden = apply_sets({"a": {"b": 1}}, ["a.b=2", "c=[1, 2]", "d=text"])
     assert overridden == {"a": {"b": 2}, "c": [1, 2], "d": "text"}
-    assert bench.deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
-    assert bench.first_mismatch([[1, 2, 3]], [[1, 2, 3]]) is None
-    assert bench.first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]]) == 1
-    assert bench.predict_max_batch(per_sequence=10, fixed=5, budget=100) == 9
-    command = bench.torchrun_command(2, Path("c.json"), Path("o.json"))
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
+    assert tp_decode.first_mismatch([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert tp_decode.first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]]) == 1
+    assert predict_max_batch(per_sequence=10, fixed=5, budget=100) == 9
+    command = torchrun_command(2, Path("c.json"), Path("o.json"))
     assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert command[5].endswith("eval/tp_decode.py") and Path(command[5]).exists()
-    _, spec = bench.model_spec({"preset": "qwen3-8b", "num_hidden_layers": 2})
+    _, spec = model_spec({"preset": "qwen3-8b", "num_hidden_layers": 2})
     assert spec["hidden_size"] == 4096 and spec["num_hidden_layers"] == 2
     plain = {"compile": False, "fuse_projections": False}
-    assert bench.graph_variant("oscar-int2") == ("oscar-int2", False, plain)
-    assert bench.graph_variant("oscar-int2+absorbed+graph+compile") == ("oscar-int2+absorbed", True,
-                                                                         {**plain, "compile": True})  # fmt: skip
-    assert bench.graph_variant("oscar-int2+graph+autotune+fused") == (
+    assert graph_variant("oscar-int2") == ("oscar-int2", False, plain)
+    assert graph_variant("oscar-int2+absorbed+graph+compile") == ("oscar-int2+absorbed", True,
+                                                                   {**plain, "compile": True})  # fmt: skip
+    assert graph_variant("oscar-int2+graph+autotune+fused") == (
         "oscar-int2", True, {"compile": "max-autotune-no-cudagraphs", "fuse_projections": True})
-    assert bench.graph_variant("oscar-int2+graph+fused") == ("oscar-int2", True, {**plain, "fuse_projections": True})
+    assert graph_variant("oscar-int2+graph+fused") == ("oscar-int2", True, {**plain, "fuse_projections": True})
     with pytest.raises(ValueError, match="after '\\+graph'"):
-        bench.graph_variant("oscar-int2+graph+compiled")
+        graph_variant("oscar-int2+graph+compiled")
 
 
 def test_guarded_records_errors_and_out_of_memory():
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    row = bench.guarded({"a": 1}, out_of_memory)
+    row = guarded({"a": 1}, out_of_memory)
     assert row == {"a": 1, "status": "oom", "error": "CUDA out of memory. Tried to allocate 2.00 GiB"}
-    row = bench.guarded({}, lambda: 1 / 0)
+    row = guarded({}, lambda: 1 / 0)
     assert row["status"] == "error" and row["error"].startswith("ZeroDivisionError")
-    assert bench.guarded({}, lambda: {"x": 2}) == {"x": 2, "status": "ok"}
+    assert guarded({}, lambda: {"x": 2}) == {"x": 2, "status": "ok"}
 
 
 def test_placement_check_finds_every_cache_tensor():
-    model = bench.build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
-    cache = bench.make_cache("oscar-int2", model, 400, bench.random_rotations(64, [0, 1]))
-    bench.fill_cache(cache, model, batch=1, context=400, chunk_rows=256)
-    assert bench.placement_check(model)(cache) == {"buffers_on_layer_device": True, "cache_devices": ["cpu"]}
-    names = [name for name, _ in bench.tensors_of(cache.layers[0])]
+    model = build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    cache = make_cache("oscar-int2", model, 400, random_rotations(64, [0, 1]))
+    fill_cache(cache, model, batch=1, context=400, chunk_rows=256)
+    assert placement_check(model)(cache) == {"buffers_on_layer_device": True, "cache_devices": ["cpu"]}
+    names = [name for name, _ in tensors_of(cache.layers[0])]
     assert any("history" in name for name in names) and any("sink" in name for name in names)
     # a tensor on the wrong device is reported (meta stands in for another GPU)
     cache.layers[1].stray = torch.empty(1, device="meta")
     with pytest.raises(AssertionError, match="off their layer's device"):
-        bench.placement_check(model)(cache)
+        placement_check(model)(cache)
 
 
 def test_device_map_part_on_one_cpu(tmp_path, monkeypatch):
     """The device_map flow (save, from_pretrained(device_map="auto"), fill per layer device, placement check)."""
-    save = bench.save_random_model
-    monkeypatch.setattr(bench, "save_random_model", lambda spec, path, device, dtype: save(spec, path, "cpu", dtype))
-    config = bench.resolve_config({
+    monkeypatch.setattr(multigpu, "save_random_model",
+                        lambda spec, path, device, dtype: save_random_model(spec, path, "cpu", dtype))
+    config = resolve_config({
         "benchmark": "multigpu", "model": TINY_MODEL,
         "device_map": {"context": 400, "batch": 1, **TINY_DECODE},
     })  # fmt: skip
-    rows = _ok(bench.device_map_cases(config, gpus=1))
+    rows = _ok(device_map_cases(config, gpus=1))
     assert [r["cache"] for r in rows] == ["dynamic", "oscar-int2"]
     # on a GPU machine device_map="auto" puts the tiny model on cuda:0 instead, which works the same
     assert rows[1]["buffers_on_layer_device"] and rows[1]["cache_devices"] == rows[1]["model_devices"]
@@ -291,7 +304,7 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
     }}))  # fmt: skip
     out = tmp_path / "tp_result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU even beside a GPU
-    process = subprocess.run(bench.torchrun_command(2, config, out), env=env, capture_output=True, text=True,
+    process = subprocess.run(torchrun_command(2, config, out), env=env, capture_output=True, text=True,
                              timeout=300)  # fmt: skip
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -311,19 +324,18 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
 def test_device_map_auto_over_two_gpus(tmp_path):
     """Each OscarCache layer lives on its layer's GPU, and plain generate (per-layer graphs) gives the tokens
     of the same model on one GPU. The prompt outgrows the sink and the window, so the history is INT2."""
-    import tp_decode
     from transformers import AutoModelForCausalLM
 
-    _, spec = bench.model_spec(SMALL_MODEL)
-    bench.save_random_model(spec, tmp_path, "cuda:0", torch.bfloat16)
+    _, spec = model_spec(SMALL_MODEL)
+    save_random_model(spec, tmp_path, "cuda:0", torch.bfloat16)
     spread = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto", dtype=torch.bfloat16).eval()
     single = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": 0}, dtype=torch.bfloat16).eval()
-    rotations = bench.random_rotations(bench.head_dim(single), bench.full_attention_layers(single))
-    prompt = bench.random_tokens(single, 2, 700)
+    rotations = random_rotations(head_dim_of(single), full_attention_layer_ids(single))
+    prompt = random_tokens(single, 2, 700)
     tokens, devices = {}, {}
     for name, model in (("spread", spread), ("single", single)):
         tokens[name], cache = tp_decode.greedy(model, "oscar-int2", prompt, 8, rotations)
-        devices[name] = bench.placement_check(model)(cache)["cache_devices"]
+        devices[name] = placement_check(model)(cache)["cache_devices"]
     assert devices == {"spread": ["cuda:0", "cuda:1"], "single": ["cuda:0"]}
     assert tokens["spread"] == tokens["single"]
 
@@ -338,8 +350,8 @@ def test_tp_decode_on_two_gpus(tmp_path):
         "dtype": "bfloat16", "caches": ["dynamic", "oscar-int2"],
     }}))  # fmt: skip
     out = tmp_path / "tp_result.json"
-    process = subprocess.run(bench.torchrun_command(2, config, out), capture_output=True, text=True, timeout=600,
-                             cwd=bench.REPO)  # fmt: skip
+    process = subprocess.run(torchrun_command(2, config, out), capture_output=True, text=True, timeout=600,
+                             cwd=REPO)  # fmt: skip
     assert process.returncode == 0, process.stderr[-3000:]
     rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
     oscar = rows["oscar-int2"]
@@ -353,14 +365,14 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     import step_times
 
     spec = {k: v for k, v in TINY_MODEL.items() if k != "name"}
-    model = bench.build_model(spec, "cpu", torch.bfloat16)
-    rotations = bench.random_rotations(64, bench.full_attention_layers(model))
+    model = build_model(spec, "cpu", torch.bfloat16)
+    rotations = random_rotations(64, full_attention_layer_ids(model))
     times = step_times.step_ms(model, "oscar-int2", batch=1, context=300, new_tokens=6, rotations=rotations)
     assert len(times) == 6 and all(t > 0 for t in times)
     row = step_times.summary(times)
     assert row["first_steps_ms"] == times[:3] and row["steady_step_ms"] > 0
     slower, faster = ({**row, "steady_step_ms": row["steady_step_ms"] * factor} for factor in (3.0, 0.5))
-    reported = bench.median_round([slower, row, faster], "steady_step_ms", higher_is_faster=False)
+    reported = median_round([slower, row, faster], "steady_step_ms", higher_is_faster=False)
     assert reported["steady_step_ms"] == row["steady_step_ms"]
     assert reported["steady_step_ms_rounds"] == [slower["steady_step_ms"], row["steady_step_ms"], faster["steady_step_ms"]]
     step_times.write(tmp_path, {"command": "x", "machine": machine_info(), "date": "d", "model": "tiny",

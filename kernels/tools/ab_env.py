@@ -22,8 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks import REPO, RESULTS  # noqa: E402
+from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -36,9 +37,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 def time_variant(settings: dict[str, str], context: int, batches: list[int], work: Path) -> dict[int, float]:
     """Graph-replayed µs of the whole decode call per batch, in a process of its own under ``settings``."""
-    config = bench.REPO / "eval/configs/bench_kernel.json"
+    config = REPO / "eval/configs/bench_kernel.json"
     sets = [f"contexts=[{context}]", f"batches={json.dumps(batches)}", 'methods=["oscar_triton"]']
-    command = [sys.executable, str(bench.REPO / "eval/bench_gpu.py"), "--config", str(config), "--out", str(work),
+    command = [sys.executable, str(REPO / "eval/bench_gpu.py"), "--config", str(config), "--out", str(work),
                "--name", "ab"] + [arg for text in sets for arg in ("--set", text)]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, **settings}, stdout=subprocess.DEVNULL)
     cases = json.loads((work / "ab.json").read_text())["cases"]
@@ -53,7 +54,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--note", default="", help="what the variants are (the switches are removed afterwards)")
-    parser.add_argument("--out", type=Path, default=bench.RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     options = parser.parse_args()
     batches = [int(b) for b in options.batches.split(",")]
     rows = []
@@ -68,14 +69,14 @@ def main() -> None:
         for batch in batches:
             times = [r["us"] for r in rows if r["variant"] == label and r["batch"] == batch]
             medians[f"{label} @ {batch}"] = statistics.median(times)
-    machine = bench.machine_info()
+    machine = machine_info()
     command = "python kernels/tools/ab_env.py " + " ".join(f"'{arg}'" if " " in arg or not arg else arg for arg in sys.argv[1:])
     record = {"name": options.name, "command": command, "machine": machine,
-              "date": bench.utc_date(), "note": options.note,
+              "date": utc_date(), "note": options.note,
               "context": options.context, "rows": rows, "medians": medians}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / f"{options.name}.json").write_text(json.dumps(record, indent=1))
-    lines = [f"# {options.name}", "", f"{bench.machine_line(machine)}, {record['date']}", "", f"`{command}`", "",
+    lines = [f"# {options.name}", "", f"{machine_line(machine)}, {record['date']}", "", f"`{command}`", "",
              options.note, "", f"Whole decode call at {options.context:,} tokens, CUDA-graph replay (µs, the "
              "benchmark's median); the variants in turn, each its own process.", "",
              "| turn | variant | settings | batch | µs |", "|---|---|---|---|---|"]  # fmt: skip

@@ -21,38 +21,44 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
+from benchmarks.models import (  # noqa: E402
+    add_model_arguments, build_model, input_device, random_rotations,
+)  # fmt: skip
+from oscar_hf.core.model_info import head_dim_of, text_config_of  # noqa: E402
+from benchmarks.timing import synchronize  # noqa: E402
 
 from oscar_hf.core.attention import oscar_attention_forward  # noqa: E402
 from oscar_hf.kernels.decode_attention import decode_attention  # noqa: E402
 from oscar_hf.kernels.rotate import rotate_rows  # noqa: E402
+from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 
 
 def per_call_us(fn, iterations: int, device: torch.device) -> float:
     for _ in range(100):  # past a demotion (every 64 tokens) and whatever it compiles
         fn()
-    bench.synchronize([device])
+    synchronize([device])
     start = time.perf_counter()
     for _ in range(iterations):
         fn()
-    bench.synchronize([device])
+    synchronize([device])
     return (time.perf_counter() - start) / iterations * 1e6
 
 
 def step_inputs(model, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """q ``[B, Hq, 1, D]`` and K/V ``[B, Hkv, 1, D]`` laid out as a Qwen3 layer hands them to attention."""
-    config = bench.text_config(model)
-    head_dim = bench.head_dim(model)
-    q = torch.randn(batch, 1, config.num_attention_heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
-    k, v = (torch.randn(batch, 1, config.num_key_value_heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    config = text_config_of(model)
+    dim = head_dim_of(model)
+    q = torch.randn(batch, 1, config.num_attention_heads, dim, device=device, dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(batch, 1, config.num_key_value_heads, dim, device=device, dtype=dtype).transpose(1, 2)
             for _ in "kv")  # fmt: skip
     return q, k, v
 
 
 def oscar_pieces(model, batch: int, context: int, rotations, device: torch.device, iterations: int) -> dict:
-    cache = bench.make_cache("oscar-int2", model, context + 4096, rotations)
-    bench.fill_cache(cache, model, batch, context, 65536)
+    cache = make_cache("oscar-int2", model, context + 4096, rotations)
+    fill_cache(cache, model, batch, context, 65536)
     layer, module = cache.layers[0], model.model.layers[0].self_attn
     q, k, v = step_inputs(model, batch, device, torch.bfloat16)
     scaling = module.scaling
@@ -88,8 +94,8 @@ def oscar_pieces(model, batch: int, context: int, rotations, device: torch.devic
 def dynamic_pieces(model, batch: int, context: int, device: torch.device, iterations: int) -> dict:
     """What a DynamicCache layer does per step: concatenate the new K/V to the cached ones, SDPA over them
     (the cache itself keeps its length here, so that every call costs what one at ``context`` does)."""
-    config = bench.text_config(model)
-    shape = (batch, config.num_key_value_heads, context, bench.head_dim(model))
+    config = text_config_of(model)
+    shape = (batch, config.num_key_value_heads, context, head_dim_of(model))
     cached_k, cached_v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in "kv")
     module = model.model.layers[0].self_attn
     q, k, v = step_inputs(model, batch, device, torch.bfloat16)
@@ -103,20 +109,20 @@ def dynamic_pieces(model, batch: int, context: int, device: torch.device, iterat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_model_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--iterations", type=int, default=300)
     options = parser.parse_args()
     name, spec = options.model
-    model = bench.build_model({**spec, "num_hidden_layers": 1}, options.device, torch.bfloat16, bench.attention_for("oscar-int2"))
-    device = bench.input_device(model)
-    rotations = bench.random_rotations(bench.head_dim(model), [0])
+    model = build_model({**spec, "num_hidden_layers": 1}, options.device, torch.bfloat16, attention_for("oscar-int2"))
+    device = input_device(model)
+    rotations = random_rotations(head_dim_of(model), [0])
     with torch.no_grad():
         times = {**oscar_pieces(model, options.batch, options.context, rotations, device, options.iterations),
                  **dynamic_pieces(model, options.batch, options.context, device, options.iterations)}  # fmt: skip
     for piece, us in times.items():
         print(f"{us:9.1f} us  {piece}")
-    info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-            "date": bench.utc_date(), "model": name, "context": options.context,
+    info = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
+            "date": utc_date(), "model": name, "context": options.context,
             "batch": options.batch, "iterations": options.iterations, "us_per_call": times}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "host_time.json").write_text(json.dumps(info, indent=1))
@@ -124,7 +130,7 @@ def main() -> None:
     (options.out / "host_time.md").write_text(
         f"# Host time of one layer's decode attention\n\n{name}, context {options.context}, batch {options.batch}: "
         f"wall time a call over {options.iterations} calls in a row (host-bound pieces show host time).\n\n"
-        f"| piece | us a call |\n|---|---|\n{rows}\n\n`{info['command']}` on {bench.machine_line(info['machine'])}, "
+        f"| piece | us a call |\n|---|---|\n{rows}\n\n`{info['command']}` on {machine_line(info['machine'])}, "
         f"{info['date']}.\n"
     )
     plot(times, options.out / "host_time.png", f"{name}, {options.context} tokens, batch {options.batch}")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
 import tune_decode as tune  # noqa: E402
 
 CONFIG = tune.CONFIG
@@ -38,16 +38,16 @@ def main() -> None:
         parser.add_argument(f"--{knob}", type=int, default=0)
     parser.add_argument("--staged", action="store_true", help="the span alone, next tile staged (pipeline=True)")
     options = parser.parse_args()
-    inputs = bench.tiered_inputs(CONFIG, options.context, options.batch, torch.device("cuda"), seed=0)
-    args = [inputs["q"], *(inputs[name] for name in bench.TIER_NAMES)]
-    kernels, scale = bench.decode_kernels(), CONFIG["shape"]["head_dim"] ** -0.5
+    inputs = tiered_inputs(CONFIG, options.context, options.batch, torch.device("cuda"), seed=0)
+    args = [inputs["q"], *(inputs[name] for name in TIER_NAMES)]
+    kernels, scale = decode_kernels(), CONFIG["shape"]["head_dim"] ** -0.5
     knobs = (options.splits, options.block_n, options.warps, options.stages)
     for _ in range(3):
         if options.staged:
             from oscar_hf.kernels.decode_history_gluon import history_partials
             from oscar_hf.kernels.gluon_span_variant import programs_per_sm
 
-            packed = [inputs[name] for name in bench.TIER_NAMES[2:8]]
+            packed = [inputs[name] for name in TIER_NAMES[2:8]]
             splits = tune.splits_for(programs_per_sm(), options.batch)
             history_partials(inputs["q"], *packed, scale, splits, pipeline=True)
         else:

@@ -25,8 +25,17 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
+from benchmarks.cases import free_memory  # noqa: E402
+from benchmarks.decoding import decode_steps, generate  # noqa: E402
+from benchmarks.models import (  # noqa: E402
+    add_model_arguments, build_model, random_rotations, random_tokens,
+)  # fmt: skip
+from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+from benchmarks.timing import median, model_devices, synchronize  # noqa: E402
+from oscar_hf.core.compat import cache_keyword  # noqa: E402
+from oscar_hf.provenance import machine_info, utc_date  # noqa: E402
 
 
 def top_ops(prof, key: str, count: int) -> list[dict]:
@@ -49,39 +58,39 @@ def python_functions(run, steps: int, count: int) -> list[dict]:
 
 def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, rotations,
                   python: bool = False) -> dict:  # fmt: skip
-    model.set_attn_implementation(bench.attention_for(cache_name))
+    model.set_attn_implementation(attention_for(cache_name))
     max_len = context + 2 * steps + 16
 
     def filled():
-        cache = bench.make_cache(cache_name, model, max_len, rotations)
-        bench.fill_cache(cache, model, batch, context, 65536)
-        bench.synchronize(bench.model_devices(model))
+        cache = make_cache(cache_name, model, max_len, rotations)
+        fill_cache(cache, model, batch, context, 65536)
+        synchronize(model_devices(model))
         return cache
 
     cache = filled()
-    bench.decode_steps(model, cache, batch, 3, 0)  # warm-up, compiles kernels
+    decode_steps(model, cache, batch, 3, 0)  # warm-up, compiles kernels
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = bench.decode_steps(model, cache, batch, 0, steps)
+        wall = decode_steps(model, cache, batch, 0, steps)
     kernels_us = sum(e.self_device_time_total for e in prof.key_averages())
     del cache
-    bench.free_memory()
-    ids = bench.random_tokens(model, batch, context + 1)
+    free_memory()
+    ids = random_tokens(model, batch, context + 1)
     host = {}
     if python:  # generate's steps, the path the e2e benchmark times
         cache = filled()
-        host["python"] = python_functions(lambda: bench.generate(model, cache, ids, steps), steps, 40)
+        host["python"] = python_functions(lambda: generate(model, cache, ids, steps), steps, 40)
         del cache
-        bench.free_memory()
+        free_memory()
     cache = filled()
     start = time.perf_counter()
-    bench.generate(model, cache, ids, steps)
-    bench.synchronize(bench.model_devices(model))
+    generate(model, cache, ids, steps)
+    synchronize(model_devices(model))
     generate_ms = (time.perf_counter() - start) * 1e3
     del cache
-    bench.free_memory()
+    free_memory()
     return {
         "cache": cache_name,
-        "step_ms_median": bench.median(wall),
+        "step_ms_median": median(wall),
         "cuda_kernel_ms_per_step": kernels_us / steps / 1e3,
         "generate_ms_per_token": generate_ms / steps,
         "top_cuda": top_ops(prof, "self_device_time_total", 12),
@@ -92,21 +101,21 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
 
 def profile_prefill(model, cache_name: str, batch: int, context: int, rotations) -> dict:
     """The same summary for one real prefill forward into a fresh cache (after a warm-up one)."""
-    model.set_attn_implementation(bench.attention_for(cache_name))
-    ids = bench.random_tokens(model, batch, context, seed=1)
+    model.set_attn_implementation(attention_for(cache_name))
+    ids = random_tokens(model, batch, context, seed=1)
 
     def forward() -> None:
-        cache = bench.make_cache(cache_name, model, context + 8, rotations)
+        cache = make_cache(cache_name, model, context + 8, rotations)
         with torch.no_grad():
-            model(ids, use_cache=True, logits_to_keep=1, **{bench.cache_keyword(model): cache})
-        bench.synchronize(bench.model_devices(model))
+            model(ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
+        synchronize(model_devices(model))
 
     forward()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         forward()
         wall_ms = (time.perf_counter() - start) * 1e3
-    bench.free_memory()
+    free_memory()
     return {
         "cache": cache_name,
         "prefill_ms": wall_ms,
@@ -118,15 +127,15 @@ def profile_prefill(model, cache_name: str, batch: int, context: int, rotations)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_model_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--caches", default="dynamic,oscar-int2")
     parser.add_argument("--prefill", action="store_true", help="profile one prefill of --context tokens instead")
     parser.add_argument("--python", action="store_true", help="also profile the host time of generate's steps by Python function")
     options = parser.parse_args()
     name, spec = options.model
-    model = bench.build_model(spec, options.device, torch.bfloat16)
-    rotations = bench.random_rotations(bench.head_dim(model), bench.full_attention_layers(model))
+    model = build_model(spec, options.device, torch.bfloat16)
+    rotations = random_rotations(head_dim_of(model), full_attention_layer_ids(model))
     results = []
     for cache_name in options.caches.split(","):
         if options.prefill:
@@ -145,8 +154,8 @@ def main() -> None:
         for function in result.get("python", [])[:25]:
             print("   py  ", function)
     options.out.mkdir(parents=True, exist_ok=True)
-    info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-            "date": bench.utc_date(), "model": name, "context": options.context,
+    info = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
+            "date": utc_date(), "model": name, "context": options.context,
             "batch": options.batch}  # fmt: skip
     stem = "profile_prefill" if options.prefill else "profile_decode"
     (options.out / f"{stem}.json").write_text(json.dumps({**info, "results": results}, indent=1))

@@ -56,11 +56,12 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_launch import PRODUCTION_LAUNCH, LaunchVariant  # noqa: E402
 from oscar_hf.kernels.gluon_span_variant import REGISTERS, SpanVariant  # noqa: E402
+from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 
 
 def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, variant: dict, span_variant,
@@ -69,7 +70,7 @@ def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, 
     stage 1 throughout (``baseline``), then the span (``span_variant``) with the dense tiers in splits
     of each size."""
 
-    tiers = [x[name] for name in bench.TIER_NAMES]
+    tiers = [x[name] for name in TIER_NAMES]
     want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
 
     def row(kernel: str, settled: bool = False, launch: LaunchVariant = PRODUCTION_LAUNCH, **extra) -> dict:
@@ -110,13 +111,13 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict, span_v
     rows.append(torch.cat([k_codes, v_codes], dim=-1))
     layouts = {"two buffers": x, "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:])}
     batch, splits = x["q"].shape[0], tune.splits_for(span_variant.programs_per_sm(), x["q"].shape[0])
-    want = kernels.decode_attention_reference(x["q"], *(x[name] for name in bench.TIER_NAMES), k_bits=2, v_bits=2,
+    want = kernels.decode_attention_reference(x["q"], *(x[name] for name in TIER_NAMES), k_bits=2, v_bits=2,
                                               sm_scale=scale).float()  # fmt: skip
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     out = []
     for _, (name, inputs) in itertools.product(range(2), layouts.items()):
-        packed = [inputs[n] for n in bench.TIER_NAMES[2:8]]
-        tiers = [inputs[n] for n in bench.TIER_NAMES]
+        packed = [inputs[n] for n in TIER_NAMES[2:8]]
+        tiers = [inputs[n] for n in TIER_NAMES]
 
         def alone():
             return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True,
@@ -149,7 +150,7 @@ def _merge_floor(PM, PL, PACC, O, o_st, n_slots, D: tl.constexpr, BLOCK_D: tl.co
 def floor_rows(kernels, x: dict, scale: float) -> list[dict]:
     """The whole call (settled) as it is, with the dense tiers empty, with the merge's floor, and both."""
     empty = x["sink_k"][:, :, :0]
-    full, dense_empty = [x[name] for name in bench.TIER_NAMES], [empty, empty, *(x[n] for n in bench.TIER_NAMES[2:8]),
+    full, dense_empty = [x[name] for name in TIER_NAMES], [empty, empty, *(x[n] for n in TIER_NAMES[2:8]),
                                                                  empty, empty, empty, empty]  # fmt: skip
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     out = []
@@ -199,13 +200,13 @@ def main() -> None:
 
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"  # the baselines; full_call_rows switches to the span and back
 
-    kernels = bench.decode_kernels()
+    kernels = decode_kernels()
     info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "machine": bench.machine_info(), "date": bench.utc_date()}  # fmt: skip
+            "machine": machine_info(), "date": utc_date()}  # fmt: skip
     rows = []
     for batch in numbers(options.batches):
-        x = bench.tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)
-        q, packed = x["q"], [x[name] for name in bench.TIER_NAMES[2:8]]
+        x = tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)
+        q, packed = x["q"], [x[name] for name in TIER_NAMES[2:8]]
         empty = x["sink_k"][:, :, :0]
         scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
         if options.floors:
@@ -252,7 +253,7 @@ def main() -> None:
             rows += full_call_rows(kernels, x, scale, options, variant, span_variant, baseline=index == 0)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
-    lines = [f"Gluon history span vs Triton stage 1, {bench.machine_line(info['machine'])}, {info['date']}", "",
+    lines = [f"Gluon history span vs Triton stage 1, {machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
              "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
              "merge warps | us | max abs error |",

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks.kernel import TIER_NAMES, oscar_triton, tiered_inputs  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.gluon_span_variant import SpanVariant, programs_per_sm  # noqa: E402
+from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 
 CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
@@ -42,7 +43,7 @@ DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
 
 def whole_call(x: dict, span_variant=None):
     """The kernel benchmark's call over ``x`` (settled history), as a function of no arguments."""
-    return lambda: bench.oscar_triton(x, tune.CONFIG, span_variant=span_variant)
+    return lambda: oscar_triton(x, tune.CONFIG, span_variant=span_variant)
 
 
 def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
@@ -51,8 +52,8 @@ def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
     scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
     rows = []
     for count in tiles:
-        x = bench.tiered_inputs(tune.CONFIG, DENSE_ROWS + count * splits * 64, batch, torch.device("cuda"), seed=0)
-        packed = [x[name] for name in bench.TIER_NAMES[2:8]]
+        x = tiered_inputs(tune.CONFIG, DENSE_ROWS + count * splits * 64, batch, torch.device("cuda"), seed=0)
+        packed = [x[name] for name in TIER_NAMES[2:8]]
         span_us = tune.time_graph(lambda: span.history_partials(x["q"], *packed, sm_scale=scale, splits=splits,
                                                                  pipeline=True))  # fmt: skip
         call_us = tune.time_graph(whole_call(x)) if count * splits * 64 >= splits * 256 else None
@@ -252,14 +253,14 @@ def main() -> None:
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
-    machine = bench.machine_info()
+    machine = machine_info()
     result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
-              "date": bench.utc_date(), "context": options.context,
+              "date": utc_date(), "context": options.context,
               "batches": []}  # fmt: skip
-    result["title"] = f"Decode call timeline, {bench.machine_line(machine)}, {result['date']}"
+    result["title"] = f"Decode call timeline, {machine_line(machine)}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])
-        x = bench.tiered_inputs(tune.CONFIG, options.context, batch, torch.device("cuda"), seed=0)
+        x = tiered_inputs(tune.CONFIG, options.context, batch, torch.device("cuda"), seed=0)
         entry = {"batch": batch, "tiles": tiles, "call_us": tune.time_graph(whole_call(x)),
                  "span_fit": line([(r["tiles"], r["span_us"]) for r in tiles]),
                  "call_fit": line([(r["tiles"], r["call_us"]) for r in tiles if r["call_us"] is not None]),

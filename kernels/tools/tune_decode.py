@@ -19,11 +19,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+from benchmarks import REPO  # noqa: E402
+from benchmarks.kernel import TIER_NAMES, decode_kernels, dense_inputs, sdpa_bf16, tiered_inputs  # noqa: E402
+from benchmarks.timing import tensor_bytes  # noqa: E402
+from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 
 # The kernel benchmark's shape and tiers (Qwen3-8B attention, sink 64, recent 256, random INT2 codes).
-CONFIG = json.loads((bench.REPO / "eval" / "configs" / "bench_kernel.json").read_text())
+CONFIG = json.loads((REPO / "eval" / "configs" / "bench_kernel.json").read_text())
 # The sweep's default grid; each axis can be narrowed or widened on the command line.
 GRID = {"block_n": "32,64,128", "warps": "1,2,4,8", "stages": "2,3", "programs_per_sm": "2,4,8"}
 
@@ -41,11 +44,11 @@ def time_graph(fn) -> float:
 
 def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
     device = torch.device("cuda")
-    x = bench.tiered_inputs(CONFIG, context, batch, device, seed=0)
-    args, scale = [x["q"], *(x[name] for name in bench.TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
-    kernels = bench.decode_kernels()
+    x = tiered_inputs(CONFIG, context, batch, device, seed=0)
+    args, scale = [x["q"], *(x[name] for name in TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
+    kernels = decode_kernels()
     want = kernels.decode_attention_reference(*args, k_bits=2, v_bits=2, sm_scale=scale).float()
-    dense = bench.dense_inputs(CONFIG, context, batch, device, seed=0)
+    dense = dense_inputs(CONFIG, context, batch, device, seed=0)
     rows = []
     axes = (grid["block_n"], grid["warps"], grid["stages"], grid["programs_per_sm"])
     for block_n, warps, stages, per_sm in itertools.product(*axes):
@@ -65,10 +68,10 @@ def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
     return {
         "batch": batch,
         "context": context,
-        "sdpa_bf16_us": time_graph(lambda: bench.sdpa_bf16(dense, CONFIG)),
+        "sdpa_bf16_us": time_graph(lambda: sdpa_bf16(dense, CONFIG)),
         "default_us": time_graph(lambda: kernels.decode_attention_triton(*args, None, 2, 2, scale)),
         "default_max_abs_error": (default.float() - want).abs().max().item(),
-        "int2_bytes": bench.tensor_bytes(args[3:9]),
+        "int2_bytes": tensor_bytes(args[3:9]),
         "best": timed[:8],
         "all": rows,
     }
@@ -77,7 +80,7 @@ def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
 def write(results: list[dict], out: Path, info: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_kernel_tuning.json").write_text(json.dumps({**info, "results": results}, indent=1))
-    lines = [f"Decode-attention tuning, {bench.machine_line(info['machine'])}, {info['date']}", "",
+    lines = [f"Decode-attention tuning, {machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
              "| batch | context | BF16 SDPA us | default us | best us | best setting | GB/s at best |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -101,7 +104,7 @@ def main() -> None:
     options = parser.parse_args()
     grid = {axis: tuple(int(v) for v in getattr(options, axis).split(",")) for axis in GRID}
     run_info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                "machine": bench.machine_info(), "date": bench.utc_date()}
+                "machine": machine_info(), "date": utc_date()}
     results = []
     for batch in options.batches.split(","):
         results.append(sweep(int(batch), options.context, grid))

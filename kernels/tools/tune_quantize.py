@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # bench_gpu (sibling tools sit beside this script)
-import bench_gpu as bench  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's oscar_hf, even beside an installed one
+from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402
 
 CLIPS = {"off": (0.0, 0.0), "k0.96/v0.92": (0.96, 0.92), "0.5": (0.5, 0.5)}
@@ -60,7 +59,7 @@ def sweep(context: int, kv_heads: int, head_dim: int, blocks: tuple[int, ...], w
 
 
 def to_markdown(info: dict, rows: list[dict]) -> str:
-    lines = [f"Write-kernel tuning, {bench.machine_line(info['machine'])}, {info['date']}", "",
+    lines = [f"Write-kernel tuning, {machine_line(info['machine'])}, {info['date']}", "",
              f"`{info['command']}`", "",
              f"One layer's K and V rows of a {info['context']}-token prefill (1 x {info['kv_heads']} KV heads x "
              f"head_dim {info['head_dim']}, bf16) to INT2 in one launch; medians of do_bench.", "",
@@ -81,8 +80,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     options = parser.parse_args()
     rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps)
-    info = {"command": "python " + " ".join(sys.argv), "machine": bench.machine_info(),
-            "date": bench.utc_date(), "context": options.context,
+    info = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
+            "date": utc_date(), "context": options.context,
             "kv_heads": options.kv_heads, "head_dim": options.head_dim}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "quantize_kernel_tuning.json").write_text(json.dumps({**info, "results": rows}, indent=1))

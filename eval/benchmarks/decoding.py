@@ -1,0 +1,132 @@
+"""Timed decoding: ``generate`` calls, a synchronised single-step loop, and a step's memory roofline."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from oscar_hf import RotationSet
+from oscar_hf.core.compat import cache_keyword
+
+from .caches import attention_for, kv_bytes, make_cache
+from .cases import free_memory
+from .models import input_device
+from .timing import elapsed_ms, median, model_devices, synchronize
+
+# The decode timing of the e2e, graph and multigpu benchmarks, unless their config says otherwise.
+DECODE_DEFAULTS = {"new_tokens": 32, "repeats": 3, "warmup_steps": 3, "steps": 16, "fill_chunk_rows": 65536}
+
+
+def generate(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, runner: Callable | None = None,
+             **options) -> torch.Tensor:  # fmt: skip
+    """Greedy decoding of exactly ``new_tokens``; a filled cache makes generate run only the uncached tokens.
+
+    ``runner`` is ``model.generate`` by default (or e.g. ``oscar_hf.generate`` bound to the model);
+    ``options`` go to it. ``disable_compile`` defaults to True: generate would otherwise compile the
+    forward for StaticCache on its own, and every cache must be timed running the same (eager) code
+    unless a case asks for compilation.
+    """
+    options.setdefault("disable_compile", True)
+    with torch.no_grad():
+        return (runner or model.generate)(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache}, **options,
+        )  # fmt: skip
+
+
+def generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, **options) -> float:
+    """Time of one :func:`generate` call (options as there)."""
+    return elapsed_ms(functools.partial(generate, model, cache, input_ids, new_tokens, **options), model_devices(model))
+
+
+def decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: int) -> list[float]:
+    """Times (ms) of ``steps`` single-token forward passes after ``warmup``, each synchronised.
+
+    Each step gets the all-ones attention mask ``generate`` passes, so both take the same attention
+    path (without a mask, SDPA may pick a different backend for the BF16 caches).
+    """
+    device, devices = input_device(model), model_devices(model)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    times = []
+
+    def step() -> None:
+        nonlocal token
+        mask = torch.ones(batch, cache.get_seq_length() + 1, dtype=torch.long, device=device)
+        logits = model(token, attention_mask=mask, **{cache_keyword(model): cache}, use_cache=True,
+                       logits_to_keep=1).logits  # fmt: skip
+        token = logits[:, -1:].argmax(-1).to(device)
+
+    with torch.no_grad():
+        for index in range(warmup + steps):
+            ms = elapsed_ms(step, devices)
+            if index >= warmup:
+                times.append(ms)
+    return times
+
+
+def roofline(model: PreTrainedModel, cache_bytes: int, step_ms: float, bandwidth: float | None) -> dict:
+    """A decode step's memory roofline: every weight and the whole KV cache read once at ``bandwidth``.
+
+    All parameters count, though a step gathers only a few rows of an untied input embedding. Empty
+    without a configured bandwidth.
+    """
+    if not bandwidth:
+        return {}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    roofline_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
+    return {"roofline_ms": roofline_ms, "step_over_roofline": step_ms / roofline_ms}
+
+
+def decode_case(
+    model: PreTrainedModel,
+    cache_name: str,
+    fill: Callable[[Any], None],
+    input_ids: torch.Tensor,
+    run: dict,
+    rotations: RotationSet | None,
+    inspect: Callable[[Any], dict] | None = None,
+) -> dict:
+    """Decode throughput of one cache: a manual step loop (median step) and timed ``generate`` calls.
+
+    ``fill(cache)`` brings a fresh cache to ``input_ids.shape[1] - 1`` tokens (synthetic K/V or a real
+    prefill, excluded from the timing); every timed ``generate`` gets a fresh cache, since it
+    mutates it. The step loop's warm-up also warms up generate. ``inspect(cache)`` runs on the
+    cache after the step loop and adds its entries to the row.
+    """
+    batch, context = input_ids.shape[0], input_ids.shape[1] - 1
+    new_tokens = run["new_tokens"]
+    max_len = context + max(new_tokens, run["warmup_steps"] + run["steps"]) + 8
+    model.set_attn_implementation(attention_for(cache_name))
+
+    def filled():
+        cache = make_cache(cache_name, model, max_len, rotations)
+        fill(cache)
+        synchronize(model_devices(model))
+        return cache
+
+    cache = filled()
+    row = {"kv_bytes": kv_bytes(cache)}
+    steps = decode_steps(model, cache, batch, run["warmup_steps"], run["steps"])
+    if inspect is not None:
+        row.update(inspect(cache))
+    del cache
+    free_memory()
+    generate_times = []
+    for _ in range(run["repeats"]):
+        cache = filled()
+        generate_times.append(generate_ms(model, cache, input_ids, new_tokens))
+        del cache
+        free_memory()
+    step_ms, total_ms = median(steps), median(generate_times)
+    return {
+        **row,
+        **roofline(model, row["kv_bytes"], step_ms, run.get("bandwidth_bytes_per_s")),
+        "step_ms": step_ms,
+        "step_tokens_per_s": batch * 1e3 / step_ms,
+        "generate_ms": total_ms,
+        "tokens_per_s": batch * new_tokens * 1e3 / total_ms,
+        "generate_ms_all": generate_times,
+    }
