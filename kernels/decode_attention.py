@@ -77,7 +77,9 @@ def decode_attention_reference(
     scores = torch.einsum("bkgd,bktd->bkgt", grouped_q, keys) * scale
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask.bool()[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row attends to nothing
+    probs = torch.softmax(scores, dim=-1)
+    # A fully masked row attends to nothing; NaN from a non-finite key or query propagates, as in SDPA.
+    probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
     out = torch.einsum("bkgt,bktd->bkgd", probs, values)
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 

@@ -121,5 +121,6 @@ def history_partials(
 
 def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Attention output ``[B, Hq, D]`` from partial slots (base-2 log-sum-exp), as stage 2 merges them."""
-    weight = torch.exp2(m - m.amax(dim=-1, keepdim=True)).nan_to_num(0.0)
+    # An empty slot (m = -inf) weighs nothing; a NaN slot must reach the output, as in stage 2.
+    weight = torch.where(torch.isneginf(m), 0.0, torch.exp2(m - m.amax(dim=-1, keepdim=True)))
     return (weight[..., None] * acc).sum(-2) / (weight * l).sum(-1, keepdim=True)

@@ -177,13 +177,19 @@ def test_batch_select_and_repeat_interleave(tiny):
     assert torch.equal(selected, keys[1:2])
 
 
-def test_crop_works_on_the_recent_window_and_refuses_history(tiny):
+def test_crop_removes_the_newest_tokens_from_the_window_then_the_history(tiny):
     cache = OscarCache(tiny, "naive-int2", **SMALL)
     forward(tiny, prompts([30])[0][None], cache)
+    layer, empty = cache.layers[0], torch.empty(1, 2, 0, 16)
+    before, _ = layer.dense_rotated(empty, empty)
     cache.crop(-3)
     assert cache.get_seq_length() == 27
-    with pytest.raises(ValueError, match="already quantized"):
-        cache.crop(-10)
+    cache.crop(-10)  # the 5 rows left in the window and the last 5 of the history
+    assert cache.get_seq_length() == 17 and layer.recent_keys.length == 0
+    after, _ = layer.dense_rotated(empty, empty)
+    assert torch.equal(after, before[:, :, :17])
+    with pytest.raises(ValueError, match="cannot crop 18"):
+        cache.crop(-18)
     none = OscarCache(tiny, "none")
     forward(tiny, prompts([30])[0][None], none)
     none.crop(-12)

@@ -529,6 +529,21 @@ def test_decode_attention_dispatcher_and_masked_rows():
         decode_attention(*args, k_bits=4, v_bits=2, key_mask=options["key_mask"][:, 1:])
 
 
+@pytest.mark.parametrize("tier", ["sink", "history scale", "recent", "new"])
+def test_a_non_finite_key_reaches_the_outputs_of_its_kv_head(tier):
+    """A NaN in one key of KV head 0 makes the outputs of that head's query heads NaN, as SDPA's math
+    does, on the kernel path and in its reference; the other KV head's stay finite."""
+    args, options = _decode_inputs(1, 4, 2, 64, 3, 40, 4, 1, torch.float32, k_bits=2, v_bits=2)
+    args = [a.clone() for a in args]
+    position = {"sink": 1, "history scale": 4, "recent": 9, "new": 11}[tier]  # (q, sink K, sink V, K codes, K scale, ...)
+    args[position][0, 0, 0] = float("nan")
+    scale = 64**-0.5
+    got = torch.ops.oscar.decode_attention(*args, None, 2, 2, scale, 3, 16, 0, 0)
+    want = decode_attention_reference(*args, sm_scale=scale, **options)
+    for out in (got, want):
+        assert out[0, :2].isnan().all() and out[0, 2:].isfinite().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads, k_bits", [
     (40, 72, 5, 9, 3, [0, 3], 2),  # the ring wraps around its end

@@ -47,6 +47,28 @@ def oscar_attention_forward(
     cache, layer = _waiting_layer(module, key)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    try:
+        if module.layer_idx == cache.layer_ids[0] and hasattr(module, "config"):
+            cache.check_model(module.config)
+        output = _attend(cache, layer, module, query, key, value, attention_mask, kwargs)
+    except BaseException as error:
+        cache.step_failed(module.layer_idx, error)
+        raise
+    cache.layer_finished()
+    return output, None
+
+
+def _attend(
+    cache: OscarCache,
+    layer: OscarLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """Attention over ``layer``'s tiers and the new chunk, which the layer then stores."""
     plain_decode = _is_plain_decode(layer, query, module, kwargs)
     if plain_decode and layer.static is None:
         cache.freeze_for_decoding(module.layer_idx, attention_mask)
@@ -54,10 +76,10 @@ def oscar_attention_forward(
         if not plain_decode:
             raise ValueError("static decoding computes plain softmax attention of one token (no soft-capping, "
                              "learned sinks or dropout)")  # fmt: skip
-        return layer.static.attend(layer, query, kwargs.get("scaling")), None
+        return layer.static.attend(layer, query, kwargs.get("scaling"))
     new_keys, new_values, plan = layer.begin_step(attention_mask)
     if plain_decode:
-        return _decode(layer, query, new_keys, new_values, plan, attention_mask, kwargs.get("scaling")), None
+        return _decode(layer, query, new_keys, new_values, plan, attention_mask, kwargs.get("scaling"))
     new_keys, new_values = layer.rotate_chunk(new_keys, new_values)
     if layer.stored_length == 0:
         # A first chunk attends only to itself: the K/V as given yield the same attention as their
@@ -69,7 +91,7 @@ def oscar_attention_forward(
         output = layer.unrotate_values(output, heads_axis=2)  # sdpa_attention_forward returns [B, T, H, D]
         del keys, values
     layer.finish_step(new_keys, new_values, plan)
-    return output, None
+    return output
 
 
 def _is_plain_decode(layer: OscarLayer, query: torch.Tensor, module: torch.nn.Module, kwargs: dict) -> bool:

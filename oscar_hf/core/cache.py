@@ -22,9 +22,10 @@ from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.layer import OscarLayer, allowed_keys
 from oscar_hf.core.memory import LayerMemory, MemoryReport
 from oscar_hf.core.models import load_config
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of, tensor_parallel_rank
+from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.core.quantize_jobs import quantize_jobs
-from oscar_hf.core.rotation_set import RotationSet, require_power_of_two
+from oscar_hf.core.rotation_set import RotationSet, own_kv_heads, require_power_of_two
+from oscar_hf.core.step_guard import StepGuard
 from oscar_hf.core.storage import MAX_SLACK_ROWS
 from oscar_hf.log import get_logger, warning_once
 
@@ -56,7 +57,7 @@ def active_cache() -> "OscarCache | None":
     return None if ref is None else ref()
 
 
-class OscarCache(Cache):
+class OscarCache(StepGuard, Cache):
     """A transformers ``Cache`` that stores the KV cache at ~2 bits per element with OSCAR rotations.
 
     Args:
@@ -104,7 +105,7 @@ class OscarCache(Cache):
         if not quantized_ids:
             raise ValueError("this model has no full-attention layers for OscarCache to quantize")
         rotations = self._resolve_rotations(rotations, head_dim, quantized_ids, kv_heads_of(self.text_config))
-        self.rotations = rotations = _own_kv_heads(rotations, config, kv_heads_of(self.text_config))
+        self.rotations = rotations = own_kv_heads(rotations, config, kv_heads_of(self.text_config))
         self.capacity = max_cache_len  # (transformers 5.17 has a read-only Cache.max_cache_len)
         self.static: StaticDecoding | None = None
         self.decode_graphs = decode_graphs
@@ -115,6 +116,8 @@ class OscarCache(Cache):
                   for i, layer in enumerate(stock_layers)]  # fmt: skip
         check_bit_budget(self.oscar_config, [layers[i].config for i in quantized_ids])
         self._first_oscar_layer = quantized_ids[0]
+        self.head_dim, self.layer_ids = head_dim, quantized_ids
+        self._init_steps()
         super().__init__(layers=layers)
 
     def _layer(self, layer_id: int, rotations: RotationSet, head_dim: int) -> OscarLayer:
@@ -162,6 +165,13 @@ class OscarCache(Cache):
         self, rotations: RotationSet | None, head_dim: int, layer_ids: list[int], kv_heads: int
     ) -> RotationSet:
         config = self.oscar_config
+        if rotations is not None and not isinstance(rotations, RotationSet):
+            raise TypeError(
+                f"rotations must be a RotationSet, got {type(rotations).__name__}: load one with "
+                "oscar_hf.load_rotations(path_or_hub_id), or build the cache with OscarCache.from_zoo(model, path)"
+            )
+        if rotations is not None and config.rotation != "calibrated":
+            logger.warning("method %r does not use calibrated rotations; the rotations passed are ignored", config.method)
         absorbed = getattr(self.text_config, ABSORBED_ATTRIBUTE, None)
         if absorbed is not None and (config.rotation != "calibrated" or rotations is None
                                      or rotations.value_fingerprint() != absorbed):
@@ -196,12 +206,16 @@ class OscarCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx >= len(self.layers):
+            self._fail_step(f"the model has a layer {layer_idx}, but this cache was made for {len(self.layers)} layers")
         layer = self.layers[layer_idx]
         if not isinstance(layer, OscarLayer):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         _active_cache.set(weakref.ref(self))
         implementation = self.text_config._attn_implementation  # a config attribute read costs ~10 us
         static_step = key_states.shape[2] == 1 and implementation == ATTENTION_NAME
+        if layer_idx == self._first_oscar_layer:
+            self._open_step(key_states, value_states)
         if self.static is not None and not static_step:
             self.static.thaw()
         if layer_idx == self._first_oscar_layer:
@@ -212,7 +226,11 @@ class OscarCache(Cache):
             else:
                 self._demote_all(key_states.shape[2])
         if implementation == ATTENTION_NAME:
-            layer.stash(key_states, value_states)
+            try:
+                layer.stash(key_states, value_states)
+            except BaseException as error:
+                self.step_failed(layer_idx, error)
+                raise
             return key_states, value_states
         warning_once(
             logger,
@@ -220,7 +238,13 @@ class OscarCache(Cache):
             "attention then reads a dequantized BF16 copy of the history and left padding may fill the sink. "
             "Call model.set_attn_implementation('oscar') for the memory and speed benefits.",
         )
-        return layer.update(key_states, value_states)
+        try:
+            keys, values = layer.update(key_states, value_states)
+        except BaseException as error:
+            self.step_failed(layer_idx, error)
+            raise
+        self.layer_finished()
+        return keys, values
 
     def _demote_all(self, new_tokens: int) -> None:
         """Demote every layer's overflowing recent rows before the step: all layers' K and V in one launch.
@@ -309,8 +333,30 @@ class OscarCache(Cache):
         logger.debug("OscarCache grew its frozen history to %d tokens", self.static.capacity)
 
     def reset(self) -> None:
+        """Empty every layer; also makes a cache usable again after a failed step."""
         self.stays_eager = False
+        self._step_open, self.broken = False, None
         super().reset()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self.require_intact()
+        return super().get_seq_length(layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.require_intact()
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.require_intact()
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.require_intact()
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.require_intact()
+        super().batch_repeat_interleave(repeats)
 
     def stop_static(self) -> None:
         """Thaw a frozen cache back to its eager layout (no device sync); nothing if it is not frozen."""
@@ -319,6 +365,7 @@ class OscarCache(Cache):
 
     def memory_report(self) -> MemoryReport:
         """Bytes of packed codes, metadata, sink and recent window per layer, with BPE and the BF16 baseline."""
+        self.require_intact()
         entries = []
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OscarLayer):
@@ -333,21 +380,6 @@ class OscarCache(Cache):
         clone = copy.copy(self)
         clone.__dict__ = copy.deepcopy(self.__dict__, memo)
         return clone
-
-
-def _own_kv_heads(rotations: RotationSet, model: PretrainedConfig | PreTrainedModel, kv_heads: int) -> RotationSet:
-    """Under tensor parallelism, the per-head rotations of this rank's KV heads (transformers' colwise
-    k_proj/v_proj give rank r the contiguous heads ``r * H / W .. (r + 1) * H / W - 1``)."""
-    parallel = tensor_parallel_rank(model) if isinstance(model, PreTrainedModel) else None
-    if parallel is None or not rotations.per_head:
-        return rotations
-    rank, size = parallel
-    if kv_heads % size:
-        raise ValueError(f"per-head rotations need the {kv_heads} KV heads split evenly over {size} ranks")
-    local = kv_heads // size
-    return rotations.select_kv_heads(rank * local, (rank + 1) * local)
-
-
 def static_unsupported(cache: "OscarCache") -> str | None:
     """Why ``cache`` cannot be frozen for static decoding now, or None when it can."""
     layers = cache.layers

@@ -14,6 +14,18 @@ from oscar_hf.quant import check_bits, check_symmetric, pack_unit
 ROTATION_KINDS = ("identity", "hadamard", "calibrated")
 
 
+def _is_count(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a number of tokens to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(owner: str, checks: dict[str, tuple[object, bool]]) -> None:
+    """Raise ``TypeError`` naming the first field whose value has the wrong type."""
+    for name, (value, ok) in checks.items():
+        if not ok:
+            raise TypeError(f"{owner}.{name} has the wrong type: {value!r} ({type(value).__name__})")
+
+
 @dataclass(frozen=True)
 class TensorQuantConfig:
     """How one of K or V is quantized once it leaves the BF16 windows.
@@ -27,6 +39,14 @@ class TensorQuantConfig:
     symmetric: bool = False
     clip_ratio: float = 0.0
     group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_types("TensorQuantConfig", {
+            "bits": (self.bits, _is_count(self.bits)),
+            "symmetric": (self.symmetric, isinstance(self.symmetric, bool)),
+            "clip_ratio": (self.clip_ratio, isinstance(self.clip_ratio, (int, float)) and not isinstance(self.clip_ratio, bool)),
+            "group_size": (self.group_size, self.group_size is None or _is_count(self.group_size)),
+        })  # fmt: skip
 
     def validate(self, name: str, head_dim: int) -> None:
         check_bits(self.bits)
@@ -74,6 +94,15 @@ class OscarConfig:
     layer_bits: bool = True
     allow_bits_change: bool = False
 
+    def __post_init__(self) -> None:
+        flags = ("check_finite", "layer_clip", "shared_rotations", "layer_bits", "allow_bits_change")
+        _check_types("OscarConfig", {
+            **{name: (getattr(self, name), _is_count(getattr(self, name))) for name in ("sink", "recent", "block")},
+            **{name: (getattr(self, name), isinstance(getattr(self, name), bool)) for name in flags},
+            **{name: (getattr(self, name), getattr(self, name) is None or isinstance(getattr(self, name), TensorQuantConfig))
+               for name in ("key", "value")},
+        })  # fmt: skip
+
     @property
     def quantized(self) -> bool:
         return self.key is not None
@@ -84,11 +113,14 @@ class OscarConfig:
             raise ValueError("K and V must both be quantized or both kept in high precision")
         if self.rotation not in ROTATION_KINDS:
             raise ValueError(f"rotation must be one of {ROTATION_KINDS}, got {self.rotation!r}")
-        for name, value in (("sink", self.sink), ("recent", self.recent)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of tokens, got {value!r}")
-        if not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"block must be a positive number of tokens, got {self.block!r}")
+        if self.sink < 0:
+            raise ValueError(f"sink must be a non-negative number of tokens, got {self.sink}")
+        if self.recent < 1:
+            # Each decode step's token joins the window before attention reads it (the kernels, static
+            # decoding and the teacher-forced evaluator all rely on that).
+            raise ValueError(f"recent must be at least 1 token, got {self.recent}")
+        if self.block < 1:
+            raise ValueError(f"block must be a positive number of tokens, got {self.block}")
         if self.metadata_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"metadata_dtype must be bfloat16, float16 or float32, got {self.metadata_dtype}")
         if self.key is not None:

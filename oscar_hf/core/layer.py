@@ -156,8 +156,8 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
                 "The model's attention must go through attn_implementation='oscar' for every layer."
             )
         if self.config.check_finite:
-            _check_finite(key_states, "key")
-            _check_finite(value_states, "value")
+            check_finite_states(key_states, "key")
+            check_finite_states(value_states, "value")
         self._pending = PendingChunk(key_states, value_states)
 
     @property
@@ -355,29 +355,28 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
                 buffer.repeat_batch(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove tokens from the end; only BF16 tokens can go (quantized history cannot be un-quantized).
+        """Remove the newest tokens: from the recent window, then from the end of the history, then the sink.
 
         A negative value removes that many tokens; a positive one is the length to keep (the
-        transformers 5.17 legacy meaning).
+        transformers 5.17 legacy meaning). Assisted decoding crops rejected candidates this way,
+        however many of them the verification step already quantized.
         """
         self._require_idle("crop")
         self._leave_static(stay_eager=True)
         length = self.get_seq_length()
         remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, length - tokens_to_remove)
-        if remove == 0:
-            return
-        if remove > self.recent_keys.length and self.history_length:
-            raise ValueError(
-                f"cannot crop {remove} tokens: only the last {self.recent_keys.length} are in the BF16 recent "
-                "window, the rest is already quantized"
-            )
         if remove > length:
             raise ValueError(f"cannot crop {remove} tokens from a layer that holds {length}")
         from_recent = min(remove, self.recent_keys.length)
+        from_history = min(remove - from_recent, self.history_length)
+        from_sink = remove - from_recent - from_history
         for buffer in (self.recent_keys, self.recent_values):
             buffer.truncate(buffer.length - from_recent)
+        if from_history:
+            for history in (self.history_keys, self.history_values):
+                history.truncate(history.length - from_history)
         for buffer in (self.sink_keys, self.sink_values):
-            buffer.truncate(buffer.length - (remove - from_recent))
+            buffer.truncate(buffer.length - from_sink)
 
     def offload(self):
         raise NotImplementedError("OscarCache does not support offloading: its packed history is already ~7x smaller")
@@ -411,7 +410,7 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
         )
 
 
-def _check_finite(states: torch.Tensor, name: str) -> None:
+def check_finite_states(states: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(states).all()):
         raise ValueError(f"non-finite values (NaN/Inf) in the {name} states given to OscarCache")
 

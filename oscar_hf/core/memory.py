@@ -149,11 +149,16 @@ class MemoryReport:
             f"| **all** | {self.method} | | | | {s['code_bytes']:,} | {s['metadata_bytes']:,} | {s['sink_bytes']:,} "
             f"| {s['recent_bytes']:,} | {s['total_bytes']:,} | {s['bf16_dynamic_cache_bytes']:,} |"
         )
-        rows.append(f"\n{s['bits_per_element']} bits per element, {s['compression_vs_bf16']}x smaller than BF16.")
+        if not s["tokens"]:
+            rows.append("\nNo tokens stored yet.")
+        else:
+            rows.append(f"\n{s['bits_per_element']} bits per element, {s['compression_vs_bf16']}x smaller than BF16.")
         return "\n".join(rows)
 
     def __str__(self) -> str:
         s = self.summary()
+        if not s["tokens"]:
+            return f"{self.method}: no tokens stored yet"
         return (
             f"{self.method}: {s['total_bytes'] / 2**20:.2f} MiB for {s['tokens']} tokens "
             f"({s['bits_per_element']:.2f} bits/element); a BF16 DynamicCache holds them in "

@@ -14,7 +14,9 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig, PreTrainedModel
 
+from oscar_hf.core.model_info import tensor_parallel_rank
 from oscar_hf.quant import SUPPORTED_BITS
 
 ORTHOGONALITY_TOLERANCE = 1e-3
@@ -254,3 +256,16 @@ class RotationSet:
                 f"rotations name layers {extra} that are not quantized full-attention layers of this model "
                 f"(those are {layer_ids[:8]}{'...' if len(layer_ids) > 8 else ''})"
             )
+
+
+def own_kv_heads(rotations: RotationSet, model: PretrainedConfig | PreTrainedModel, kv_heads: int) -> RotationSet:
+    """Under tensor parallelism, the per-head rotations of this rank's KV heads (transformers' colwise
+    k_proj/v_proj give rank r the contiguous heads ``r * H / W .. (r + 1) * H / W - 1``)."""
+    parallel = tensor_parallel_rank(model) if isinstance(model, PreTrainedModel) else None
+    if parallel is None or not rotations.per_head:
+        return rotations
+    rank, size = parallel
+    if kv_heads % size:
+        raise ValueError(f"per-head rotations need the {kv_heads} KV heads split evenly over {size} ranks")
+    local = kv_heads // size
+    return rotations.select_kv_heads(rank * local, (rank + 1) * local)

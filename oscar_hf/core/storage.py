@@ -160,6 +160,11 @@ class PackedHistory:
     def buffers(self) -> tuple[RowBuffer, RowBuffer, RowBuffer]:
         return self.codes, self.scale, self.zero
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` rows (the newest go first, as ``crop`` removes them)."""
+        for buffer in self.buffers():
+            buffer.truncate(length)
+
     def fix_capacity(self, rows: int, at_least: bool = False) -> None:
         """Room for ``rows`` rows (rounded up to whole ``ROW_ALIGNMENT`` rows) at fixed addresses."""
         for buffer in self.buffers():

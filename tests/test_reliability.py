@@ -1,0 +1,166 @@
+"""Faults and bad input: a step reaches every layer or the cache refuses further use, non-finite values
+propagate, construction refuses what the cache cannot honour, and assisted decoding crops what it asks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import oscar_hf.core.attention
+import oscar_hf.core.frozen_decoding
+from oscar_hf import METHODS, OscarCache, RotationSet, TensorQuantConfig
+from oscar_hf.core.step_guard import CacheBrokenError
+from tests.conftest import forward, generate, tiny_model
+
+SMALL = dict(sink=4, recent=8, block=2)
+
+
+def tokens(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def lengths(cache: OscarCache) -> list[int]:
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+def poison_keys(model, layer_idx: int) -> None:
+    """NaN keys from layer ``layer_idx`` on (its k_proj bias would do; the weights are simpler)."""
+    with torch.no_grad():
+        model.model.layers[layer_idx].self_attn.k_proj.weight[0, 0] = float("nan")
+
+
+def test_a_step_that_fails_in_a_later_layer_breaks_the_cache_until_reset():
+    model = tiny_model("llama")
+    cache = OscarCache(model, "quarot-int2", check_finite=True, **SMALL)
+    prompt = tokens(20)
+    forward(model, prompt, cache)
+    poison_keys(model, 1)
+    with pytest.raises(ValueError, match="non-finite"):
+        forward(model, tokens(1, seed=1), cache)
+    for use in (lambda: forward(model, tokens(1, seed=2), cache), cache.get_seq_length, cache.memory_report,
+                lambda: cache.crop(-1), lambda: cache.batch_repeat_interleave(2)):  # fmt: skip
+        with pytest.raises(CacheBrokenError, match=r"layer 1 raised ValueError .* 1 of 2 quantized layers.*reset\(\)"):
+            use()
+    model = tiny_model("llama")
+    cache.reset()
+    fresh = OscarCache(model, "quarot-int2", check_finite=True, **SMALL)
+    torch.testing.assert_close(forward(model, prompt, cache).logits, forward(model, prompt, fresh).logits)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["eager", "frozen"])
+def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
+    """An error in layer 1's attention (here a simulated out-of-memory) after layer 0 stored the step,
+    on the eager path and on the frozen layout that plain generate decodes with on a GPU."""
+    model = tiny_model("llama")
+    cache = OscarCache(model, "quarot-int2", decode_graphs=frozen, **SMALL)
+    forward(model, tokens(20), cache)
+    forward(model, tokens(1, seed=4), cache)  # freezes the cache when frozen
+    assert (cache.static is not None) == frozen
+    module = oscar_hf.core.frozen_decoding if frozen else oscar_hf.core.attention
+    real, calls = module.decode_attention, []
+
+    def out_of_memory_in_layer_1(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode_attention", out_of_memory_in_layer_1)
+    with pytest.raises(torch.OutOfMemoryError):
+        forward(model, tokens(1, seed=1), cache)
+    # Layer 1 had reserved its window row for the step and never computed it: nothing may use that.
+    with pytest.raises(CacheBrokenError, match="OutOfMemoryError"):
+        forward(model, tokens(1, seed=2), cache)
+
+
+@pytest.mark.parametrize("mistake", ["batch", "dtype", "head_dim"])
+def test_a_step_the_cache_cannot_store_is_refused_before_any_layer_stores_it(mistake):
+    model = tiny_model("llama")
+    cache = OscarCache(model, "quarot-int2", **SMALL)
+    reference = OscarCache(model, "quarot-int2", **SMALL)
+    prompt = tokens(20)
+    forward(model, prompt, cache)
+    forward(model, prompt, reference)
+    keys = torch.zeros(1, 2, 1, 16)
+    bad = {"batch": torch.zeros(2, 2, 1, 16), "dtype": keys.half(), "head_dim": torch.zeros(1, 2, 1, 8)}[mistake]
+    with pytest.raises(ValueError, match={"batch": "batch size", "dtype": "dtype", "head_dim": "head_dim"}[mistake]):
+        cache.update(bad, bad.clone(), 0)
+    assert lengths(cache) == [20, 20] and cache.broken is None
+    step = tokens(1, seed=3)
+    torch.testing.assert_close(forward(model, step, cache).logits, forward(model, step, reference).logits)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["eager", "frozen"])
+@pytest.mark.parametrize("method", ["quarot-int2", "int4", "oscar-k3v2"])
+def test_a_non_finite_key_propagates_like_dynamic_cache(method, frozen):
+    """With check_finite off, NaN keys give NaN logits at every later step (as DynamicCache with eager
+    attention gives), never a plausible finite answer: masking only touches masked positions."""
+    model = tiny_model("llama")
+    rotations = RotationSet.hadamard(16, [0, 1]) if METHODS[method].rotation == "calibrated" else None
+    cache = OscarCache(model, method, rotations=rotations, decode_graphs=frozen, **SMALL)
+    forward(model, tokens(20), cache)
+    poison_keys(model, 1)
+    reference = tiny_model("llama", attn="eager")
+    poison_keys(reference, 1)
+    assert forward(reference, tokens(21), DynamicCache(config=model.config)).logits[:, -1].isnan().all()
+    for seed in (1, 2):  # the step with the NaN key, then one that only finds it in the cache
+        assert forward(model, tokens(1, seed=seed), cache).logits.isnan().all()
+
+
+def test_construction_refuses_settings_the_cache_cannot_honour():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="recent must be at least 1"):
+        OscarCache(model, "quarot-int2", sink=4, recent=0)
+    with pytest.raises(TypeError, match="block"):
+        OscarCache(model, "quarot-int2", block=True)
+    with pytest.raises(TypeError, match="recent"):
+        OscarCache(model, "quarot-int2", recent=8.0)
+    with pytest.raises(TypeError, match="bits"):
+        TensorQuantConfig(2.0)
+    with pytest.raises(TypeError, match="OscarCache.from_zoo"):
+        OscarCache(model, "oscar-int2", rotations="some/dir")
+
+
+def test_rotations_a_method_does_not_use_are_logged(caplog):
+    model = tiny_model("llama")
+    rotations = RotationSet.hadamard(16, [0, 1])
+    with caplog.at_level(logging.WARNING, logger="oscar_hf"):
+        OscarCache(model, "quarot-int2", rotations=rotations)
+    assert "ignored" in caplog.text
+
+
+@pytest.mark.parametrize("other, difference", [
+    (dict(num_hidden_layers=3), "full-attention layers"),
+    (dict(num_hidden_layers=1), "full-attention layers"),
+    (dict(head_dim=32), "head_dim"),
+    (dict(num_key_value_heads=4), "KV heads"),
+])  # fmt: skip
+def test_a_cache_used_with_another_model_names_the_difference(other, difference):
+    cache = OscarCache(tiny_model("llama"), "quarot-int2", **SMALL)
+    with pytest.raises(ValueError, match=difference):
+        forward(tiny_model("llama", **other), tokens(12), cache)
+
+
+def test_an_empty_cache_reports_no_tokens_rather_than_nan():
+    report = OscarCache(tiny_model("llama"), "quarot-int2").memory_report()
+    assert "nan" not in str(report).lower() and "no tokens" in str(report)
+
+
+@pytest.mark.parametrize("method", ["none", "quarot-int2"])
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "draft_model"])
+def test_assisted_decoding_with_more_candidates_than_the_window(method, assistant):
+    """Candidates beyond the recent window are quantized by the verification step; rejected ones are
+    cropped from the end of the history. With ``none`` the output is plain greedy's."""
+    model = tiny_model("llama")
+    prompt = torch.cat([tokens(16)] * 3, dim=1)  # repeats, so that prompt lookup proposes candidates
+    extra = {"prompt_lookup_num_tokens": 12} if assistant == "prompt_lookup" else {
+        "assistant_model": tiny_model("llama", seed=1), "num_assistant_tokens": 12}
+    cache = OscarCache(model, method, sink=4, recent=3, block=2)
+    got = generate(model, prompt, cache, max_new_tokens=30, **extra)
+    assert got.shape[1] == prompt.shape[1] + 30
+    assert lengths(cache) == [prompt.shape[1] + 29] * 2
+    if method == "none":
+        torch.testing.assert_close(got, generate(model, prompt, DynamicCache(config=model.config), max_new_tokens=30))
