@@ -64,7 +64,6 @@ BEFORE_LOADING = [
     (["demo", "--methods", ""], USAGE, "argument --methods: no names in ''"),
     (["demo", "--methods", ","], USAGE, "argument --methods: no names in ','"),
     (["demo", "--methods", "int3"], USAGE, "unknown method(s) ['int3']"),
-    (["demo", "--rotations", "{missing}"], 1, "oscar-hf demo: rotations: "),
     ([*KL[:2], "--text", "{missing}"], 1, "oscar-hf eval kl: --text {missing} is not a file"),
     ([*KL[:2], "--text", "{empty}"], 1, "oscar-hf eval kl: --text {empty} is empty"),
     ([*KL[:2], "--text", "{blank}"], 1, "oscar-hf eval kl: --text {blank} is empty"),
@@ -170,11 +169,10 @@ def test_mistakes_seen_with_the_model_fail_in_one_line(argv, message, paths, mod
 
 
 @pytest.mark.parametrize("name, argv", [
-    ("demo", ["demo", "--methods", "none"]),
     ("memory", ["memory"]),
     ("eval kl", ["eval", "kl", "--text", "{text}"]),
     ("calibrate", ["calibrate", "--data", "{text}", "--out", "{folder}/rotations"]),
 ])
 def test_a_model_that_does_not_exist_fails_in_one_line(name, argv, paths, capsys):
     code, line = _error([*[arg.format(**paths) for arg in argv], "--model", paths["missing"]], capsys)
-    assert code == 1 and line.startswith(f"oscar-hf {name}: --model {paths['missing']}: ")
+    assert code == 1 and line == f"oscar-hf {name}: --model {paths['missing']} is not a folder (give a model folder, a hub id or 'default')"

@@ -103,6 +103,13 @@ def check_output(path: str | Path, option: str, folder: bool = False) -> None:
         raise ValueError(f"{option} {path} is a folder, not a file")
 
 
+def check_model(name: str) -> None:
+    """A ``--model`` written as a path (``/``, ``.`` or ``~`` first) must be a folder: transformers would
+    otherwise report it as a malformed hub id."""
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+        raise ValueError(f"--model {name} is not a folder (give a model folder, a hub id or 'default')")
+
+
 def check_folders(paths: Sequence[str | Path], option: str) -> None:
     for path in paths:
         if not Path(path).is_dir():

@@ -60,6 +60,7 @@ def _rotations(args: argparse.Namespace) -> RotationSet | None:
 def _load(args: argparse.Namespace):
     from oscar_hf.core.models import ModelNotInstalledError, load_model
 
+    checks.check_model(args.model)
     try:
         return load_model(args.model, dtype=DTYPES[args.dtype])
     except (OSError, ValueError, ModelNotInstalledError) as error:  # "not a local folder nor a hub id"
