@@ -16,7 +16,6 @@ def test_first_difference_by_word():
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
     (["--rotations", "{missing}"], "rotations: "),
     (["--methods", "none,oscar-int2"], "oscar-int2 needs rotations calibrated for {missing}: pass --rotations DIR"),
 ])

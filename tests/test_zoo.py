@@ -711,7 +711,7 @@ def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
     plain = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
     assert torch.equal(_rotations_for("default", None, methods=["none", "oscar-int2-paper"]).key[3], plain.key[3])
     assert len(_rotations_for("default", None, methods=["oscar-int2", "oscar-k3v2"]).key_clip) == 30
-    with pytest.raises(SystemExit, match="separate commands"):
+    with pytest.raises(ValueError, match="separate commands"):
         _rotations_for("default", None, methods=["oscar-int2", "oscar-int2-paper"])
 
 

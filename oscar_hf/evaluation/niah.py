@@ -259,6 +259,8 @@ def parse_lengths(text: str) -> list[int]:
         if not match:
             raise NeedleError(f"bad length {part!r}: use token counts like 2048 or 2K")
         lengths.append(int(match.group(1)) * (1024 if match.group(2) else 1))
+        if lengths[-1] < 1:
+            raise NeedleError(f"bad length {part!r}: a prompt holds at least 1 token")
     if not lengths:
         raise NeedleError("no lengths given")
     return lengths
