@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 from oscar_hf.rotations.bit_allocation import BitAllocation, allocate_bits
 from oscar_hf.rotations.calibration import LayerCovariances, collect_covariances, rotations_from_covariances
@@ -19,6 +18,7 @@ from oscar_hf.rotations.clip_search import LayerChoice, search_layers
 from oscar_hf.core.config import K_CLIP, METHODS, V_CLIP
 from oscar_hf.rotations.refine import refine_rotations
 from oscar_hf.core.rotation_set import COMPOSITION_NAMES, RotationSet
+from oscar_hf.provenance import provenance
 
 # Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit
 # allocation scores its teacher-forced KL on them too (2 rows of 2048 tokens: 2 x 64 passes of ~20 s on CPU).
@@ -69,9 +69,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
             "seed": args.seed,
         },
         "tokens": tokens,
-        "command": "oscar-hf " + " ".join(argv),
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
+        **provenance("oscar-hf " + " ".join(argv)),
     }
     if allocation is not None:
         metadata["bit_allocation"] = allocation.to_dict()
