@@ -255,9 +255,7 @@ class OscarCache(StepGuard, Cache):
         jobs, metadata_dtype = [], self.oscar_config.metadata_dtype
         for layer in self.layers:
             if isinstance(layer, OscarLayer) and layer.is_initialized and layer.config.quantized:
-                count = layer.planned_demotion(new_tokens)
-                if count:
-                    jobs += layer.demotion_jobs(count)
+                jobs += layer.demotion_jobs_ahead(new_tokens)
         quantize_jobs(jobs, metadata_dtype)
 
     def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None) -> bool:

@@ -1,5 +1,4 @@
-"""``OscarLayer``: one full-attention layer of an ``OscarCache``, a BF16 sink, an INT2 history and a BF16
-recent window, all in the rotated basis (K·R_K, V·R_V).
+"""``OscarLayer``: one full-attention layer of an ``OscarCache`` in the rotated basis (K·R_K, V·R_V).
 
 Token lifecycle of one layer (positions in order, oscar-reference.md section 4):
 
@@ -86,6 +85,7 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
         self.is_initialized = False
         self.sink_end: int | None = None  # fixed once every row has shown its first real token
         self._pending: PendingChunk | None = None
+        self._demoted_ahead = 0  # rows of the coming step's demotion already taken (OscarCache._demote_all)
         self._empty_rows: torch.Tensor | None = None
         self.sink_keys = self.sink_values = self.recent_keys = self.recent_values = None
         self.history_keys = self.history_values = None
@@ -181,6 +181,7 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
         keys, values = self.take_pending()
         self._observe_padding(attention_mask, keys.shape[2])
         plan = self._plan(keys.shape[2])
+        self._demoted_ahead = 0
         self._demote(plan.demote)
         return keys, values, plan
 
@@ -275,9 +276,11 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
         if bool(started.all()):
             self.sink_end = int(allowed.int().argmax(dim=-1).max()) + self.config.sink
 
-    def planned_demotion(self, new_tokens: int) -> int:
-        """Recent rows the next step of ``new_tokens`` will demote (its plan, computed ahead)."""
-        return self._plan(new_tokens).demote
+    def demotion_jobs_ahead(self, new_tokens: int) -> list[QuantizeJob]:
+        """The demotions of the next step of ``new_tokens``, taken before it starts (the cache runs every
+        layer's at once); the step's own plan then counts those rows as still in the window."""
+        self._demoted_ahead = self._plan(new_tokens).demote
+        return self.demotion_jobs(self._demoted_ahead) if self._demoted_ahead else []
 
     def _plan(self, new_tokens: int) -> StepPlan:
         length = self.get_seq_length()
@@ -286,13 +289,13 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
         to_sink = 0
         if self.history_length == 0 and self.recent_keys.length == 0:
             to_sink = max(0, min(new_tokens, sink_end - self.sink_keys.length))
-        overflow = 0
+        overflow, ahead = 0, self._demoted_ahead
         if self.config.quantized:
-            window = self.recent_keys.length + new_tokens - to_sink
+            window = self.recent_keys.length + ahead + new_tokens - to_sink
             if window >= self.config.recent + self.config.block:
                 overflow = window - self.config.recent
-        demote = min(overflow, self.recent_keys.length)
-        return StepPlan(to_sink, demote, overflow - demote)
+        demote = min(overflow, self.recent_keys.length + ahead)
+        return StepPlan(to_sink, demote - ahead, overflow - demote)
 
     def _demote(self, count: int) -> None:
         if count:
