@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -120,9 +120,8 @@ def _rotate(states: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor
     return states if rotation is None else states @ rotation
 
 
-def roundtrip(states: torch.Tensor, rotation: torch.Tensor | None, format: TensorQuantConfig) -> torch.Tensor:
-    """What exact ``states`` become in a history of ``format``, back in the model's basis."""
-    rotated = _rotate(states, rotation)
+def roundtrip(rotated: torch.Tensor, rotation: torch.Tensor | None, format: TensorQuantConfig) -> torch.Tensor:
+    """What ``rotated`` states become in a history of ``format``, back in the model's basis."""
     group = format.group_of(HEAD_DIM)
     codes = quantize(rotated, format.bits, group, symmetric=format.symmetric, clip_ratio=format.clip_ratio,
                      metadata_dtype=torch.bfloat16)  # fmt: skip
@@ -141,6 +140,10 @@ class Expected:
     ids: torch.Tensor  # [B, L]
     keys: list[torch.Tensor]  # per layer, exact [B, H, L, D]
     values: list[torch.Tensor]
+    # per layer, exact K·R_K and V·R_V [B, H, L, D], each computed as its chunk arrived: a row rotated
+    # alone or with others may differ in its last bit, and quantizing can turn that into a code apart
+    rotated_keys: list[torch.Tensor]
+    rotated_values: list[torch.Tensor]
     history_keys: list[torch.Tensor]  # per layer, round trips of the history positions [B, H, history, D]
     history_values: list[torch.Tensor]
     sink: int = 0
@@ -152,7 +155,7 @@ class Expected:
     @classmethod
     def start(cls, pads: torch.Tensor) -> "Expected":
         empty = [torch.empty(len(pads), KV_HEADS, 0, HEAD_DIM) for _ in LAYERS]
-        return cls(pads, torch.empty(len(pads), 0, dtype=torch.long), list(empty), list(empty), list(empty), list(empty))
+        return cls(pads, torch.empty(len(pads), 0, dtype=torch.long), *(list(empty) for _ in range(6)))
 
     @property
     def length(self) -> int:
@@ -191,26 +194,34 @@ class Expected:
             torch.cat([values[:, :, :start], self.history_values[layer], values[:, :, stop:]], dim=2),
         )
 
+    def arrive(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rotated: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Append a chunk's exact K/V and their rotated copies to ``layer``."""
+        for tensors, new in zip((self.keys, self.values, self.rotated_keys, self.rotated_values), (keys, values, *rotated)):
+            tensors[layer] = torch.cat([tensors[layer], new], dim=2)
+
     def demote(self, count: int, quantize_layer) -> None:
-        """Move the next ``count`` positions after the history into it (``quantize_layer(layer, k, v)``)."""
+        """Move the next ``count`` positions after the history into it; ``quantize_layer(layer, exact K,
+        exact V, rotated K, rotated V)`` gives their K/V as the history holds them."""
         if not count:
             return
         start, stop = self.sink + self.history, self.sink + self.history + count
         for layer in LAYERS:
-            k, v = quantize_layer(layer, self.keys[layer][:, :, start:stop], self.values[layer][:, :, start:stop])
+            rows = (t[layer][:, :, start:stop] for t in (self.keys, self.values, self.rotated_keys, self.rotated_values))
+            k, v = quantize_layer(layer, *rows)
             self.history_keys[layer] = torch.cat([self.history_keys[layer], k], dim=2)
             self.history_values[layer] = torch.cat([self.history_values[layer], v], dim=2)
         self.history += count
 
     def select(self, index: torch.Tensor) -> None:
         self.pads, self.ids = self.pads[index], self.ids[index]
-        for tensors in (self.keys, self.values, self.history_keys, self.history_values):
+        for tensors in (self.keys, self.values, self.rotated_keys, self.rotated_values, self.history_keys,
+                        self.history_values):  # fmt: skip
             tensors[:] = [t[index] for t in tensors]
 
     def crop(self, length: int) -> None:
         self.ids = self.ids[:, :length]
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+        for tensors in (self.keys, self.values, self.rotated_keys, self.rotated_values):
+            tensors[:] = [t[:, :, :length] for t in tensors]
         self.sink = min(self.sink, length)
 
 
@@ -313,17 +324,19 @@ class CacheMachine(RuleBasedStateMachine):
                                        msg=lambda m: f"{self.method}, layer {layer}, step of {new} at {start}: {m}")  # fmt: skip
         expected.ids = torch.cat([expected.ids, ids], dim=1)
         for layer in LAYERS:
-            expected.keys[layer] = torch.cat([expected.keys[layer], reference.layers[layer].keys[:, :, start:]], dim=2)
-            expected.values[layer] = torch.cat([expected.values[layer], reference.layers[layer].values[:, :, start:]], dim=2)
+            keys, values = reference.layers[layer].keys[:, :, start:], reference.layers[layer].values[:, :, start:]
+            rotations = method_rotations(self.method, self.rotations, layer)
+            expected.arrive(layer, keys, values, (_rotate(keys, rotations[0]), _rotate(values, rotations[1])))
         expected.sink += to_sink
         expected.demote(quantize_new, self.quantize_layer)  # after attention: this step saw them exact
 
-    def quantize_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rotated_keys: torch.Tensor,
+                       rotated_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if self.exact_history:
             return keys, values
         key_format, value_format = FORMATS[self.method][layer]
         key_rotation, value_rotation = method_rotations(self.method, self.rotations, layer)
-        return roundtrip(keys, key_rotation, key_format), roundtrip(values, value_rotation, value_format)
+        return roundtrip(rotated_keys, key_rotation, key_format), roundtrip(rotated_values, value_rotation, value_format)
 
     def expect_freezing(self, new: int) -> None:
         """What the step does to the static layout: a longer chunk thaws it; with decode_graphs a
@@ -341,7 +354,8 @@ class CacheMachine(RuleBasedStateMachine):
         expected = self.expected
         remove = data.draw(st.integers(0, expected.recent + 2), label="remove")
         as_length = data.draw(st.booleans(), label="as a length to keep")  # transformers 5.17's meaning
-        argument = expected.length - remove if as_length and remove else -remove
+        keep = expected.length - remove
+        argument = keep if as_length and remove and keep > 0 else -remove  # crop(0) removes nothing
         self.thaw_for_good()
         if remove > expected.length or (remove > expected.recent and expected.history):
             with pytest.raises(ValueError):
@@ -426,7 +440,7 @@ class CacheMachine(RuleBasedStateMachine):
             if self.quantized:
                 assert (layer.config.key, layer.config.value) == FORMATS[self.method][index]
         assert self.cache.get_seq_length() == expected.length
-        assert (self.cache.static is not None) == expected.frozen
+        assert (self.cache.static is not None) == expected.frozen and self.cache.stays_eager == expected.stays_eager
         if self.quantized:  # the window demotes a block at a time: never above recent + block - 1
             assert expected.recent < WINDOWS["recent"] + WINDOWS["block"]
 
