@@ -54,7 +54,7 @@ FROZEN_CAPACITY = MAX_TOKENS + 64  # start_static's capacity: never full within 
 TOLERANCE = dict(atol=1e-6, rtol=1e-5)
 
 PROFILES = {
-    "ci": settings(max_examples=3, stateful_step_count=12, deadline=None, database=None,
+    "ci": settings(max_examples=20, stateful_step_count=25, deadline=None, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
     "long": settings(max_examples=150, stateful_step_count=40, deadline=None, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
