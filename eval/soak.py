@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # soak this checkout even when another oscar-hf is installed
 sys.path.insert(0, str(REPO / "eval"))
 
-from bench_gpu import random_rotations  # noqa: E402
+from benchmarks.models import random_rotations  # noqa: E402
 from oscar_hf import METHODS, OscarCache, cache_keyword  # noqa: E402
 from oscar_hf.core.storage import MAX_SLACK_ROWS, aligned_rows  # noqa: E402
 from oscar_hf.provenance import command_line, provenance, provenance_line  # noqa: E402

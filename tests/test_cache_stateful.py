@@ -219,18 +219,14 @@ class Expected:
             tensors[:] = [t[index] for t in tensors]
 
     def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions: the newest go from the window, then the history, then the sink."""
         self.ids = self.ids[:, :length]
         for tensors in (self.keys, self.values, self.rotated_keys, self.rotated_values):
             tensors[:] = [t[:, :, :length] for t in tensors]
         self.sink = min(self.sink, length)
-
-
-def misplaced_by_a_known_bug(expected: Expected, new: int, quantized: bool) -> bool:
-    """Whether the cache places a chunk of ``new`` tokens otherwise than planned: when the window's
-    rows cannot absorb its overflow and the chunk alone overflows by less than a block, the cache leaves
-    the chunk's oldest rows in the window (see the xfail test below)."""
-    _, to_sink, demote, quantize_new = expected.plan(new, quantized)
-    return demote > 0 and quantize_new > 0 and new - to_sink < WINDOWS["recent"] + WINDOWS["block"]
+        self.history = min(self.history, length - self.sink)
+        for tensors in (self.history_keys, self.history_values):
+            tensors[:] = [t[:, :, : self.history] for t in tensors]
 
 
 def tiers(layer) -> tuple[int, int, int]:
@@ -291,8 +287,6 @@ class CacheMachine(RuleBasedStateMachine):
             pads = data.draw(st.lists(st.integers(0, 24), min_size=batch, max_size=batch), label="left pads")
             self.expected = Expected.start(torch.tensor(pads) - min(pads))
         chunk = data.draw(st.integers(1, 40), label="chunk")
-        if misplaced_by_a_known_bug(self.expected, chunk, self.quantized):
-            chunk += WINDOWS["block"]  # pinned by test_a_chunk_just_over_the_window_sends_its_oldest_rows_to_the_history
         self.step(chunk)
 
     @precondition(lambda self: self.expected is not None and self.expected.length < MAX_TOKENS)
@@ -357,7 +351,7 @@ class CacheMachine(RuleBasedStateMachine):
         keep = expected.length - remove
         argument = keep if as_length and remove and keep > 0 else -remove  # crop(0) removes nothing
         self.thaw_for_good()
-        if remove > expected.length or (remove > expected.recent and expected.history):
+        if remove > expected.length:
             with pytest.raises(ValueError):
                 self.cache.crop(argument)
             return
@@ -466,10 +460,6 @@ def test_a_reference_without_quantization_is_caught():
         machine_test(("oscar-int2", "quarot-int2"), quick, ExactHistoryMachine)
 
 
-@pytest.mark.xfail(strict=True, reason="OscarCache._demote_all demotes the window's rows before the layers plan the "
-                   "step; their plan, made again on the smaller window, no longer sends the chunk's overflow to the "
-                   "history, so a chunk of recent + 1 .. recent + block - 1 tokens after a non-empty window leaves "
-                   "recent + 1 or more rows in the window instead of recent (oscar-reference.md 4.4: the last W)")
 def test_a_chunk_just_over_the_window_sends_its_oldest_rows_to_the_history():
     model = models("llama")[0]
     cache = OscarCache(model, "quarot-int2", **WINDOWS)
