@@ -3,6 +3,7 @@ propagate, construction refuses what the cache cannot honour, and assisted decod
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -173,3 +174,15 @@ def test_assisted_decoding_with_more_candidates_than_the_window(method, assistan
     assert lengths(cache) == [prompt.shape[1] + 29] * 2
     if method == "none":
         torch.testing.assert_close(got, generate(model, prompt, DynamicCache(config=model.config), max_new_tokens=30))
+
+
+def test_a_model_whose_attention_bypasses_the_cache_is_named():
+    """A cache built from a config that runs the oscar attention, used by a model that runs SDPA: the
+    chunks it stashed are never attended to, and the next use says why."""
+    model = tiny_model("llama", attn="sdpa")
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "oscar"
+    cache = OscarCache(config, "quarot-int2", **SMALL)
+    forward(model, tokens(12), cache)
+    with pytest.raises(CacheBrokenError, match="attn_implementation='oscar'"):
+        forward(model, tokens(1, seed=1), cache)

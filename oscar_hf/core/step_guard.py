@@ -75,7 +75,10 @@ class StepGuard:
 
     def require_intact(self) -> None:
         """Raise if a failed step left the layers out of step (they cannot be trusted until ``reset()``)."""
-        if self._step_open:  # a step began and never finished: its error was raised elsewhere
+        if self._step_open and any(getattr(layer, "has_pending", False) for layer in self.layers):
+            self._break("a forward pass gave OscarCache key/value states that no attention used: the model's "
+                        "attention must go through attn_implementation='oscar' for every layer")  # fmt: skip
+        elif self._step_open:  # a step began and never finished: its error was raised elsewhere
             self._break(f"a forward pass stopped after {self._finished_layers} of {len(self.layer_ids)} "
                         "quantized layers had stored its tokens")  # fmt: skip
         if self.broken is not None:
