@@ -19,6 +19,7 @@ from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import MemoryReport, bits_per_element
 from oscar_hf.core.models import load_model
 from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.core.step_guard import CacheBrokenError
 from oscar_hf.core.teacher_forcing import teacher_forced_logits
 from oscar_hf.rotations.absorption import absorb_value_rotations
 from oscar_hf.rotations.calibration import calibrate
@@ -28,6 +29,7 @@ from oscar_hf.rotations.official import convert_official, load_official
 from oscar_hf.rotations.resolve import resolve_rotations  # also installs OscarCache.from_zoo's reader
 
 __all__ = [
+    "CacheBrokenError",
     "METHODS",
     "MemoryReport",
     "OscarCache",

@@ -12,8 +12,7 @@ from transformers import DynamicCache
 
 import oscar_hf.core.attention
 import oscar_hf.core.frozen_decoding
-from oscar_hf import METHODS, OscarCache, RotationSet, TensorQuantConfig
-from oscar_hf.core.step_guard import CacheBrokenError
+from oscar_hf import METHODS, CacheBrokenError, OscarCache, RotationSet, TensorQuantConfig
 from tests.conftest import forward, generate, tiny_model
 
 SMALL = dict(sink=4, recent=8, block=2)
