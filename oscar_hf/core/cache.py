@@ -198,7 +198,8 @@ class OscarCache(StepGuard, Cache):
         missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]
         if missing:
             raise ValueError(f"the rotations lack R_K or R_V for layers {missing}")
-        if (rotations.key_bits or rotations.value_bits) and config.layer_bits and not config.takes_widths_for(rotations.base_bits):
+        widths = rotations.key_bits or rotations.value_bits
+        if widths and config.layer_bits and not config.takes_widths_for(rotations.base_bits):
             # The bundled sets carry an allocation for oscar-int2: other methods use them at their own widths.
             logger.info("the rotations' per-layer bit widths were allocated for K%d V%d; method %r (K%d V%d) keeps "
                         "its own widths", *rotations.base_bits, config.method, config.key.bits, config.value.bits)  # fmt: skip
