@@ -1,4 +1,5 @@
-"""Per-layer bit allocation: layers ranked by teacher-forced KL, K4 in the top N and V1 in the 2N cheapest."""
+"""Per-layer bit allocation: layers ranked by teacher-forced KL, K4 in the top N and V1 in the cheapest layers that
+pay for them (2N against oscar-int2's widths, N against oscar-k3v2's)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import torch
 
 from oscar_hf import OscarCache, RotationSet
 from oscar_hf.rotations.bit_allocation import allocate_bits
-from oscar_hf.core.config import METHODS
+from oscar_hf.core.config import METHODS, TensorQuantConfig
 from oscar_hf.core.teacher_forcing import position_stats_of_caches
 from tests.conftest import tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
+SMALL_K3V2 = METHODS["oscar-k3v2"].with_overrides(sink=4, recent=8, block=2)
 
 
 def _rows(count: int, length: int) -> list[torch.Tensor]:
@@ -45,6 +47,34 @@ def test_the_allocation_follows_the_measured_kl_and_keeps_the_budget():
     assert sum(layer.config.key.bits + layer.config.value.bits for layer in cache.layers) == 16
 
 
+def test_an_allocation_for_k3v2_trades_one_value_layer_per_key_layer():
+    model = tiny_model("llama", num_hidden_layers=4)
+    rotations = RotationSet.hadamard(16, [0, 1, 2, 3])
+    rotations.value_clip.update({i: 0.9 for i in range(4)})
+    batches = _rows(2, 48)
+    allocated, scores = allocate_bits(model, batches, rotations, 2, SMALL_K3V2, progress=False)
+    assert scores.key_layers == sorted(sorted(scores.key_gain, key=lambda i: -scores.key_gain[i])[:2])
+    assert scores.value_layers == sorted(sorted(scores.value_cost, key=scores.value_cost.get)[:2])
+    assert allocated.base_bits == (3, 2) == scores.base_bits and rotations.base_bits == (2, 2)
+    assert scores.to_dict()["base_bits"] == {"key": 3, "value": 2}
+    # the K4 gain is measured against K3: one layer's 4-bit keys measured again at the k3v2 widths
+    layer = scores.key_layers[0]
+    probe = RotationSet(16, rotations.key, rotations.value, value_clip=rotations.value_clip, key_bits={layer: 4},
+                        base_bits=(3, 2))  # fmt: skip
+    caches = {"base": OscarCache(model, SMALL_K3V2, rotations=rotations),
+              "k4": OscarCache(model, SMALL_K3V2, rotations=probe, allow_bits_change=True)}  # fmt: skip
+    stats, _ = position_stats_of_caches(model, torch.cat([b[0] for b in batches]), caches, 48, 2, progress=False)
+    gain = float(stats["base"][1, 12:].mean() - stats["k4"][1, 12:].mean())
+    assert gain == pytest.approx(scores.key_gain[layer], rel=1e-6, abs=1e-9)
+    cache = OscarCache(model, SMALL_K3V2, rotations=allocated)  # within oscar-k3v2's budget: no override needed
+    assert sum(layer.config.key.bits + layer.config.value.bits for layer in cache.layers) == 4 * 5
+    assert {i for i, layer in enumerate(cache.layers) if layer.config.key.bits == 4} == set(scores.key_layers)
+    assert {i for i, layer in enumerate(cache.layers) if layer.config.value.bits == 1} == set(scores.value_layers)
+    # an oscar-int2 cache keeps its 2-bit widths with these rotations
+    int2 = OscarCache(model, SMALL, rotations=allocated)
+    assert [(layer.config.key.bits, layer.config.value.bits) for layer in int2.layers] == [(2, 2)] * 4
+
+
 def test_the_allocation_validates_its_inputs():
     model = tiny_model("llama")
     rotations = RotationSet.hadamard(16, [0, 1])
@@ -54,10 +84,18 @@ def test_the_allocation_validates_its_inputs():
         allocate_bits(model, _rows(1, 12), rotations, 1, SMALL, progress=False)
     with pytest.raises(ValueError, match="2-bit widths"):
         allocate_bits(model, _rows(1, 40), rotations, 1, METHODS["oscar-k4v2"], progress=False)
+    with pytest.raises(ValueError, match="1 to 2 layers"):  # one V1 layer per K4 layer against K3 V2
+        allocate_bits(model, _rows(1, 40), rotations, 3, SMALL_K3V2, progress=False)
+    k3v3 = SMALL.with_overrides(key=TensorQuantConfig(3), value=TensorQuantConfig(3))
+    for base in (METHODS["oscar-int2-paper"], k3v3):
+        with pytest.raises(ValueError, match="2-bit widths"):  # no per-layer widths; K3 V3: +1 bit against -2
+            allocate_bits(model, _rows(1, 40), rotations, 1, base, progress=False)
 
 
-def test_calibrate_command_allocates_bits(tmp_path, capsys):
-    """``oscar-hf calibrate --clip-search --allocate-bits 1`` on a saved tiny model: widths in the rotation file."""
+@pytest.mark.parametrize("method, value_layers", [("oscar-int2", 2), ("oscar-k3v2", 1)])
+def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers):
+    """``oscar-hf calibrate --clip-search --allocate-bits 1 --allocate-for METHOD`` on a saved tiny model: widths
+    and the method's widths they trade against in the rotation file."""
     from transformers import AutoTokenizer
 
     from oscar_hf.cli.main import main
@@ -73,16 +111,34 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys):
     data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
     out = tmp_path / "rotations"
     main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
-          "--clip-search", "--allocate-bits", "1", "--out", str(out), "--json"])  # fmt: skip
+          "--clip-search", "--allocate-bits", "1", "--allocate-for", method, "--out", str(out), "--json"])  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
     allocation = summary["bit_allocation"]
-    assert len(allocation["key_4bit_layers"]) == 1 and allocation["value_1bit_layers"] == [0, 1]
-    assert summary["per_layer"][0]["value_bits"] == 1
+    assert allocation["method"] == method and len(allocation["key_4bit_layers"]) == 1
+    assert len(allocation["value_1bit_layers"]) == value_layers
+    base = METHODS[method]
+    (key_layer,) = allocation["key_4bit_layers"]
+    assert summary["per_layer"][key_layer]["key_bits"] == 4
+    assert {row["key_bits"] for row in summary["per_layer"] if row["layer"] != key_layer} <= {base.key.bits}
     rotations = load_rotations(out)
-    assert rotations.key_bits == dict.fromkeys(allocation["key_4bit_layers"], 4) and rotations.value_bits == {0: 1, 1: 1}
+    assert rotations.key_bits == {key_layer: 4} and rotations.value_bits == dict.fromkeys(allocation["value_1bit_layers"], 1)
+    assert rotations.base_bits == (base.key.bits, base.value.bits)
     assert len(rotations.key_clip) == 2
-    stored = load_rotation_config(out)["bit_allocation"]
-    assert set(stored["key_gain"]) == {"0", "1"} and stored["baseline_kl"] == allocation["baseline_kl"]
+    stored = load_rotation_config(out)
+    assert stored["base_bits"] == stored["bit_allocation"]["base_bits"] == {"key": base.key.bits, "value": base.value.bits}
+    assert set(stored["bit_allocation"]["key_gain"]) == {"0", "1"}
+    assert stored["bit_allocation"]["baseline_kl"] == allocation["baseline_kl"]
+
+
+def test_calibrate_command_refuses_allocations_it_cannot_make(tmp_path):
+    from oscar_hf.cli.main import main
+
+    data = tmp_path / "text.txt"
+    data.write_text("Some calibration text.")
+    common = ["calibrate", "--data", str(data), "--out", str(tmp_path / "rotations")]
     with pytest.raises(SystemExit, match="drop --no-clip-search"):
-        main(["calibrate", "--model", str(model_dir), "--data", str(data), "--no-clip-search", "--allocate-bits", "1",
-              "--out", str(out)])  # fmt: skip
+        main([*common, "--no-clip-search", "--allocate-bits", "1"])
+    with pytest.raises(SystemExit, match="add --allocate-bits N"):
+        main([*common, "--allocate-for", "oscar-k3v2"])
+    with pytest.raises(SystemExit, match="'oscar-k4v2' \\(K4 V2\\)"):
+        main([*common, "--allocate-bits", "1", "--allocate-for", "oscar-k4v2"])

@@ -1,6 +1,9 @@
-"""Per-layer history bit widths stored with calibrated rotations: K at 4 bits in some layers, V at 1 bit in others."""
+"""Per-layer history bit widths stored with calibrated rotations: K at 4 bits in some layers, V at 1 bit in others,
+for the method whose widths they were allocated against."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -33,6 +36,38 @@ def test_for_layer_applies_the_widths_without_clipping_the_changed_tensor():
     assert (same_width.key.bits, same_width.key.clip_ratio) == (2, 0.9)
     assert config.with_overrides(layer_bits=False).for_layer(key_bits=4).key.bits == 2
     assert METHODS["quarot-int2"].for_layer(key_bits=4) is METHODS["quarot-int2"]  # not a calibrated method
+
+
+def test_for_layer_applies_widths_only_to_the_method_they_were_allocated_for():
+    k3v2 = METHODS["oscar-k3v2"]
+    layer = k3v2.for_layer(key_clip=0.9, value_clip=0.88, key_bits=4, value_bits=1, base_bits=(3, 2))
+    assert (layer.key.bits, layer.key.clip_ratio, layer.value.bits, layer.value.clip_ratio) == (4, 0.0, 1, 0.0)
+    # searched clip ratios reach 2-bit tensors only: the 2-bit values, not the 3-bit keys
+    kept = k3v2.for_layer(key_clip=0.9, value_clip=0.88, key_bits=4, value_bits=1)  # widths made for K2 V2
+    assert (kept.key.bits, kept.key.clip_ratio, kept.value.bits, kept.value.clip_ratio) == (3, k3v2.key.clip_ratio, 2, 0.88)
+    assert METHODS["oscar-int2"].for_layer(key_bits=4, value_bits=1, base_bits=(3, 2)) == METHODS["oscar-int2"]
+
+
+def test_k3v2_widths_reach_only_oscar_k3v2_and_int2_widths_only_oscar_int2(tiny, caplog):
+    k3v2_widths = mixed_rotations(value_bits={1: 1})  # K4 in layer 0, V1 in layer 1: oscar-k3v2's budget
+    k3v2_widths.base_bits = (3, 2)
+    cache = OscarCache(tiny, "oscar-k3v2", rotations=k3v2_widths, **SMALL)
+    assert [(layer.config.key.bits, layer.config.value.bits) for layer in cache.layers] == [(4, 2), (3, 1)]
+    cases = (("oscar-int2", k3v2_widths, [(2, 2)] * 2, "allocated for K3 V2; method 'oscar-int2' (K2 V2)"),
+             ("oscar-k3v2", mixed_rotations(), [(3, 2)] * 2, "allocated for K2 V2; method 'oscar-k3v2' (K3 V2)"))  # fmt: skip
+    for method, rotations, widths, message in cases:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="oscar_hf"):
+            cache = OscarCache(tiny, method, rotations=rotations, **SMALL)
+        assert [(layer.config.key.bits, layer.config.value.bits) for layer in cache.layers] == widths
+        assert message in caplog.text
+
+
+def test_base_bits_are_checked_and_kept_by_the_set_operations():
+    with pytest.raises(ValueError, match="base_bits must be"):
+        RotationSet(16, base_bits=(8, 2))
+    rotations = RotationSet(16, {0: torch.eye(16).expand(2, 16, 16)}, key_bits={0: 4}, base_bits=(3, 2))
+    assert rotations.select_kv_heads(0, 1).base_bits == (3, 2) == rotations.as_per_head(2).base_bits
 
 
 def test_the_cache_quantizes_each_layer_at_its_own_widths(tiny):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,7 +63,7 @@ def assert_same(a: RotationSet, b: RotationSet, eigenvalues: bool = True) -> Non
         assert sorted(left) == sorted(right), table
         assert all(torch.equal(left[i], right[i]) for i in left), table
     assert a.key_clip == b.key_clip and a.value_clip == b.value_clip
-    assert a.key_bits == b.key_bits and a.value_bits == b.value_bits
+    assert a.key_bits == b.key_bits and a.value_bits == b.value_bits and a.base_bits == b.base_bits
 
 
 def official_layers(layer_ids, head_dim=HEAD_DIM, seed=0, str_keys=False, eigenvalues=True) -> dict:
@@ -206,6 +207,23 @@ def test_round_trip_with_per_layer_bit_widths(tmp_path) -> None:
     assert_same(loaded, rotations)
     assert loaded.key_bits == {0: 4} and loaded.value_bits == {0: 1, 1: 1}
     assert all(type(b) is int for b in loaded.value_bits.values())
+
+
+def test_the_widths_base_method_is_recorded_and_read_back(tmp_path) -> None:
+    rotations = rotation_set()
+    rotations.key_bits.update({0: 4})
+    rotations.value_bits.update({1: 1})
+    rotations.base_bits = (3, 2)
+    out = save_rotations(rotations, tmp_path / "k3v2")
+    assert load_rotation_config(out)["base_bits"] == {"key": 3, "value": 2}
+    assert load_rotations(out).base_bits == (3, 2)
+    assert "base_bits" not in load_rotation_config(save_rotations(rotation_set(), tmp_path / "plain"))
+    # sets saved without the record hold allocations for 2-bit K and V, as the bundled default does
+    assert load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS)).base_bits == (2, 2)
+    config = load_rotation_config(out)
+    (out / CONFIG_FILE).write_text(json.dumps({**config, "base_bits": [3, 2]}))
+    with pytest.raises(ValueError, match="base_bits must be"):
+        load_rotations(out)
 
 
 def test_bit_width_tensors_must_be_one_supported_whole_number(tmp_path) -> None:

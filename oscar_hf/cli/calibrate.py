@@ -47,7 +47,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     allocation: BitAllocation | None = None
     if args.allocate_bits:
         rotations, allocation = allocate_bits(model, _search_rows(batches), rotations, args.allocate_bits,
-                                              progress=not args.json)  # fmt: skip
+                                              METHODS[args.allocate_for], progress=not args.json)  # fmt: skip
     tokens = sum(b.numel() for b in batches)
     metadata = {
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
@@ -89,7 +89,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "per_layer": _per_layer(covariances, rotations, choices),
     }
     if allocation is not None:
-        summary["bit_allocation"] = {"key_4bit_layers": allocation.key_layers, "value_1bit_layers": allocation.value_layers,
+        summary["bit_allocation"] = {"method": args.allocate_for,
+                                     "key_4bit_layers": allocation.key_layers, "value_1bit_layers": allocation.value_layers,
                                      "baseline_kl": round(allocation.baseline_kl, 6),
                                      "allocated_kl": round(allocation.allocated_kl, 6)}  # fmt: skip
     return out, summary
@@ -144,7 +145,9 @@ def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet,
             row |= {"key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
                     "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}"}
         if rotations.key_bits or rotations.value_bits:
-            row |= {"key_bits": rotations.key_bits.get(layer_id, 2), "value_bits": rotations.value_bits.get(layer_id, 2)}
+            base_key, base_value = rotations.base_bits
+            row |= {"key_bits": rotations.key_bits.get(layer_id, base_key),
+                    "value_bits": rotations.value_bits.get(layer_id, base_value)}
         rows.append(row)
     return rows
 
@@ -167,5 +170,5 @@ def format_summary(summary: dict) -> str:
     if "bit_allocation" in summary:
         a = summary["bit_allocation"]
         lines += ["", f"4-bit keys in layers {a['key_4bit_layers']}, 1-bit values in layers {a['value_1bit_layers']}: "
-                      f"calibration KL {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits"]
+                      f"calibration KL of {a['method']} {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits"]
     return "\n".join(lines)

@@ -241,6 +241,12 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
         raise ValueError("--refine starts from the clip search's rotations and ratios; drop --no-clip-search")
     if args.allocate_bits and not args.clip_search:
         raise ValueError("--allocate-bits ranks layers against the clip search's rotations and ratios; drop --no-clip-search")
+    if args.allocate_for != "oscar-int2":
+        from oscar_hf.rotations.bit_allocation import value_layers_per_key_layer
+
+        if not args.allocate_bits:
+            raise ValueError("--allocate-for names the method an --allocate-bits allocation is for; add --allocate-bits N")
+        value_layers_per_key_layer(METHODS[args.allocate_for])
     checks.check_files(args.data, "--data")
     checks.check_output(args.out, "--out", folder=True)
     model, tokenizer = _load(args)
@@ -352,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "attention-output error and search its clip ratio again (slower)")
     calibrate.add_argument("--allocate-bits", type=checks.non_negative_int, default=0, metavar="N",
                            help="after --clip-search, store 4-bit keys in the N layers where they cut the calibration "
-                                "KL most and 1-bit values in the 2N where they cost least (oscar-int2's history bits)")
+                                "KL most and 1-bit values in the layers where they cost least, as many as keep the "
+                                "history bits of the --allocate-for method (2N for oscar-int2, N for oscar-k3v2)")
+    calibrate.add_argument("--allocate-for", choices=sorted(METHODS), default="oscar-int2", metavar="METHOD",
+                           help="the method whose widths --allocate-bits trades against (oscar-int2 or oscar-k3v2; "
+                                "default oscar-int2); only that method takes the stored widths")
     calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
     calibrate.add_argument("--seq-len", type=checks.positive_int, default=2048)
     calibrate.add_argument("--seed", type=int, default=0)

@@ -123,7 +123,7 @@ class OscarCache(StepGuard, Cache):
     def _layer(self, layer_id: int, rotations: RotationSet, head_dim: int) -> OscarLayer:
         config = self.oscar_config.for_layer(
             rotations.key_clip.get(layer_id), rotations.value_clip.get(layer_id),
-            rotations.key_bits.get(layer_id), rotations.value_bits.get(layer_id),
+            rotations.key_bits.get(layer_id), rotations.value_bits.get(layer_id), rotations.base_bits,
         )  # fmt: skip
         config.validate(head_dim)
         key_rotation, value_rotation = rotations.for_layer(layer_id)
@@ -198,6 +198,11 @@ class OscarCache(StepGuard, Cache):
         missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]
         if missing:
             raise ValueError(f"the rotations lack R_K or R_V for layers {missing}")
+        widths = rotations.key_bits or rotations.value_bits
+        if widths and config.layer_bits and not config.takes_widths_for(rotations.base_bits):
+            # The bundled sets carry an allocation for oscar-int2: other methods use them at their own widths.
+            logger.info("the rotations' per-layer bit widths were allocated for K%d V%d; method %r (K%d V%d) keeps "
+                        "its own widths", *rotations.base_bits, config.method, config.key.bits, config.value.bits)  # fmt: skip
         return rotations
 
     # The cache's bookkeeping (Python ints, a context variable, host-side plans) runs eagerly under

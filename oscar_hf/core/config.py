@@ -12,6 +12,8 @@ import torch
 from oscar_hf.quant import check_bits, check_symmetric, pack_unit
 
 ROTATION_KINDS = ("identity", "hadamard", "calibrated")
+# Stored per-layer clip ratios come from a clip search at 2 bits: a wider grid wants milder clipping.
+SEARCHED_BITS = 2
 
 
 def _is_count(value: object) -> bool:
@@ -74,8 +76,8 @@ class OscarConfig:
     ``layer_clip``, per-layer clip ratios stored with calibrated rotations replace the fixed ratio
     of every 2-bit tensor the method clips. With ``layer_bits``, per-layer bit widths stored with
     calibrated rotations (e.g. K at 4 bits in the most sensitive layers, paid for by V at 1 bit in
-    others) replace a 2-bit method's; they must keep the method's history bits (see
-    :func:`check_bit_budget`) unless ``allow_bits_change``. ``shared_rotations`` asks for the
+    others) replace the widths of the method they were allocated for (the set's ``base_bits``); they
+    must keep the method's history bits (see :func:`check_bit_budget`) unless ``allow_bits_change``. ``shared_rotations`` asks for the
     reference implementation's rotations: one per layer for all its KV heads, and, from a bundled
     set, the one made without the clip search.
     """
@@ -133,10 +135,12 @@ class OscarConfig:
         value_clip: float | None = None,
         key_bits: int | None = None,
         value_bits: int | None = None,
+        base_bits: tuple[int, int] = (SEARCHED_BITS, SEARCHED_BITS),
     ) -> "OscarConfig":
         """This config with a layer's calibrated clip ratios (see ``layer_clip``) and bit widths (see
-        ``layer_bits``) applied; only calibrated methods take them, and only where the method's widths
-        are those the clip search and the allocation measure at (2 bits).
+        ``layer_bits``) applied; only calibrated methods take them. Clip ratios apply only to tensors at
+        the width the clip search measures at (2 bits); bit widths only to a method whose (K, V) widths
+        are ``base_bits``, those the allocation traded against.
 
         A tensor whose width the layer changes is quantized without clipping: the clip ratios were
         chosen for the method's width, and 4-bit min-max keys and 1-bit sigma-level values need none.
@@ -149,9 +153,15 @@ class OscarConfig:
                 key = replace(key, clip_ratio=float(key_clip))
             if value_clip is not None and value.clip_ratio > 0 and value.bits == SEARCHED_BITS:
                 value = replace(value, clip_ratio=float(value_clip))
-        if self.layer_bits and key.bits == value.bits == SEARCHED_BITS:
+        if self.layer_bits and self.takes_widths_for(base_bits):
             key, value = _with_bits(key, key_bits), _with_bits(value, value_bits)
         return replace(self, key=key, value=value)
+
+    def takes_widths_for(self, base_bits: tuple[int, int]) -> bool:
+        """Whether per-layer widths allocated against (K, V) widths ``base_bits`` fit this method:
+        a calibrated method quantizing K and V at exactly those widths."""
+        return (self.quantized and self.rotation == "calibrated"
+                and (self.key.bits, self.value.bits) == tuple(base_bits))  # fmt: skip
 
     def with_overrides(self, **overrides) -> "OscarConfig":
         """A copy with some fields replaced (e.g. ``sink=4, recent=16`` for tests)."""
@@ -175,7 +185,7 @@ def check_bit_budget(config: OscarConfig, layers: list[OscarConfig]) -> None:
     The rule: the sum over the quantized layers of (K bits + V bits) must equal that of ``config``
     in every one of them, i.e. the average history bits per element stay the method's (metadata is
     one (scale, zero) per group at any width, so it does not change). K at 4 bits in N layers of
-    ``oscar-int2`` is paid for by V at 1 bit in 2N layers. ``config.allow_bits_change`` lifts the check.
+    ``oscar-int2`` is paid for by V at 1 bit in 2N layers; in ``oscar-k3v2``, by V at 1 bit in N layers. ``config.allow_bits_change`` lifts the check.
     """
     if config.allow_bits_change or not config.quantized:
         return
@@ -191,8 +201,6 @@ def check_bit_budget(config: OscarConfig, layers: list[OscarConfig]) -> None:
 
 
 K_CLIP, V_CLIP = 0.96, 0.92  # the reference implementation's fixed clip ratios
-# Stored per-layer clip ratios come from a clip search at 2 bits: a wider grid wants milder clipping.
-SEARCHED_BITS = 2
 
 METHODS: dict[str, OscarConfig] = {
     "none": OscarConfig("none", key=None, value=None, rotation="identity"),

@@ -131,7 +131,9 @@ class RotationSet:
     uses the identity. The ascending eigenvalues of the calibration covariances are kept for
     inspection only; they are not needed at run time. ``key_clip`` / ``value_clip`` and ``key_bits`` /
     ``value_bits`` are optional per-layer clip ratios and history bit widths that calibrated methods
-    apply (:meth:`oscar_hf.core.config.OscarConfig.for_layer`).
+    apply (:meth:`oscar_hf.core.config.OscarConfig.for_layer`); ``base_bits`` are the (K, V) widths of
+    the method the per-layer widths were allocated for (``oscar-int2``'s (2, 2) unless set), and
+    only a method at those widths takes them.
     """
 
     head_dim: int
@@ -144,8 +146,13 @@ class RotationSet:
     value_clip: dict[int, float] = field(default_factory=dict)
     key_bits: dict[int, int] = field(default_factory=dict)
     value_bits: dict[int, int] = field(default_factory=dict)
+    base_bits: tuple[int, int] = (2, 2)
 
     def __post_init__(self) -> None:
+        if (len(self.base_bits) != 2
+                or any(b not in SUPPORTED_BITS or isinstance(b, bool) for b in self.base_bits)):  # fmt: skip
+            raise ValueError(f"base_bits must be (key bits, value bits), each one of {SUPPORTED_BITS}, got {self.base_bits!r}")
+        self.base_bits = (int(self.base_bits[0]), int(self.base_bits[1]))
         for kind, table in (("key_clip", self.key_clip), ("value_clip", self.value_clip)):
             for layer_id, ratio in table.items():
                 if not 0.0 <= float(ratio) <= 1.0:
@@ -213,7 +220,7 @@ class RotationSet:
         return RotationSet(
             self.head_dim, pick(self.key, 3), pick(self.value, 3), self.description,
             pick(self.key_eigenvalues, 2), pick(self.value_eigenvalues, 2), dict(self.key_clip), dict(self.value_clip),
-            dict(self.key_bits), dict(self.value_bits),
+            dict(self.key_bits), dict(self.value_bits), self.base_bits,
         )  # fmt: skip
 
     def as_per_head(self, kv_heads: int) -> "RotationSet":
@@ -227,7 +234,7 @@ class RotationSet:
         return RotationSet(
             self.head_dim, expand(self.key, 2), expand(self.value, 2), self.description,
             expand(self.key_eigenvalues, 1), expand(self.value_eigenvalues, 1), dict(self.key_clip),
-            dict(self.value_clip), dict(self.key_bits), dict(self.value_bits),
+            dict(self.value_clip), dict(self.key_bits), dict(self.value_bits), self.base_bits,
         )  # fmt: skip
 
     def value_fingerprint(self) -> str:

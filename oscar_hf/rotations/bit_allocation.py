@@ -1,14 +1,15 @@
-"""Per-layer bit widths at ``oscar-int2``'s budget: 4-bit keys where they help most, paid for by 1-bit values.
+"""Per-layer bit widths at a method's budget: 4-bit keys where they help most, paid for by 1-bit values.
 
 Each layer is scored twice on calibration rows, by the teacher-forced KL divergence of the model's
 next-token distributions from the unquantized model's (:func:`oscar_hf.core.teacher_forcing.position_stats_of_caches`),
-against the baseline of the given rotations and clip ratios at 2 bits everywhere:
+against the baseline of the given rotations and clip ratios at the base method's widths everywhere:
 
 * ``key_gain``: how much the KL falls with that layer's keys at 4 bits (min-max, no clipping);
 * ``value_cost``: how much it rises with that layer's values at 1 bit (levels ``mu +- 0.798 sigma``).
 
-The ``layers`` layers of largest gain get 4-bit keys and the ``2 * layers`` of smallest cost 1-bit
-values: +2 bits in each of the first, -1 in each of the second, so the history keeps its size.
+The ``layers`` layers of largest gain get 4-bit keys and the cheapest layers 1-bit values, as many as
+pay for them: for ``oscar-int2`` (K2 V2) +2 bits in each of N layers against -1 in each of 2N, for
+``oscar-k3v2`` (K3 V2) +1 in N against -1 in N, so the history keeps its size.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class BitAllocation:
     value_layers: list[int]
     allocated_kl: float | None = None
     positions: int = 0
+    base_bits: tuple[int, int] = (2, 2)
 
     def to_dict(self) -> dict:
         return {
@@ -47,6 +49,7 @@ class BitAllocation:
             "allocated_kl": None if self.allocated_kl is None else round(self.allocated_kl, 6),
             "key_bits": {str(i): KEY_BITS for i in self.key_layers},
             "value_bits": {str(i): VALUE_BITS for i in self.value_layers},
+            "base_bits": dict(zip(("key", "value"), self.base_bits)),
             "key_gain": {str(i): round(v, 6) for i, v in sorted(self.key_gain.items())},
             "value_cost": {str(i): round(v, 6) for i, v in sorted(self.value_cost.items())},
             "positions": self.positions,
@@ -58,46 +61,66 @@ def allocate_bits(
     batches: Sequence[torch.LongTensor],
     rotations: RotationSet,
     layers: int,
-    config: OscarConfig = METHODS["oscar-int2"],
+    base: OscarConfig = METHODS["oscar-int2"],
     progress: bool = True,
 ) -> tuple[RotationSet, BitAllocation]:
-    """Rank layers by the KL effect of 4-bit keys and of 1-bit values; return ``rotations`` with the
-    widths stored (K4 in the top ``layers``, V1 in the ``2 * layers`` cheapest) and the scores.
+    """Rank layers by the KL effect of 4-bit keys and of 1-bit values against ``base``'s widths; return
+    ``rotations`` with the widths stored (K4 in the top ``layers``, V1 in as many of the cheapest as
+    keep ``base``'s history bits, ``base_bits`` set to ``base``'s widths) and the scores.
 
-    ``batches``: calibration rows ``[1, T]`` longer than ``config.sink + config.recent`` (cut to the
-    shortest one's length). ``config`` must quantize K and V to 2 bits with calibrated rotations;
+    ``batches``: calibration rows ``[1, T]`` longer than ``base.sink + base.recent`` (cut to the
+    shortest one's length). ``base`` must be a calibrated method with keys below 4 bits and values
+    above 1 bit whose key step is paid by a whole number of value layers (``oscar-int2``, ``oscar-k3v2``);
     ``rotations`` supply its rotations and clip ratios (e.g. those of :func:`oscar_hf.rotations.clip_search.search_layers`).
     Costs ``2 * L + 2`` teacher-forced passes per row for ``L`` layers, plus one unquantized pass.
     """
-    if not (config.quantized and config.rotation == "calibrated" and config.key.bits == config.value.bits == 2):
-        raise ValueError(f"bit allocation trades 2-bit widths of a calibrated method (oscar-int2); got {config.method!r}")
-    tokens, context = _rows(batches, config)
-    probe = OscarCache(model, config, rotations=replace(rotations, key_bits={}, value_bits={}))
+    value_per_key = value_layers_per_key_layer(base)
+    tokens, context = _rows(batches, base)
+    probe = OscarCache(model, base, rotations=replace(rotations, key_bits={}, value_bits={}))
     layer_ids = [i for i, layer in enumerate(probe.layers) if isinstance(layer, OscarLayer)]
-    if not 1 <= layers <= len(layer_ids) // 2:
-        raise ValueError(f"--allocate-bits takes 1 to {len(layer_ids) // 2} layers for this model's {len(layer_ids)} "
-                         f"quantized layers (4-bit keys in N, 1-bit values in 2N), got {layers}")  # fmt: skip
+    most = len(layer_ids) // value_per_key
+    if not 1 <= layers <= most:
+        raise ValueError(f"--allocate-bits takes 1 to {most} layers for this model's {len(layer_ids)} quantized layers "
+                         f"(4-bit keys in N, 1-bit values in {value_per_key}N), got {layers}")  # fmt: skip
+    base_bits = (base.key.bits, base.value.bits)
+
+    def widths(key_bits: dict[int, int], value_bits: dict[int, int]) -> RotationSet:
+        return replace(rotations, key_bits=key_bits, value_bits=value_bits, base_bits=base_bits)
 
     def cache(key_bits: dict[int, int], value_bits: dict[int, int]) -> OscarCache:
-        widths = replace(rotations, key_bits=key_bits, value_bits=value_bits)
-        return OscarCache(model, config, rotations=widths, allow_bits_change=True)
+        return OscarCache(model, base, rotations=widths(key_bits, value_bits), allow_bits_change=True)
 
     caches = {"baseline": probe}
     caches |= {f"k{i}": cache({i: KEY_BITS}, {}) for i in layer_ids}
     caches |= {f"v{i}": cache({}, {i: VALUE_BITS}) for i in layer_ids}
-    kl = _mean_kl(model, tokens, caches, context, config, progress)
+    kl = _mean_kl(model, tokens, caches, context, base, progress)
     baseline = kl["baseline"]
     key_gain = {i: baseline - kl[f"k{i}"] for i in layer_ids}
     value_cost = {i: kl[f"v{i}"] - baseline for i in layer_ids}
     key_layers = sorted(sorted(layer_ids, key=lambda i: -key_gain[i])[:layers])
-    value_layers = sorted(sorted(layer_ids, key=lambda i: value_cost[i])[: 2 * layers])
-    allocated = replace(rotations, key_bits={i: KEY_BITS for i in key_layers},
-                        value_bits={i: VALUE_BITS for i in value_layers})  # fmt: skip
-    final = _mean_kl(model, tokens, {"allocated": OscarCache(model, config, rotations=allocated)}, context, config,
+    value_layers = sorted(sorted(layer_ids, key=lambda i: value_cost[i])[: value_per_key * layers])
+    allocated = widths(dict.fromkeys(key_layers, KEY_BITS), dict.fromkeys(value_layers, VALUE_BITS))
+    final = _mean_kl(model, tokens, {"allocated": OscarCache(model, base, rotations=allocated)}, context, base,
                      progress)["allocated"]  # fmt: skip
     scores = BitAllocation(baseline, key_gain, value_cost, key_layers, value_layers, final,
-                           (context - 1 - config.sink - config.recent) * len(batches))  # fmt: skip
+                           (context - 1 - base.sink - base.recent) * len(batches), base_bits)  # fmt: skip
     return allocated, scores
+
+
+def value_layers_per_key_layer(base: OscarConfig) -> int:
+    """How many 1-bit value layers pay for one 4-bit key layer at ``base``'s widths; raises for a base
+    the trade does not fit."""
+    fits = (base.quantized and base.rotation == "calibrated" and base.layer_bits
+            and base.key.bits < KEY_BITS and base.value.bits > VALUE_BITS
+            and (KEY_BITS - base.key.bits) % (base.value.bits - VALUE_BITS) == 0)  # fmt: skip
+    if not fits:
+        widths = f"K{base.key.bits} V{base.value.bits}" if base.quantized else "unquantized"
+        raise ValueError(
+            f"bit allocation raises keys to {KEY_BITS} bits and lowers values to {VALUE_BITS} bit in a calibrated method "
+            f"with per-layer widths, whose key step a whole number of value layers pays for (oscar-int2's 2-bit widths, "
+            f"oscar-k3v2); got {base.method!r} ({widths})"
+        )
+    return (KEY_BITS - base.key.bits) // (base.value.bits - VALUE_BITS)
 
 
 def _rows(batches: Sequence[torch.LongTensor], config: OscarConfig) -> tuple[torch.Tensor, int]:

@@ -7,8 +7,9 @@ keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotati
 ``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` and history bit widths ``layers.{i}.key_bits`` /
 ``layers.{i}.value_bits`` (one element each; files without them load as sets without them). A rotation is applied as
 ``x @ R`` exactly as stored (oscar-reference.md section 7.1). ``config.json`` records the format,
-head_dim, ``kv_heads`` (per-head sets only), layer ids, description and whatever the caller adds
-(model, objective, data...).
+head_dim, ``kv_heads`` (per-head sets only), layer ids, description, ``base_bits`` (sets with per-layer
+bit widths: the K and V widths of the method they were allocated for; files without it hold
+allocations for 2-bit K and V) and whatever the caller adds (model, objective, data...).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ _FIELDS = {
     "value_bits": "value_bits",
 }
 _TENSOR_KEY = re.compile(r"layers\.(\d+)\.(" + "|".join(_FIELDS) + ")")
-_RESERVED_KEYS = ("format", "format_version", "head_dim", "kv_heads", "layer_ids", "description", "library_version")
+_RESERVED_KEYS = ("format", "format_version", "head_dim", "kv_heads", "layer_ids", "description", "library_version",
+                  "base_bits")
 
 
 def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
@@ -72,6 +74,8 @@ def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict
         **({"kv_heads": rotations.kv_heads} if rotations.per_head else {}),
         "layer_ids": layer_ids_of(rotations),
         "description": rotations.description,
+        **({"base_bits": dict(zip(("key", "value"), rotations.base_bits))}
+           if rotations.key_bits or rotations.value_bits else {}),
         "library_version": __version__,
         **metadata,
     }
@@ -126,7 +130,11 @@ def load_ours(directory: Path, per_head: bool | None = None) -> RotationSet:
     layer_ids = sorted(set().union(*tables.values()))
     if layer_ids != sorted(config["layer_ids"]):
         raise ValueError(f"{path} has tensors for layers {layer_ids} but {CONFIG_FILE} lists {config['layer_ids']}")
-    rotations = RotationSet(head_dim=head_dim, description=config.get("description", ""), **tables)
+    base = config.get("base_bits", {"key": 2, "value": 2})
+    if not isinstance(base, dict) or set(base) != {"key", "value"}:
+        raise ValueError(f"{path.parent / CONFIG_FILE}: base_bits must be {{'key': bits, 'value': bits}}, got {base!r}")
+    rotations = RotationSet(head_dim=head_dim, description=config.get("description", ""),
+                            base_bits=(base["key"], base["value"]), **tables)  # fmt: skip
     if rotations.kv_heads != config.get("kv_heads"):
         raise ValueError(
             f"{path} has rotations for {rotations.kv_heads or 'no'} separate KV heads but {CONFIG_FILE} says "

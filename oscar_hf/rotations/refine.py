@@ -272,6 +272,6 @@ def refine_rotations(
         description=f"{rotations.description}; refined on the orthogonal group by attention-output error",
         key_eigenvalues=rotations.key_eigenvalues, value_eigenvalues=rotations.value_eigenvalues,
         key_clip=key_clip, value_clip=value_clip, key_bits=dict(rotations.key_bits),
-        value_bits=dict(rotations.value_bits),
+        value_bits=dict(rotations.value_bits), base_bits=rotations.base_bits,
     )
     return refined, fits
