@@ -56,7 +56,7 @@ from oscar_hf.core.memory import bits_per_element  # noqa: E402
 from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
 from oscar_hf.evaluation.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
 from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
-from oscar_hf.provenance import machine_line, provenance, provenance_line  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance, provenance_line  # noqa: E402
 from oscar_hf.rotations.refine import refine_rotations  # noqa: E402
 from oscar_hf.rotations.resolve import resolve_rotations  # noqa: E402
 
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "config": str(args.config), "description": config["description"], "model": args.model or config["model"],
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
-        **provenance("python " + " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])),
+        **provenance(command_line(argv=argv)),
         "kl_windows": kl_windows, "eval_texts": config.get("eval_texts", {}), "needle_settings": needles,
         "calibrations": config.get("calibrations", {}), "recipes": config["variants"],
         "variants": list(caches), "bits_per_element": memory_table(caches, lengths, head_dim),

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 
 from benchmarks import REPO, RESULTS, e2e, graph, kernel, memory, multigpu
 from benchmarks.config import apply_sets, deep_merge
-from oscar_hf.provenance import provenance, provenance_line  # this checkout's: benchmarks put it first on sys.path
+from oscar_hf.provenance import command_line, provenance, provenance_line  # this checkout's: benchmarks put it first on sys.path
 
 BENCHMARKS = {
     "kernel": kernel.BENCHMARK,
@@ -96,8 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="override a config field, e.g. --set batches=[1] --set decode.repeats=5")
     args = parser.parse_args(argv)
     config = apply_sets(json.loads(args.config.read_text()), args.sets)
-    argv = sys.argv[1:] if argv is None else argv
-    command = "python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *argv])
+    command = command_line(f"python {Path(__file__).relative_to(REPO).as_posix()}", argv)
     result = run_benchmark(config, args.out, args.name or config.get("name") or args.config.stem, command)
     print(markdown(result))
     return result

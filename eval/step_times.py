@@ -34,7 +34,7 @@ from benchmarks.models import (  # noqa: E402
     add_model_arguments, build_model, input_device, random_rotations, random_tokens,
 )  # fmt: skip
 from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
-from oscar_hf.provenance import provenance, provenance_line  # noqa: E402
+from oscar_hf.provenance import command_line, provenance, provenance_line  # noqa: E402
 
 FIRST_STEPS = 3
 
@@ -125,7 +125,7 @@ def main() -> None:
     caches = {name: median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
-    write(args.out, {**provenance("python " + " ".join(sys.argv)), "model": name,
+    write(args.out, {**provenance(command_line()), "model": name,
                      "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
                      "rounds": args.rounds, "caches": caches})  # fmt: skip
 

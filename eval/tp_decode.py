@@ -51,7 +51,7 @@ from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, text
 from benchmarks.multigpu import DEFAULTS  # noqa: E402
 
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
-from oscar_hf.provenance import provenance  # noqa: E402
+from oscar_hf.provenance import command_line, provenance  # noqa: E402
 
 
 def load_tensor_parallel(path: str, dtype: torch.dtype):
@@ -202,8 +202,8 @@ def main() -> None:
 
     if rank == 0:
         result = {
-            **provenance("torchrun --standalone --nproc_per_node " + f"{world} " + " ".join(
-                [Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]])),
+            **provenance(command_line(f"torchrun --standalone --nproc_per_node {world} "
+                                      f"{Path(__file__).relative_to(REPO).as_posix()}")),
             "seconds": round(time.perf_counter() - started, 1), "world_size": world, "model": name,
             "model_spec": spec, "context": context, "batch": batch, "new_tokens": new_tokens, "config": config,
             "rows": rows,

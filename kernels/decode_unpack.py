@@ -40,6 +40,18 @@ def part_factor(J: tl.constexpr, BITS: tl.constexpr, FREE: tl.constexpr):
 
 
 @triton.jit
+def _as_dtype(codes, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
+    """Integer codes as ``DTYPE`` values ``OFFSET + code``: OR-ed into the mantissa of ``MAGIC`` and
+    bitcast (16-bit floats), or converted directly (float32, ``MAGIC`` 0)."""
+    # (Triton compiles the statements after a returning static branch too, hence the else.)
+    if MAGIC == 0:
+        values = codes.to(DTYPE)
+    else:
+        values = (codes | MAGIC).to(DTYPE, bitcast=True)
+    return values
+
+
+@triton.jit
 def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr,
                 FREE: tl.constexpr):  # fmt: skip
     """Column block ``J`` of packed bytes (``int16``) as ``DTYPE`` values ``OFFSET + factor * code``, exactly.
@@ -57,12 +69,7 @@ def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, M
         codes = raw & (MASK << (J * BITS))
     else:
         codes = (raw >> (J * BITS)) & MASK
-    # (Triton compiles the statements after a returning static branch too, hence the else.)
-    if MAGIC == 0:
-        values = codes.to(DTYPE)
-    else:
-        values = (codes | MAGIC).to(DTYPE, bitcast=True)
-    return values
+    return _as_dtype(codes, DTYPE, MAGIC)
 
 
 @triton.jit
@@ -132,11 +139,7 @@ def _code_blocks1(plane, D: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 def _code1(plane, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
     """Block ``J``'s codes: bit ``2J`` of the (shifted) plane."""
     codes = (plane >> (2 * J)) & 1
-    if MAGIC == 0:
-        values = codes.to(DTYPE)
-    else:
-        values = (codes | MAGIC).to(DTYPE, bitcast=True)
-    return values
+    return _as_dtype(codes, DTYPE, MAGIC)
 
 
 @triton.jit
@@ -161,11 +164,7 @@ def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr)
     else:
         top = (high >> (2 * J - 2)) & 4
     codes = ((low >> (2 * J)) & 3) | top
-    if MAGIC == 0:
-        values = codes.to(DTYPE)
-    else:
-        values = (codes | MAGIC).to(DTYPE, bitcast=True)
-    return values
+    return _as_dtype(codes, DTYPE, MAGIC)
 
 
 

@@ -12,6 +12,7 @@ import platform
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ def utc_date() -> str:
 def command_line(program: str | None = None, argv: list[str] | None = None) -> str:
     """The command that produced a result: ``program`` (default ``python <script>``) and its arguments."""
     argv = sys.argv[1:] if argv is None else argv
-    program = program or f"python {sys.argv[0]}"
+    program = program or f"python {Path(sys.argv[0]).as_posix()}"
     return " ".join([program, *(shlex.quote(a) for a in argv)])
 
 

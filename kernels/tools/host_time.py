@@ -32,7 +32,7 @@ from benchmarks.timing import synchronize  # noqa: E402
 from oscar_hf.core.attention import oscar_attention_forward  # noqa: E402
 from oscar_hf.kernels.decode_attention import decode_attention  # noqa: E402
 from oscar_hf.kernels.rotate import rotate_rows  # noqa: E402
-from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
 
 def per_call_us(fn, iterations: int, device: torch.device) -> float:
@@ -121,8 +121,7 @@ def main() -> None:
                  **dynamic_pieces(model, options.batch, options.context, device, options.iterations)}  # fmt: skip
     for piece, us in times.items():
         print(f"{us:9.1f} us  {piece}")
-    info = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
-            "date": utc_date(), "model": name, "context": options.context,
+    info = {**provenance(command_line()), "model": name, "context": options.context,
             "batch": options.batch, "iterations": options.iterations, "us_per_call": times}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "host_time.json").write_text(json.dumps(info, indent=1))

@@ -35,7 +35,7 @@ from benchmarks.models import (  # noqa: E402
 from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from benchmarks.timing import median, model_devices, synchronize  # noqa: E402
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
-from oscar_hf.provenance import machine_info, utc_date  # noqa: E402
+from oscar_hf.provenance import command_line, provenance  # noqa: E402
 
 
 def top_ops(prof, key: str, count: int) -> list[dict]:
@@ -154,8 +154,7 @@ def main() -> None:
         for function in result.get("python", [])[:25]:
             print("   py  ", function)
     options.out.mkdir(parents=True, exist_ok=True)
-    info = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
-            "date": utc_date(), "model": name, "context": options.context,
+    info = {**provenance(command_line()), "model": name, "context": options.context,
             "batch": options.batch}  # fmt: skip
     stem = "profile_prefill" if options.prefill else "profile_decode"
     (options.out / f"{stem}.json").write_text(json.dumps({**info, "results": results}, indent=1))

@@ -61,7 +61,7 @@ from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa:
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.decode_launch import PRODUCTION_LAUNCH, LaunchVariant  # noqa: E402
 from oscar_hf.kernels.gluon_span_variant import REGISTERS, SpanVariant  # noqa: E402
-from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
 
 def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, variant: dict, span_variant,
@@ -201,8 +201,7 @@ def main() -> None:
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"  # the baselines; full_call_rows switches to the span and back
 
     kernels = decode_kernels()
-    info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "machine": machine_info(), "date": utc_date()}  # fmt: skip
+    info = provenance(command_line())
     rows = []
     for batch in numbers(options.batches):
         x = tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)

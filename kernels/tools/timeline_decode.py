@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchma
 from benchmarks.kernel import TIER_NAMES, oscar_triton, tiered_inputs  # noqa: E402
 import tune_decode as tune  # noqa: E402
 from oscar_hf.kernels.gluon_span_variant import SpanVariant, programs_per_sm  # noqa: E402
-from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
 CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
@@ -253,11 +253,9 @@ def main() -> None:
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
-    machine = machine_info()
-    result = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "machine": machine,
-              "date": utc_date(), "context": options.context,
+    result = {**provenance(command_line()), "context": options.context,
               "batches": []}  # fmt: skip
-    result["title"] = f"Decode call timeline, {machine_line(machine)}, {result['date']}"
+    result["title"] = f"Decode call timeline, {machine_line(result['machine'])}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])
         x = tiered_inputs(tune.CONFIG, options.context, batch, torch.device("cuda"), seed=0)

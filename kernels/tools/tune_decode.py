@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchma
 from benchmarks import REPO  # noqa: E402
 from benchmarks.kernel import TIER_NAMES, decode_kernels, dense_inputs, sdpa_bf16, tiered_inputs  # noqa: E402
 from benchmarks.timing import tensor_bytes  # noqa: E402
-from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
 # The kernel benchmark's shape and tiers (Qwen3-8B attention, sink 64, recent 256, random INT2 codes).
 CONFIG = json.loads((REPO / "eval" / "configs" / "bench_kernel.json").read_text())
@@ -103,8 +103,7 @@ def main() -> None:
         parser.add_argument(f"--{axis.replace('_', '-')}", default=values, help=f"comma-separated (default {values})")
     options = parser.parse_args()
     grid = {axis: tuple(int(v) for v in getattr(options, axis).split(",")) for axis in GRID}
-    run_info = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                "machine": machine_info(), "date": utc_date()}
+    run_info = provenance(command_line())
     results = []
     for batch in options.batches.split(","):
         results.append(sweep(int(batch), options.context, grid))

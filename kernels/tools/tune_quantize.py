@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's oscar_hf, even beside an installed one
-from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402
 
 CLIPS = {"off": (0.0, 0.0), "k0.96/v0.92": (0.96, 0.92), "0.5": (0.5, 0.5)}
@@ -80,8 +80,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     options = parser.parse_args()
     rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps)
-    info = {"command": "python " + " ".join(sys.argv), "machine": machine_info(),
-            "date": utc_date(), "context": options.context,
+    info = {**provenance(command_line()), "context": options.context,
             "kv_heads": options.kv_heads, "head_dim": options.head_dim}  # fmt: skip
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "quantize_kernel_tuning.json").write_text(json.dumps({**info, "results": rows}, indent=1))
