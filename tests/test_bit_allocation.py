@@ -130,6 +130,43 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
     assert stored["bit_allocation"]["baseline_kl"] == allocation["baseline_kl"]
 
 
+def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
+    """``--from-rotations DIR --allocate-bits 1 --allocate-for oscar-k3v2``: the saved set's rotations and
+    clip ratios unchanged, widths allocated against K3 V2, the recipe and origin recorded."""
+    from transformers import AutoTokenizer
+
+    from oscar_hf.cli.main import main
+    from oscar_hf.core.models import _default_checkpoint
+    from oscar_hf.rotations.files import load_rotation_config, save_rotations
+    from oscar_hf.rotations.hub import load_rotations
+
+    tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
+    model_dir = tmp_path / "model"
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    saved = RotationSet.hadamard(16, [0, 1])
+    saved = RotationSet(16, saved.key, saved.value, key_clip={0: 0.84, 1: 0.9}, value_clip={0: 0.88, 1: 0.92},
+                        key_bits={0: 4}, value_bits={1: 1, 0: 1})  # a 2-bit allocation, dropped
+    save_rotations(saved, tmp_path / "saved", {"clip": "per-layer (clip search)", "command": "oscar-hf calibrate ..."})
+    out = tmp_path / "k3v2"
+    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
+          "--from-rotations", str(tmp_path / "saved"), "--allocate-bits", "1", "--allocate-for", "oscar-k3v2",
+          "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "| widths" in printed and "C_Q" not in printed  # no covariances were collected
+    allocated = load_rotations(out)
+    assert allocated.base_bits == (3, 2) and len(allocated.key_bits) == 1 and len(allocated.value_bits) == 1
+    for layer in (0, 1):
+        assert torch.equal(allocated.key[layer], saved.key[layer]) and torch.equal(allocated.value[layer], saved.value[layer])
+    assert allocated.key_clip == saved.key_clip and allocated.value_clip == saved.value_clip
+    stored = load_rotation_config(out)
+    assert stored["clip"] == "per-layer (clip search)" and stored["rotations_from"]["command"] == "oscar-hf calibrate ..."
+    assert set(stored["rotations_from"]["files"]) == {"config.json", "rotations.safetensors"}
+    assert "--from-rotations" in stored["command"]
+
+
 def test_calibrate_command_refuses_allocations_it_cannot_make(tmp_path):
     from oscar_hf.cli.main import main
 
@@ -142,3 +179,9 @@ def test_calibrate_command_refuses_allocations_it_cannot_make(tmp_path):
         main([*common, "--allocate-for", "oscar-k3v2"])
     with pytest.raises(SystemExit, match="'oscar-k4v2' \\(K4 V2\\)"):
         main([*common, "--allocate-bits", "1", "--allocate-for", "oscar-k4v2"])
+    with pytest.raises(SystemExit, match="add --allocate-bits N"):
+        main([*common, "--from-rotations", str(tmp_path)])
+    with pytest.raises(SystemExit, match="drop --refine"):
+        main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1", "--refine"])
+    with pytest.raises(SystemExit, match="--from-rotations: .* holds no config.json"):
+        main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1"])

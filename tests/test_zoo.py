@@ -723,14 +723,41 @@ def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations(
     OscarCache(smollm2_config(), "oscar-int2", rotations=per_head)  # the best recipe takes either
 
 
-def test_the_cli_takes_the_bundled_set_of_its_methods_recipe() -> None:
+def test_the_cli_takes_the_bundled_set_of_each_methods_recipe() -> None:
     from oscar_hf.cli.main import _rotations_for
 
     plain = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
-    assert torch.equal(_rotations_for("default", None, methods=["none", "oscar-int2-paper"]).key[3], plain.key[3])
-    assert len(_rotations_for("default", None, methods=["oscar-int2", "oscar-k3v2"]).key_clip) == 30
-    with pytest.raises(ValueError, match="separate commands"):
-        _rotations_for("default", None, methods=["oscar-int2", "oscar-int2-paper"])
+    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    sets = _rotations_for("default", None, methods=["none", "oscar-int2", "oscar-int2-paper"])
+    assert set(sets) == {"oscar-int2", "oscar-int2-paper"}
+    assert torch.equal(sets["oscar-int2-paper"].key[3], plain.key[3]) and sets["oscar-int2-paper"].key_clip == {}
+    assert torch.equal(sets["oscar-int2"].key[3], searched.key[3]) and len(sets["oscar-int2"].key_clip) == 30
+    own = _rotations_for("default", None, methods=["oscar-k4v2"])["oscar-k4v2"]
+    assert own.base_bits == (2, 2)  # no set allocated against K4 V2: the 2-bit one, whose widths it ignores
+
+
+def test_a_method_takes_the_bundled_set_allocated_against_its_own_widths(tmp_path, monkeypatch) -> None:
+    import oscar_hf.rotations.resolve as resolve
+
+    from dataclasses import replace
+
+    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    metadata = {k: v for k, v in load_rotation_config(bundled_rotations_dir(DEFAULT_ROTATIONS)).items()
+                if k in ("model_id", "model_signature", "clip")}
+    # K3 -> K4 in one layer paid by V2 -> V1 in one: oscar-k3v2's history bits
+    save_rotations(replace(searched, key_bits={17: 4}, value_bits={9: 1}, base_bits=(3, 2)), tmp_path / "k3v2", metadata)
+    shutil.copytree(bundled_rotations_dir(DEFAULT_ROTATIONS), tmp_path / "two-bit")
+    shutil.copytree(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS), tmp_path / "paper")
+    monkeypatch.setattr(resolve, "_BUNDLED_ROOT", tmp_path)
+    assert resolve.bundled_set_name("HuggingFaceTB/SmolLM2-135M-Instruct", "oscar-k3v2") == "k3v2"
+    for method, name in (("oscar-int2", "two-bit"), ("oscar-k4v2", "two-bit"), ("oscar-int2-paper", "paper")):
+        assert resolve.bundled_set_name("HuggingFaceTB/SmolLM2-135M-Instruct", method) == name
+    k3v2 = OscarCache.from_zoo(smollm2_config(), "default", "oscar-k3v2")
+    assert k3v2.rotations.base_bits == (3, 2) and k3v2.layers[17].config.key.bits == 4  # its widths apply
+    assert k3v2.layers[9].config.value.bits == 1 and k3v2.layers[3].config.key.bits == 3
+    shutil.copytree(tmp_path / "k3v2", tmp_path / "k3v2-again")
+    with pytest.raises(ValueError, match=r"several bundled rotation sets fit .*oscar-k3v2"):
+        OscarCache.from_zoo(smollm2_config(), "default", "oscar-k3v2")
 
 
 def test_searched_clips_apply_to_2_bit_tensors_only() -> None:

@@ -7,6 +7,7 @@ import hashlib
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,15 +36,14 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     files = [Path(p) for p in args.data]
     texts = read_calibration_files(files, tokenizer, chat=args.chat)
     batches = calibration_batches(tokenizer, texts, args.tokens, args.seq_len, args.seed)
-    covariances = collect_covariances(model, batches, progress=not args.json)
+    covariances: dict[int, LayerCovariances] = {}
     choices: dict[int, LayerChoice] = {}
-    if args.clip_search:
-        rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json,
-                                           per_head=args.per_head)  # fmt: skip
-        if args.refine:
-            rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
+    if args.from_rotations:
+        rotations, recipe = existing_set(args.from_rotations)
     else:
-        rotations = rotations_from_covariances(covariances, args.objective, args.factors, args.per_head)
+        covariances = collect_covariances(model, batches, progress=not args.json)
+        rotations, choices = _fit(args, model, batches, covariances)
+        recipe = _recipe(args, rotations, choices)
     allocation: BitAllocation | None = None
     if args.allocate_bits:
         rotations, allocation = allocate_bits(model, _search_rows(batches), rotations, args.allocate_bits,
@@ -52,11 +52,8 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     metadata = {
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
         "model_signature": model_signature(model),
-        "objective": args.objective,
-        "composition": _composition(args),
-        "source_grouping": "per_kv_head" if args.per_head else "layer",
+        **recipe,
         "group_size": rotations.head_dim,
-        "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
         "sink": METHODS["oscar-int2"].sink,
         "recent": METHODS["oscar-int2"].recent,
         "calibration_data": {
@@ -73,12 +70,6 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
     }
     if allocation is not None:
         metadata["bit_allocation"] = allocation.to_dict()
-    if choices:
-        metadata["layer_choices"] = {
-            str(i): {"key": f"{c.key_factors}@{rotations.key_clip[i]}",
-                     "value": f"{c.value_factors}@{rotations.value_clip[i]}"}
-            for i, c in choices.items()
-        }
     out = save_rotations(rotations, args.out, metadata)
     summary = {
         "out": str(out),
@@ -94,6 +85,56 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
                                      "baseline_kl": round(allocation.baseline_kl, 6),
                                      "allocated_kl": round(allocation.allocated_kl, 6)}  # fmt: skip
     return out, summary
+
+
+def _fit(args: argparse.Namespace, model, batches: list[torch.Tensor],
+         covariances: dict[int, LayerCovariances]) -> tuple[RotationSet, dict[int, LayerChoice]]:  # fmt: skip
+    """The rotations (and clip ratios) of the recipe ``args`` ask for, and the clip search's choices."""
+    if not args.clip_search:
+        return rotations_from_covariances(covariances, args.objective, args.factors, args.per_head), {}
+    rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json,
+                                       per_head=args.per_head)  # fmt: skip
+    if args.refine:
+        rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
+    return rotations, choices
+
+
+def _recipe(args: argparse.Namespace, rotations: RotationSet, choices: dict[int, LayerChoice]) -> dict:
+    """The metadata that says how the rotations and clip ratios were made."""
+    recipe = {
+        "objective": args.objective,
+        "composition": _composition(args),
+        "source_grouping": "per_kv_head" if args.per_head else "layer",
+        "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
+    }
+    if choices:
+        recipe["layer_choices"] = {
+            str(i): {"key": f"{c.key_factors}@{rotations.key_clip[i]}",
+                     "value": f"{c.value_factors}@{rotations.value_clip[i]}"}
+            for i, c in choices.items()
+        }
+    return recipe
+
+
+# What --from-rotations carries over from the set it starts from: how its rotations and clips were made.
+_RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_choices")
+
+
+def existing_set(path: str) -> tuple[RotationSet, dict]:
+    """A saved set's rotations and clip ratios (its bit widths dropped) and the metadata of how they were made."""
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
+
+    config = load_rotation_config(path)
+    rotations = load_rotations(path)
+    recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
+    made = {key: config.get(key) for key in ("command", "calibration_data", "tokens")}
+    recipe["rotations_from"] = {**made, "files": _file_hashes(Path(path))}
+    return replace(rotations, key_bits={}, value_bits={}, base_bits=(2, 2)), recipe
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir()) if f.is_file()}
 
 
 def _composition(args: argparse.Namespace) -> str:
@@ -134,11 +175,13 @@ def _spread(eigenvalues: torch.Tensor) -> tuple[float, float]:
 
 def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet, choices: dict) -> list[dict]:
     rows = []
-    for layer_id, layer in covariances.items():
-        q_ratio, q_share = _spread(torch.linalg.eigvalsh(layer.query))
-        s_ratio, _ = _spread(torch.linalg.eigvalsh(layer.value))
-        row = {"layer": layer_id, "c_q_condition": round(q_ratio, 1), "c_q_top_share": round(q_share, 3),
-               "c_s_condition": round(s_ratio, 1)}
+    for layer_id in sorted(rotations.key):
+        row: dict = {"layer": layer_id}
+        if layer_id in covariances:
+            q_ratio, q_share = _spread(torch.linalg.eigvalsh(covariances[layer_id].query))
+            s_ratio, _ = _spread(torch.linalg.eigvalsh(covariances[layer_id].value))
+            row |= {"c_q_condition": round(q_ratio, 1), "c_q_top_share": round(q_share, 3),
+                    "c_s_condition": round(s_ratio, 1)}
         if layer_id in choices:
             c = choices[layer_id]
             # The stored ratios: the search's, or those searched again after --refine.
@@ -152,21 +195,23 @@ def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet,
     return rows
 
 
+_COLUMNS = {"layer": "layer", "c_q_condition": "C_Q eigenvalue max/min", "c_q_top_share": "C_Q top share",
+            "c_s_condition": "C_S max/min", "key": "K choice", "value": "V choice"}
+
+
 def format_summary(summary: dict) -> str:
+    rows = summary["per_layer"]
+    columns = {key: title for key, title in _COLUMNS.items() if key in rows[0]}
+    widths = "key_bits" in rows[0]
     lines = [
         f"Wrote {summary['out']}: {summary['layers']} layers from {summary['tokens']} tokens in "
         f"{summary['seconds']} s (peak memory {summary['peak_rss_mib']:.0f} MiB)",
         "",
-        "layer | C_Q eigenvalue max/min | C_Q top share | C_S max/min" + (" | K choice | V choice"
-                                                                           if "key" in summary["per_layer"][0] else ""),
+        " | ".join(columns.values()) + (" | widths" if widths else ""),
     ]
-    for row in summary["per_layer"]:
-        line = f"{row['layer']:>5} | {row['c_q_condition']:>22} | {row['c_q_top_share']:>13} | {row['c_s_condition']:>11}"
-        if "key" in row:
-            line += f" | {row['key']} | {row['value']}"
-        if "key_bits" in row:
-            line += f" | K{row['key_bits']} V{row['value_bits']}"
-        lines.append(line)
+    for row in rows:
+        line = " | ".join(str(row[key]).rjust(len(title)) for key, title in columns.items())
+        lines.append(line + (f" | K{row['key_bits']} V{row['value_bits']}" if widths else ""))
     if "bit_allocation" in summary:
         a = summary["bit_allocation"]
         lines += ["", f"4-bit keys in layers {a['key_4bit_layers']}, 1-bit values in layers {a['value_1bit_layers']}: "

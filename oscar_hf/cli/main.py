@@ -16,40 +16,39 @@ from oscar_hf.evaluation.niah import parse_depths, parse_lengths
 from oscar_hf.log import get_logger
 from oscar_hf.core.models import DTYPES
 from oscar_hf.provenance import provenance
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.core.rotation_set import MethodRotations
 
 logger = get_logger(__name__)
 
 
-# Every method but the paper's recipe, whose bundled rotations differ: one command's default methods.
+# One command's default methods: every recipe but the paper's (asked for by name, oscar-int2-paper).
 ONE_RECIPE_METHODS = [m for m, config in METHODS.items() if not config.shared_rotations]
 
 
 def _rotations_for(model_name: str, rotations_dir: str | None, shared: bool = False,
-                   methods: list[str] = ()) -> RotationSet | None:  # fmt: skip
-    """Rotations from ``--rotations`` (its per-KV-head ones where it has them, unless ``shared``), else the
-    set bundled for the default model that ``methods`` use (clip-searched, or the paper's), else none."""
-    from oscar_hf.core.models import DEFAULT_MODEL
+                   methods: list[str] = ()) -> MethodRotations:  # fmt: skip
+    """Rotations from ``--rotations`` (its per-KV-head ones where it has them, unless ``shared``), else for
+    the default model each calibrated method's bundled set (:func:`oscar_hf.rotations.resolve.bundled_set_name`),
+    else none."""
+    from oscar_hf.core.models import DEFAULT_MODEL, DEFAULT_MODEL_ID
     from oscar_hf.rotations.hub import load_rotations
-    from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
+    from oscar_hf.rotations.resolve import bundled_rotations_dir, bundled_set_name
 
     if rotations_dir:
         return load_rotations(rotations_dir, per_head=False if shared else None)
     if model_name != DEFAULT_MODEL:
         return None
-    recipes = {METHODS[m].shared_rotations for m in methods if METHODS[m].rotation == "calibrated"}
-    if len(recipes) > 1:
-        raise ValueError("oscar-int2-paper uses the default model's bundled rotations made without the clip search, "
-                         "the other calibrated methods the clip-searched ones: run them in separate commands, or "
-                         "pass --rotations DIR")
-    return load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS if True in recipes else DEFAULT_ROTATIONS))
+    calibrated = [m for m in methods if METHODS[m].rotation == "calibrated"]
+    names = {m: bundled_set_name(DEFAULT_MODEL_ID, m) for m in calibrated}
+    sets = {name: load_rotations(bundled_rotations_dir(name)) for name in set(names.values())}
+    return {m: sets[name] for m, name in names.items()}
 
 
 def _environment(argv: list[str]) -> dict:
     return provenance("oscar-hf " + " ".join(argv))
 
 
-def _rotations(args: argparse.Namespace) -> RotationSet | None:
+def _rotations(args: argparse.Namespace) -> MethodRotations:
     """The rotations the command's methods use (checked before the model loads)."""
     try:
         return _rotations_for(args.model, args.rotations, args.shared_rotations, args.methods)
@@ -232,7 +231,7 @@ def cmd_eval_kl_curve(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
-    from oscar_hf.cli.calibrate import format_summary, run_calibration
+    from oscar_hf.cli.calibrate import existing_set, format_summary, run_calibration
 
     if args.clip_search and (args.objective != "qqt_sst" or args.factors != "UHP"):
         raise ValueError("the clip search chooses between U·H·P and H·P itself: add --no-clip-search to pick "
@@ -241,6 +240,12 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
         raise ValueError("--refine starts from the clip search's rotations and ratios; drop --no-clip-search")
     if args.allocate_bits and not args.clip_search:
         raise ValueError("--allocate-bits ranks layers against the clip search's rotations and ratios; drop --no-clip-search")
+    if args.from_rotations and not args.allocate_bits:
+        raise ValueError("--from-rotations takes a saved set's rotations and clip ratios to allocate bit widths "
+                         "anew: add --allocate-bits N")
+    if args.from_rotations and (args.refine or args.per_head or not args.clip_search):
+        raise ValueError("--from-rotations keeps the saved set's rotations: drop --refine, --per-head and "
+                         "--no-clip-search")
     if args.allocate_for != "oscar-int2":
         from oscar_hf.rotations.bit_allocation import value_layers_per_key_layer
 
@@ -249,6 +254,11 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
         value_layers_per_key_layer(METHODS[args.allocate_for])
     checks.check_files(args.data, "--data")
     checks.check_output(args.out, "--out", folder=True)
+    if args.from_rotations:
+        try:  # a readable oscar-hf set, before the model loads
+            existing_set(args.from_rotations)
+        except (FileNotFoundError, ValueError) as error:
+            raise ValueError(f"--from-rotations: {error}") from None
     model, tokenizer = _load(args)
     _, summary = run_calibration(args, model, tokenizer, argv)
     print(json.dumps({**_environment(argv), **summary}) if args.json else format_summary(summary))
@@ -363,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--allocate-for", choices=sorted(METHODS), default="oscar-int2", metavar="METHOD",
                            help="the method whose widths --allocate-bits trades against (oscar-int2 or oscar-k3v2; "
                                 "default oscar-int2); only that method takes the stored widths")
+    calibrate.add_argument("--from-rotations", metavar="DIR",
+                           help="with --allocate-bits: start from a saved set's rotations and clip ratios instead of "
+                                "calibrating them (e.g. to allocate widths for another method from the same set)")
     calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
     calibrate.add_argument("--seq-len", type=checks.positive_int, default=2048)
     calibrate.add_argument("--seed", type=int, default=0)

@@ -11,6 +11,7 @@ reference's later format, oscar-reference.md Appendix C); query head ``i`` uses 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -276,3 +277,15 @@ def own_kv_heads(rotations: RotationSet, model: PretrainedConfig | PreTrainedMod
         raise ValueError(f"per-head rotations need the {kv_heads} KV heads split evenly over {size} ranks")
     local = kv_heads // size
     return rotations.select_kv_heads(rank * local, (rank + 1) * local)
+
+
+# What an evaluation of several methods takes: one set for every method, or each method's own set
+# (the bundled sets differ by recipe), or None for methods without calibrated rotations.
+MethodRotations = RotationSet | Mapping[str, RotationSet] | None
+
+
+def rotations_for(rotations: MethodRotations, method: str) -> RotationSet | None:
+    """``rotations`` itself, or its entry for ``method`` where it maps methods to their sets."""
+    if isinstance(rotations, Mapping):
+        return rotations.get(method)
+    return rotations

@@ -16,7 +16,7 @@ from oscar_hf.core.model_info import head_dim_of
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.config import METHODS
 from oscar_hf.core.memory import MemoryReport
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.core.rotation_set import MethodRotations, rotations_for
 
 QUESTION = "According to the guide, what is the name of the lighthouse keeper's dog?"
 PROJECTED_TOKENS = (32 * 1024, 128 * 1024)
@@ -49,9 +49,9 @@ def filled_context(tokenizer: PreTrainedTokenizerBase, tokens: int, text_file: P
 
 
 @torch.no_grad()
-def prefill_report(model: PreTrainedModel, input_ids: torch.Tensor, method: str, rotations: RotationSet | None) -> MemoryReport:
+def prefill_report(model: PreTrainedModel, input_ids: torch.Tensor, method: str, rotations: MethodRotations) -> MemoryReport:
     """Prefill ``input_ids`` into a fresh cache of ``method`` and return its memory report."""
-    cache = OscarCache(model, method, rotations=rotations)
+    cache = OscarCache(model, method, rotations=rotations_for(rotations, method))
     model(input_ids.to(model.device), use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
     return cache.memory_report()
 
@@ -100,11 +100,11 @@ def run_method(
     tokenizer: PreTrainedTokenizerBase,
     prompt: torch.Tensor,
     method: str,
-    rotations: RotationSet | None,
+    rotations: MethodRotations,
     max_new_tokens: int,
 ) -> DemoRun:
     """Greedy generation of ``prompt`` with a fresh cache of ``method``."""
-    cache = OscarCache(model, method, rotations=rotations)
+    cache = OscarCache(model, method, rotations=rotations_for(rotations, method))
     clock = _StepClock(cache)
     prompt = prompt.to(model.device)
     start = time.perf_counter()
@@ -164,7 +164,7 @@ def run_demo(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     methods: list[str],
-    rotations: RotationSet | None,
+    rotations: MethodRotations,
     max_new_tokens: int,
     warm_up: bool | None = None,
 ) -> Demo:

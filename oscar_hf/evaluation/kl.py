@@ -14,7 +14,7 @@ from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.model_info import head_dim_of
 from oscar_hf.core.memory import mean_bits_per_element
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.core.rotation_set import MethodRotations, rotations_for
 from oscar_hf.core.teacher_forcing import position_stats_of_caches
 
 
@@ -37,7 +37,7 @@ def evaluate_methods(
     model: PreTrainedModel,
     token_ids: torch.Tensor,
     methods: Sequence[str],
-    rotations: RotationSet | None = None,
+    rotations: MethodRotations = None,
     context: int = 2048,
     windows: int = 6,
     progress: bool = True,
@@ -48,7 +48,7 @@ def evaluate_methods(
     ``token_ids`` is one long 1-D sequence; ``windows`` windows of ``context`` tokens are spread
     over it. Positions before ``sink + recent`` never see quantized keys and are not scored.
     """
-    caches = {m: OscarCache(model, m, rotations=rotations, **overrides) for m in methods}
+    caches = {m: OscarCache(model, m, rotations=rotations_for(rotations, m), **overrides) for m in methods}
     return evaluate_caches(model, token_ids, caches, context, windows, progress)
 
 

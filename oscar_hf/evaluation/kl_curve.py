@@ -21,14 +21,14 @@ from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.teacher_forcing import position_stats_of_caches
 from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.provenance import machine_line, provenance_line
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.core.rotation_set import MethodRotations, rotations_for
 
 
 def position_stats(
     model: PreTrainedModel,
     token_ids: torch.Tensor,
     methods: Sequence[str],
-    rotations: RotationSet | None = None,
+    rotations: MethodRotations = None,
     context: int = 8192,
     windows: int = 2,
     progress: bool = True,
@@ -39,7 +39,7 @@ def position_stats(
     Also returns the window starts and the first position that can see a quantized key (the
     smallest ``sink + recent`` of the quantized methods).
     """
-    caches = {m: OscarCache(model, m, rotations=rotations, **overrides) for m in methods}
+    caches = {m: OscarCache(model, m, rotations=rotations_for(rotations, m), **overrides) for m in methods}
     configs = [c.oscar_config for c in caches.values()]
     first = min((c.sink + c.recent for c in configs if c.quantized), default=configs[0].sink + configs[0].recent)
     stats, starts = position_stats_of_caches(model, token_ids, caches, context, windows, progress)

@@ -29,7 +29,7 @@ from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.log import get_logger
 from oscar_hf.core.models import model_context
 from oscar_hf.provenance import machine_line, provenance_line
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.core.rotation_set import MethodRotations
 
 logger = get_logger(__name__)
 
@@ -297,7 +297,7 @@ def run_niah(
     lengths: Sequence[int],
     depths: Sequence[float],
     seeds: Sequence[int],
-    rotations: RotationSet | None = None,
+    rotations: MethodRotations = None,
     max_new_tokens: int = 12,
     chat: bool = True,
     progress: bool = True,

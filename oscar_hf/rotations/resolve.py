@@ -71,7 +71,8 @@ def resolve_rotations(
         per_head: which rotations of a folder to take, as in :func:`load_rotations`.
         method: the cache method the rotations are for. One with ``shared_rotations``
             (``oscar-int2-paper``) takes a folder's shared rotations (unless ``per_head`` says otherwise)
-            and the bundled set made without the clip search; the others the clip-searched one.
+            and the bundled set made without the clip search; the others a clip-searched one, the set
+            whose bit widths were allocated against the method's own widths where one is bundled.
 
     Raises:
         ValueError: no bundled set fits the model, the zoo folder cannot be determined, or the
@@ -87,7 +88,7 @@ def resolve_rotations(
     elif isinstance(rotations, str) and rotations == _BUNDLED_KEYWORD:
         if subfolder is not None or revision is not None or calibration is not None:
             raise ValueError("subfolder, revision and calibration apply to a directory or hub repo, not to 'default'")
-        name = _bundled_for(config, searched=not shared)
+        name = _bundled_for(config, resolve_method(method))
         resolved, source = load_rotations(bundled_rotations_dir(name), per_head=per_head), f"the bundled set {name!r}"
     else:
         if subfolder is None:
@@ -160,26 +161,54 @@ def _bundled_sets() -> dict[str, dict[str, Any]]:
     }
 
 
-def _bundled_for(config: PretrainedConfig, searched: bool = True) -> str:
-    """The bundled set made for this model (with or without the clip search): by name (hub id or folder
-    name), else by architecture signature."""
-    sets = {n: c for n, c in _bundled_sets().items() if _clip_searched(c) == searched}
-    name = _model_name(config)
-    by_name = [n for n, c in sets.items() if _same_model(name, c.get("model_id"))]
+def _bundled_for(config: PretrainedConfig, method: OscarConfig) -> str:
+    """The bundled set made for this model, by name (hub id or folder name), else by architecture
+    signature, and for ``method``'s recipe (:func:`_recipe_set`)."""
+    sets, name = _bundled_sets(), _model_name(config)
+    by_name = {n: c for n, c in sets.items() if _same_model(name, c.get("model_id"))}
     if by_name:
-        return by_name[0]
+        return _recipe_set(by_name, method, name)
     # The default model is loaded from a converted local copy whose path names no hub id.
     signature = model_signature(config)
-    by_signature = [n for n, c in sets.items() if _signature_matches(c.get("model_signature"), signature)]
-    if len(by_signature) == 1:
-        logger.info("using bundled rotations %r: their recorded model signature matches %s", by_signature[0], name)
-        return by_signature[0]
-    if by_signature:
-        raise ValueError(
-            f"several bundled rotation sets fit this model's architecture: {by_signature}; pass one explicitly, "
-            "e.g. OscarCache.from_zoo(model, oscar_hf.rotations.resolve.bundled_rotations_dir(NAME))"
-        )
-    raise ValueError(_no_bundled_message(name, signature, sets))
+    by_signature = {n: c for n, c in sets.items() if _signature_matches(c.get("model_signature"), signature)}
+    if not by_signature:
+        raise ValueError(_no_bundled_message(name, signature, sets))
+    chosen = _recipe_set(by_signature, method, name)
+    logger.info("using bundled rotations %r: their recorded model signature matches %s", chosen, name)
+    return chosen
+
+
+def bundled_set_name(model_id: str, method: str | OscarConfig) -> str:
+    """Name of the set bundled for the hub model ``model_id`` that ``method`` takes with ``rotations="default"``."""
+    sets = {n: c for n, c in _bundled_sets().items() if _same_model(model_id, c.get("model_id"))}
+    if not sets:
+        raise ValueError(f"no rotations are bundled for {model_id}")
+    return _recipe_set(sets, resolve_method(method), model_id)
+
+
+def _recipe_set(sets: dict[str, dict[str, Any]], method: OscarConfig, model: str) -> str:
+    """Among one model's bundled sets, the one for ``method``: clip-searched unless the method is the
+    paper's recipe, and with bit widths allocated against the method's own K/V widths where such a set
+    exists, else against 2-bit K and V (per-layer widths a method at other widths ignores)."""
+    recipe = {n: c for n, c in sets.items() if _clip_searched(c) != method.shared_rotations}
+    for widths in ((method.key.bits, method.value.bits), (2, 2)):
+        names = [n for n, c in recipe.items() if _base_bits(c) == widths]
+        if len(names) > 1:
+            raise ValueError(
+                f"several bundled rotation sets fit {model or 'this model'} and {method.method}: {names}; pass one "
+                "explicitly, e.g. OscarCache.from_zoo(model, oscar_hf.rotations.resolve.bundled_rotations_dir(NAME))"
+            )
+        if names:
+            return names[0]
+    kind = "made without the clip search" if method.shared_rotations else "clip-searched"
+    raise ValueError(f"no {kind} rotations are bundled for {model or 'this model'} (bundled for it: {sorted(sets)}); "
+                     "calibrate them with `oscar-hf calibrate`")
+
+
+def _base_bits(config: dict[str, Any]) -> tuple[int, int]:
+    """The K/V widths a set's per-layer widths were allocated against (2/2 where it records none)."""
+    base = config.get("base_bits") or {"key": 2, "value": 2}
+    return base["key"], base["value"]
 
 
 def _clip_searched(config: dict[str, Any]) -> bool:
