@@ -325,7 +325,8 @@ def test_metadata_cannot_override_format_keys(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name, composition", [(DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)"),
-                                               (DEFAULT_PAPER_ROTATIONS, "r_h_pbr")])
+                                               (DEFAULT_PAPER_ROTATIONS, "r_h_pbr"),
+                                               ("smollm2-135m-instruct-k3v2", "per-layer r_h_pbr or h_pbr (clip search)")])
 def test_bundled_default_rotations_load(name: str, composition: str) -> None:
     path = bundled_rotations_dir(name)
     assert path.parts[-4:] == ("oscar_hf", "assets", "rotations", name)

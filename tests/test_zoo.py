@@ -736,6 +736,15 @@ def test_the_cli_takes_the_bundled_set_of_each_methods_recipe() -> None:
     assert own.base_bits == (2, 2)  # no set allocated against K4 V2: the 2-bit one, whose widths it ignores
 
 
+def test_oscar_k3v2_takes_its_own_bundled_set() -> None:
+    """The default model's oscar-k3v2 set: the 2-bit set's rotations and clips, widths allocated against K3 V2."""
+    k3v2 = OscarCache.from_zoo(smollm2_config(), "default", "oscar-k3v2")
+    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    assert k3v2.rotations.base_bits == (3, 2) and torch.equal(k3v2.rotations.key[5], searched.key[5])
+    widths = [(layer.config.key.bits, layer.config.value.bits) for layer in k3v2.layers]
+    assert widths.count((4, 2)) == 6 and widths.count((3, 1)) == 6 and widths.count((3, 2)) == 18
+
+
 def test_a_method_takes_the_bundled_set_allocated_against_its_own_widths(tmp_path, monkeypatch) -> None:
     import oscar_hf.rotations.resolve as resolve
 
