@@ -25,7 +25,7 @@ DATA = data_dir(REPO.parent / "shared" / "data")
 @pytest.fixture(scope="module")
 def smollm():
     model, tokenizer = load_model("default")
-    return model, tokenizer, _rotations_for("default", None)
+    return model, tokenizer, _rotations_for("default", None, methods=["oscar-int2"])["oscar-int2"]
 
 
 def chat(tokenizer, text):

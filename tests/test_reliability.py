@@ -55,15 +55,24 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 PATHS = [pytest.param(False, id="eager"), pytest.param(True, id="frozen"), pytest.param(None, id="graphs", marks=CUDA)]
 
 
-def on_device(model):
-    return model.to("cuda") if torch.cuda.is_available() else model
+def device_model(**config):
+    """The tiny Llama on the GPU where there is one, at a head_dim the decode kernel takes (so that the
+    frozen layout is captured in CUDA graphs), else on the CPU."""
+    if not torch.cuda.is_available():
+        return tiny_model("llama", **config)
+    return tiny_model("llama", head_dim=DEVICE_HEAD_DIM, **config).to("cuda")
 
 
-@pytest.mark.parametrize("frozen", PATHS)
+DEVICE_HEAD_DIM = 64 if torch.cuda.is_available() else 16
+
+
+# Not under per-layer graphs: a captured call replays the kernels it recorded, so the patched function
+# below is never reached there.
+@pytest.mark.parametrize("frozen", PATHS[:2])
 def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
     """An error in layer 1's attention (here a simulated out-of-memory) after layer 0 stored the step,
     on the eager path and on the frozen layout that plain generate decodes with on a GPU."""
-    model = on_device(tiny_model("llama"))
+    model = device_model()
     cache = OscarCache(model, "quarot-int2", decode_graphs=frozen, **SMALL)
     forward(model, tokens(20, device=model.device), cache)
     forward(model, tokens(1, seed=4, device=model.device), cache)  # freezes the cache when frozen
@@ -83,6 +92,16 @@ def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
     # Layer 1 had reserved its window row for the step and never computed it: nothing may use that.
     with pytest.raises(CacheBrokenError, match=r"layer 1 raised .* 1 of 2 quantized layers"):
         forward(model, tokens(1, seed=2, device=model.device), cache)
+
+
+@CUDA
+def test_a_shape_the_decode_kernel_does_not_take_decodes_eagerly_on_a_gpu():
+    """head_dim 16 runs the torch reference, which cannot be captured in a CUDA graph: no freezing."""
+    model = tiny_model("llama").to("cuda")
+    cache, eager = OscarCache(model, "quarot-int2", **SMALL), OscarCache(model, "quarot-int2", decode_graphs=False, **SMALL)
+    prompt = tokens(20, device="cuda")
+    torch.testing.assert_close(generate(model, prompt, cache, max_new_tokens=4), generate(model, prompt, eager, max_new_tokens=4))
+    assert cache.static is None
 
 
 @pytest.mark.parametrize("mistake", ["batch", "dtype", "head_dim"])
@@ -107,12 +126,12 @@ def test_a_step_the_cache_cannot_store_is_refused_before_any_layer_stores_it(mis
 def test_a_non_finite_key_propagates_like_dynamic_cache(method, frozen):
     """With check_finite off, NaN keys give NaN logits at every later step (as DynamicCache with eager
     attention gives), never a plausible finite answer: masking only touches masked positions."""
-    model = on_device(tiny_model("llama"))
-    rotations = RotationSet.hadamard(16, [0, 1]) if METHODS[method].rotation == "calibrated" else None
+    model = device_model()
+    rotations = RotationSet.hadamard(DEVICE_HEAD_DIM, [0, 1]) if METHODS[method].rotation == "calibrated" else None
     cache = OscarCache(model, method, rotations=rotations, decode_graphs=frozen, **SMALL)
     forward(model, tokens(20, device=model.device), cache)
     poison_keys(model, 1)
-    reference = on_device(tiny_model("llama", attn="eager"))
+    reference = device_model(attn="eager")
     poison_keys(reference, 1)
     assert forward(reference, tokens(21, device=model.device), DynamicCache(config=model.config)).logits[:, -1].isnan().all()
     for seed in (1, 2):  # the step with the NaN key, then one that only finds it in the cache

@@ -18,7 +18,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_hf.core.config import OscarConfig, check_bit_budget, resolve_method
-from oscar_hf.core.frozen_decoding import StaticDecoding
+from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
 from oscar_hf.core.layer import OscarLayer, allowed_keys
 from oscar_hf.core.memory import LayerMemory, MemoryReport
 from oscar_hf.core.models import load_config
@@ -294,6 +294,11 @@ class OscarCache(StepGuard, Cache):
             return
         device = self.layers[layer_idx].device
         if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
+            return
+        oscar_layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        if device.type == "cuda" and (reason := graphs_unsupported(oscar_layers)) is not None:
+            logger.debug("decoding eagerly: %s", reason)
+            self.stays_eager = True
             return
         key_mask = None if attention_mask is None else allowed_keys(attention_mask)
         if not self._freeze(self._grown_capacity(), key_mask, replay=True, grows=True):

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import functools
 import gc
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar_hf.kernels.decode_attention import decode_attention
+from oscar_hf.kernels.decode_attention import decode_attention, kernel_supports_decode
 from oscar_hf.kernels.quantize import WindowQuantizer
 from oscar_hf.log import get_logger
 
@@ -93,6 +94,17 @@ class ReplayedCall:
                 gc.enable()
         current.wait_stream(self.stream)
         self.graph = graph
+
+
+def graphs_unsupported(layers: Sequence[Any]) -> str | None:
+    """Why the decode steps of ``layers`` (:class:`~oscar_hf.core.layer.OscarLayer`) cannot be captured in CUDA
+    graphs, or None: shapes and widths the decode kernel does not take run the torch reference, which reads
+    the static lengths on the host."""
+    for layer in layers:
+        key, value, dim = layer.config.key, layer.config.value, layer.head_dim
+        if not kernel_supports_decode(dim, key.bits, value.bits, dim // key.group_of(dim), dim // value.group_of(dim)):
+            return f"the decode kernel does not take head_dim {dim} at K{key.bits} V{value.bits}"
+    return None
 
 
 class StaticDecoding:
