@@ -44,6 +44,22 @@ def tiny(request):
     return tiny_model(request.param)
 
 
+def saved_tiny_model(tmp_path):
+    """A tiny Llama saved with the default model's tokenizer, and a calibration text beside it, for
+    ``oscar-hf calibrate --model DIR``: (model folder, text file)."""
+    from transformers import AutoTokenizer
+
+    from oscar_hf.core.models import _default_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
+    model_dir = tmp_path / "model"
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "text.txt"
+    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    return model_dir, data
+
+
 def generate(model, input_ids, cache, **kwargs):
     """``model.generate`` with the cache passed under the installed transformers' keyword."""
     kwargs.setdefault("do_sample", False)

@@ -12,7 +12,7 @@ from oscar_hf import OscarCache, RotationSet
 from oscar_hf.rotations.bit_allocation import allocate_bits
 from oscar_hf.core.config import METHODS, TensorQuantConfig
 from oscar_hf.core.teacher_forcing import position_stats_of_caches
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, saved_tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 SMALL_K3V2 = METHODS["oscar-k3v2"].with_overrides(sink=4, recent=8, block=2)
@@ -96,19 +96,11 @@ def test_the_allocation_validates_its_inputs():
 def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers):
     """``oscar-hf calibrate --clip-search --allocate-bits 1 --allocate-for METHOD`` on a saved tiny model: widths
     and the method's widths they trade against in the rotation file."""
-    from transformers import AutoTokenizer
-
     from oscar_hf.cli.main import main
-    from oscar_hf.core.models import _default_checkpoint
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
-    tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
-    model_dir = tmp_path / "model"
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "text.txt"
-    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    model_dir, data = saved_tiny_model(tmp_path)
     out = tmp_path / "rotations"
     main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
           "--clip-search", "--allocate-bits", "1", "--allocate-for", method, "--out", str(out), "--json"])  # fmt: skip
@@ -133,19 +125,11 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
 def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
     """``--from-rotations DIR --allocate-bits 1 --allocate-for oscar-k3v2``: the saved set's rotations and
     clip ratios unchanged, widths allocated against K3 V2, the recipe and origin recorded."""
-    from transformers import AutoTokenizer
-
     from oscar_hf.cli.main import main
-    from oscar_hf.core.models import _default_checkpoint
     from oscar_hf.rotations.files import load_rotation_config, save_rotations
     from oscar_hf.rotations.hub import load_rotations
 
-    tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
-    model_dir = tmp_path / "model"
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "text.txt"
-    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    model_dir, data = saved_tiny_model(tmp_path)
     saved = RotationSet.hadamard(16, [0, 1])
     saved = RotationSet(16, saved.key, saved.value, key_clip={0: 0.84, 1: 0.9}, value_clip={0: 0.88, 1: 0.92},
                         key_bits={0: 4}, value_bits={1: 1, 0: 1})  # a 2-bit allocation, dropped

@@ -11,7 +11,7 @@ from oscar_hf import OscarCache
 from oscar_hf.rotations.calibration import collect_covariances, rotations_from_covariances
 from oscar_hf.rotations.clip_search import CLIP_GRID, search_layers
 from oscar_hf.core.config import METHODS
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, saved_tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 
@@ -104,19 +104,11 @@ def test_per_head_search_picks_per_layer_variants_of_per_head_rotations(searched
 
 def test_calibrate_command_per_head(tmp_path, capsys):
     """``oscar-hf calibrate --per-head --clip-search`` on a saved tiny model with the default model's tokenizer."""
-    from transformers import AutoTokenizer
-
     from oscar_hf.cli.main import main
-    from oscar_hf.core.models import _default_checkpoint
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
-    tokenizer = AutoTokenizer.from_pretrained(_default_checkpoint())
-    model_dir = tmp_path / "model"
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "text.txt"
-    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    model_dir, data = saved_tiny_model(tmp_path)
     out = tmp_path / "rotations"
     main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
           "--per-head", "--clip-search", "--out", str(out), "--json"])  # fmt: skip
