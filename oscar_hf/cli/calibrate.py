@@ -7,7 +7,7 @@ import hashlib
 import resource
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "sink": METHODS["oscar-int2"].sink,
         "recent": METHODS["oscar-int2"].recent,
         "calibration_data": {
-            "files": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files},
+            "files": _file_hashes(files),
             "documents": len(texts.documents),
             "prompts": len(texts.prompts),
             "chat_template": args.chat,
@@ -121,7 +121,8 @@ _RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_ch
 
 
 def existing_set(path: str) -> tuple[RotationSet, dict]:
-    """A saved set's rotations and clip ratios (its bit widths dropped) and the metadata of how they were made."""
+    """A saved set's rotations and clip ratios (its bit widths are replaced by the allocation) and the metadata
+    of how they were made."""
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
@@ -129,12 +130,12 @@ def existing_set(path: str) -> tuple[RotationSet, dict]:
     rotations = load_rotations(path)
     recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
     made = {key: config.get(key) for key in ("command", "calibration_data", "tokens")}
-    recipe["rotations_from"] = {**made, "files": _file_hashes(Path(path))}
-    return replace(rotations, key_bits={}, value_bits={}, base_bits=(2, 2)), recipe
+    recipe["rotations_from"] = {**made, "files": _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())}
+    return rotations, recipe
 
 
-def _file_hashes(directory: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir()) if f.is_file()}
+def _file_hashes(files: Iterable[Path]) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 
 def _composition(args: argparse.Namespace) -> str:
