@@ -178,18 +178,22 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(pipeline):
 @GPU
 def test_the_span_variants_for_kernel_development_compute_the_same():
     """One half of 64 keys a tile instead of two of 32 (4 query heads a KV head), and a lower register
-    cap (it spills): the same partials as the production span, up to the order of the sums."""
-    from oscar_hf.kernels.decode_history_gluon import history_partials
+    cap (it spills): the production span's maxima and normalisers, and outputs as close to the reference.
+    The one-half variant's value sums differ by 16-bit rounding (it weighs keys at other running maxima)."""
+    from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
     from oscar_hf.kernels.gluon_span_variant import SpanVariant
 
-    args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=8)
-    q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
+    args, options = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=8)
+    args = [a.cuda() for a in args]
+    want = decode_attention_reference(*args, sm_scale=0.088, **options).float()
+    q, _, _, *packed, _, _, _, _ = args
     packed = [_in_buffer(t) for t in packed]
-    production = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=True)
+    m, l, _ = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=True)
     for variant in (SpanVariant(two_halves=False), SpanVariant(registers=96)):
         got = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=True, variant=variant)
-        for a, b in zip(got, production):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=str(variant))
+        torch.testing.assert_close(got[0], m, rtol=0, atol=1e-6, msg=str(variant))
+        torch.testing.assert_close(got[1], l, rtol=1e-5, atol=1e-5, msg=str(variant))
+        torch.testing.assert_close(merge_partials(*got), want, **TOLERANCE[torch.bfloat16], msg=str(variant))
 
 
 @GPU

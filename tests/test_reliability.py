@@ -194,6 +194,23 @@ def test_assisted_decoding_with_more_candidates_than_the_window(method, assistan
         torch.testing.assert_close(got, generate(model, prompt, DynamicCache(config=model.config), max_new_tokens=30))
 
 
+@pytest.mark.parametrize("method", ["none", "quarot-int2"])
+def test_crop_takes_the_count_as_a_0d_tensor(method):
+    """transformers 5.17's assisted decoding crops by a 0-d tensor: the layers keep integer lengths and
+    the next step attends over exactly what a crop by the int leaves."""
+    model = tiny_model("llama")
+    caches = [OscarCache(model, method, sink=4, recent=3, block=2) for _ in range(2)]
+    for cache, count in zip(caches, (torch.tensor(-5), -5)):
+        forward(model, tokens(30), cache)
+        cache.crop(count)
+    assert lengths(caches[0]) == [25, 25] and all(type(n) is int for n in lengths(caches[0]))
+    step = tokens(13, seed=2)
+    torch.testing.assert_close(forward(model, step, caches[0]).logits, forward(model, step, caches[1]).logits,
+                               rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        caches[0].crop(-2.0)
+
+
 def test_a_model_whose_attention_bypasses_the_cache_is_named():
     """A cache built from a config that runs the oscar attention, used by a model that runs SDPA: the
     chunks it stashed are never attended to, and the next use says why."""

@@ -18,6 +18,7 @@ to its own unquantized K/V, as the reference's prefill does:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,7 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
                     "each rank takes its own heads, or pass rotations.select_kv_heads(start, stop)"
                 )
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, head_dim
+        self.place_rotations(self.device)
 
         def window() -> RowBuffer:
             return RowBuffer(batch, heads, (head_dim,), self.dtype, self.device)
@@ -362,8 +364,10 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
 
         A negative value removes that many tokens; a positive one is the length to keep (the
         transformers 5.17 legacy meaning). Assisted decoding crops rejected candidates this way,
-        however many of them the verification step already quantized.
+        however many of them the verification step already quantized; transformers 5.17 passes the
+        count as a 0-d tensor, which would otherwise turn the buffers' lengths into tensors.
         """
+        tokens_to_remove = operator.index(tokens_to_remove)
         self._require_idle("crop")
         self._leave_static(stay_eager=True)
         length = self.get_seq_length()

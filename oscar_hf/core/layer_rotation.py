@@ -35,6 +35,13 @@ class RotatedLayer:
         self.key_rotation, self.value_rotation = key_rotation, value_rotation
         self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dtype, device) -> R cast once
 
+    def place_rotations(self, device: torch.device) -> None:
+        """Move the float32 R_K / R_V to the layer's device, so that every tensor of a layer sits beside
+        its attention (under ``device_map`` a layer on ``cuda:1`` holds nothing on the host)."""
+        masters = (self.key_rotation, self.value_rotation)
+        if any(r is not None and r.device != device for r in masters):
+            self.set_rotations(*(None if r is None else r.to(device) for r in masters))
+
     def unrotate_output(self, output: torch.Tensor) -> torch.Tensor:
         """A decode step's attention output ``[B, Hq, D]`` mapped back (``o·R_V^T``), as ``[B, 1, Hq, D]``."""
         rotation = self._rotation("value", output, expand=False)
