@@ -6,7 +6,7 @@
 #
 # Run from the repository root; the steps run in the order given. Pick steps whose limits fit in one
 # device call. The steps:
-#   GPU tests          tests, static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
+#   GPU tests          tests (all GPU test files), static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
 #                      tests, diagnosis and timing), multigpu-tests (2 GPUs)
 #   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, graph, graph-4b, graph-8b-64k, graph-100k,
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
@@ -34,9 +34,22 @@ run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, r
     tar czf "$out/results.tgz" -C "$work" .
 }
 
+GPU_TEST_FILES="tests/test_kernels.py tests/test_gluon_history.py tests/test_static.py tests/test_layer_bits.py
+    tests/test_reliability.py tests/test_bench_gpu.py"
+
+gpu_tests() {  # every GPU test file, under a header line with the command, machine and date
+    local command="python3 -m pytest -q -n 12 -p no:cacheprovider $(echo $GPU_TEST_FILES)"
+    local versions
+    versions=$(python3 -c 'import torch, triton, transformers as t; print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {t.__version__}")')
+    echo "$command  # $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $versions, $(date -u +%F)"
+    $command
+}
+export -f gpu_tests
+export GPU_TEST_FILES
+
 for step in "$@"; do
     case $step in
-        tests) run tests 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_static.py ;;
+        tests) run gpu_tests 560 bash -c gpu_tests ;;
         tune) run tune 300 python3 kernels/tools/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \

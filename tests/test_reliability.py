@@ -13,6 +13,7 @@ from transformers import DynamicCache
 import oscar_hf.core.attention
 import oscar_hf.core.frozen_decoding
 from oscar_hf import METHODS, CacheBrokenError, OscarCache, RotationSet, TensorQuantConfig
+from oscar_hf.core.frozen_decoding import ReplayedCall
 from tests.conftest import forward, generate, tiny_model
 
 SMALL = dict(sink=4, recent=8, block=2)
@@ -66,28 +67,44 @@ def device_model(**config):
 DEVICE_HEAD_DIM = 64 if torch.cuda.is_available() else 16
 
 
-# Not under per-layer graphs: a captured call replays the kernels it recorded, so the patched function
-# below is never reached there.
-@pytest.mark.parametrize("frozen", PATHS[:2])
+def fail_in_layer_1(monkeypatch, cache: OscarCache) -> None:
+    """A simulated out-of-memory error in layer 1's decode attention, after layer 0 stored the step: in
+    the kernel call or, under per-layer graphs (a frozen cache on CUDA), where its captured call replays."""
+    error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    if cache.static is not None and cache.static.replayed is not None:  # a replay runs no Python: fail it
+        real_call = ReplayedCall.__call__
+
+        def replay(call, *inputs):
+            if call.fn.args[:1] == (cache.layers[1],):
+                raise error
+            return real_call(call, *inputs)
+
+        monkeypatch.setattr(ReplayedCall, "__call__", replay)
+        return
+    module = oscar_hf.core.frozen_decoding if cache.static is not None else oscar_hf.core.attention
+    real, calls = module.decode_attention, []
+
+    def kernel(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode_attention", kernel)
+
+
+@pytest.mark.parametrize("frozen", PATHS)
 def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
-    """An error in layer 1's attention (here a simulated out-of-memory) after layer 0 stored the step,
-    on the eager path and on the frozen layout that plain generate decodes with on a GPU."""
+    """An error in layer 1's attention after layer 0 stored the step, on the eager path, the frozen
+    layout and the per-layer graphs that plain generate decodes with on a GPU."""
     model = device_model()
     cache = OscarCache(model, "quarot-int2", decode_graphs=frozen, **SMALL)
     forward(model, tokens(20, device=model.device), cache)
-    forward(model, tokens(1, seed=4, device=model.device), cache)  # freezes the cache when frozen
+    for seed in (4, 5, 6):  # freezes the cache when frozen; graphs are captured at the second step
+        forward(model, tokens(1, seed=seed, device=model.device), cache)
     assert (cache.static is not None) == (frozen is not False)
-    module = oscar_hf.core.frozen_decoding if frozen else oscar_hf.core.attention
-    real, calls = module.decode_attention, []
-
-    def out_of_memory_in_layer_1(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "decode_attention", out_of_memory_in_layer_1)
-    with pytest.raises((torch.OutOfMemoryError, RuntimeError)):  # under graph capture: a capture error
+    fail_in_layer_1(monkeypatch, cache)
+    with pytest.raises(torch.OutOfMemoryError):
         forward(model, tokens(1, seed=1, device=model.device), cache)
     # Layer 1 had reserved its window row for the step and never computed it: nothing may use that.
     with pytest.raises(CacheBrokenError, match=r"layer 1 raised .* 1 of 2 quantized layers"):

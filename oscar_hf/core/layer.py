@@ -93,15 +93,8 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
-        for rotation in (self.key_rotation, self.value_rotation):
-            if rotation is not None and rotation.ndim == 3 and rotation.shape[0] != heads:
-                raise ValueError(
-                    f"the per-head rotations hold {rotation.shape[0]} KV heads but this layer receives {heads}; "
-                    "under tensor parallelism build the cache from the sharded model (OscarCache(model, ...)) so "
-                    "each rank takes its own heads, or pass rotations.select_kv_heads(start, stop)"
-                )
+        self.place_rotations(key_states.device, heads)
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, head_dim
-        self.place_rotations(self.device)
 
         def window() -> RowBuffer:
             return RowBuffer(batch, heads, (head_dim,), self.dtype, self.device)
@@ -360,12 +353,10 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
                 buffer.repeat_batch(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the newest tokens: from the recent window, then from the end of the history, then the sink.
+        """Remove the newest tokens (window, then the history's end, then the sink), e.g. rejected candidates.
 
-        A negative value removes that many tokens; a positive one is the length to keep (the
-        transformers 5.17 legacy meaning). Assisted decoding crops rejected candidates this way,
-        however many of them the verification step already quantized; transformers 5.17 passes the
-        count as a 0-d tensor, which would otherwise turn the buffers' lengths into tensors.
+        Negative: that many tokens; positive: the length to keep (transformers 5.17's legacy meaning).
+        5.17 passes a 0-d tensor, which must not turn the buffers' lengths into tensors.
         """
         tokens_to_remove = operator.index(tokens_to_remove)
         self._require_idle("crop")

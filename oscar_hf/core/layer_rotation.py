@@ -35,10 +35,17 @@ class RotatedLayer:
         self.key_rotation, self.value_rotation = key_rotation, value_rotation
         self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dtype, device) -> R cast once
 
-    def place_rotations(self, device: torch.device) -> None:
-        """Move the float32 R_K / R_V to the layer's device, so that every tensor of a layer sits beside
-        its attention (under ``device_map`` a layer on ``cuda:1`` holds nothing on the host)."""
+    def place_rotations(self, device: torch.device, kv_heads: int) -> None:
+        """Check per-head rotations against the layer's ``kv_heads`` and move the float32 R_K / R_V to its
+        device, so that every tensor of a layer sits beside its attention (``device_map``)."""
         masters = (self.key_rotation, self.value_rotation)
+        for rotation in masters:
+            if rotation is not None and rotation.ndim == 3 and rotation.shape[0] != kv_heads:
+                raise ValueError(
+                    f"the per-head rotations hold {rotation.shape[0]} KV heads but this layer receives {kv_heads}; "
+                    "under tensor parallelism build the cache from the sharded model (OscarCache(model, ...)) so "
+                    "each rank takes its own heads, or pass rotations.select_kv_heads(start, stop)"
+                )
         if any(r is not None and r.device != device for r in masters):
             self.set_rotations(*(None if r is None else r.to(device) for r in masters))
 
