@@ -45,8 +45,14 @@ except ImportError:  # the library works without Triton, through the torch refer
     def _jit(fn=None, **_kwargs):
         return fn if fn is not None else (lambda f: f)
 
+    class _Constexpr:
+        """Holds a module-level constant as ``tl.constexpr(value)`` does (no kernel runs without Triton)."""
+
+        def __init__(self, value=None):
+            self.value = value
+
     triton = SimpleNamespace(jit=_jit)
-    tl = SimpleNamespace(constexpr=object)
+    tl = SimpleNamespace(constexpr=_Constexpr)
 
 
 def _patch_interpreter_scalar_index() -> None:

@@ -28,7 +28,9 @@ from oscar_hf.evaluation.task_eval import RunKey, run_path, run_tasks  # noqa: E
 from oscar_hf.evaluation.tasks import available_tasks, write_task_configs  # noqa: E402
 from oscar_hf.evaluation.tasks.scoring import gpqa_letter, humaneval_program, run_program  # noqa: E402
 
-from tests.conftest import tiny_model  # noqa: E402
+from tests.conftest import TINY, tiny_model  # noqa: E402
+
+TINY_HEAD_DIM = TINY["head_dim"]
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -186,6 +188,20 @@ def test_eval_tasks_end_to_end_fresh_cache_resume_and_table(tmp_path, model, tok
     # resuming with other settings would mix incomparable runs into one table
     with pytest.raises(ValueError, match="other settings"):
         run_tasks(model, tok, methods=["none"], **{**common, "max_gen_toks": 13})
+
+
+def test_eval_tasks_gives_each_calibrated_method_its_own_set(tmp_path, model, tok):
+    """The command line passes one rotation set per method (the bundled sets differ by recipe)."""
+    from oscar_hf.core.rotation_set import RotationSet
+
+    data, tasks = write_tiny_task(tmp_path)
+    recorder = GenerateRecorder(model)
+    sets = {"oscar-int2": RotationSet.hadamard(TINY_HEAD_DIM, [0, 1]), "oscar-k3v2": RotationSet.hadamard(TINY_HEAD_DIM, [0, 1])}
+    run_tasks(model, tok, methods=["oscar-int2", "oscar-k3v2"], tasks=["tiny"], seeds=1, out_dir=tmp_path / "out",
+              limit=1, data_dir=data, max_gen_toks=4, rotations=sets, sink=4, recent=8, task_dirs=[str(tasks)],
+              progress=False)
+    used = {c["cache"].oscar_config.method: c["cache"].rotations for c in recorder.calls}
+    assert used["oscar-int2"] is sets["oscar-int2"] and used["oscar-k3v2"] is sets["oscar-k3v2"]
 
 
 def test_stop_strings_only_after_think_end(tok):

@@ -132,3 +132,23 @@ def test_per_layer_widths_average_their_bits_per_element():
     assert (summary["code_bytes"], summary["metadata_bytes"]) == (history * (40 + 24), history * 16)
     configs = [layer.config for layer in cache.layers]
     assert summary["bits_per_element"] == pytest.approx(mean_bits_per_element(configs, 1000, 64), abs=1e-4)
+
+
+def test_the_report_in_words_says_what_a_bf16_model_stores_and_why_short_prompts_compress_less():
+    """A float32 model on CPU at a short prompt: the windows dominate and are float32; the words say so."""
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_attention_heads": 1,
+                            "head_dim": 128, "hidden_size": 128})
+    cache = OscarCache(config, "quarot-int2")
+    chunk = torch.randn(1, 1, 400, 128, generator=torch.Generator().manual_seed(0))
+    cache.layers[0].update(chunk, chunk)
+    report = cache.memory_report()
+    text = str(report)
+    bf16 = report.in_bf16()
+    assert report.compression < 1 < bf16.compression  # larger than BF16 as stored in float32, smaller in BF16
+    assert "with the model's float32 windows" in text and f"{bf16.bits_per_element:.2f} bits/element" in text
+    assert f"{bf16.compression:.1f}x smaller than a BF16 DynamicCache" in text
+    assert "320 of the 400 tokens are the uncompressed sink and recent window" in text
+    assert "history costs 2.25 bits/element" in text and "approaches 7.1x smaller" in text
+    dense = OscarCache(config, "none")
+    dense.layers[0].update(chunk.bfloat16(), chunk.bfloat16())
+    assert str(dense.memory_report()) == "none: 400 tokens, 0.20 MiB: 16.00 bits/element, as a BF16 DynamicCache."

@@ -288,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="answer a question about a ~1,500-token document with an uncompressed "
                                             "and a 2-bit KV cache; compare answers, KV memory and speed")
     _add_model_options(demo)
-    demo.add_argument("--methods", type=checks.methods, default=["oscar-int2"],
-                      help="caches to compare with the uncompressed one (none, always run first)")
+    demo.add_argument("--methods", type=checks.methods, default=[m for m in METHODS if m != "none"],
+                      help="caches to compare with the uncompressed one (none, always run first); default: every method")
     demo.add_argument("--max-new-tokens", type=checks.positive_int, default=40)
     demo.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
     demo.set_defaults(handler=cmd_demo)
@@ -297,11 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="evaluations").add_subparsers(dest="evaluation", required=True)
     kl = evaluate.add_parser("kl", help="teacher-forced perplexity and KL from BF16 per method")
     _add_model_options(kl)
-    kl.add_argument("--text", required=True, help="a UTF-8 text file, read in place")
-    kl.add_argument("--ctx", type=checks.positive_int, default=2048)
-    kl.add_argument("--windows", type=checks.positive_int, default=6)
-    kl.add_argument("--methods", type=checks.methods, default=["none", "naive-int2", "quarot-int2", "oscar-int2"])
-    kl.add_argument("--json", action="store_true")
+    kl.add_argument("--text", required=True, help="a UTF-8 text file, read in place (required)")
+    kl.add_argument("--ctx", type=checks.positive_int, default=2048,
+                    help="tokens per window: each window is decoded teacher-forced from an empty cache")
+    kl.add_argument("--windows", type=checks.positive_int, default=6,
+                    help="windows of --ctx tokens spread evenly over the text (they overlap when it is short)")
+    kl.add_argument("--methods", type=checks.methods, default=["none", "naive-int2", "quarot-int2", "oscar-int2"],
+                    help="comma-separated methods (none is the reference the KL is taken from)")
+    kl.add_argument("--json", action="store_true", help="print one JSON object (with the command and machine) instead of a table")
     kl.add_argument("--out", help="also write the JSON result to this file")
     kl.set_defaults(handler=cmd_eval_kl)
 
@@ -398,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(memory)
     memory.add_argument("--tokens", type=checks.positive_int, default=4096)
     memory.add_argument("--text", help="text to prefill (default: the demo document, repeated)")
-    memory.add_argument("--methods", type=checks.methods, default=["none", "int4", "oscar-k4v2", "oscar-int2"])
+    memory.add_argument("--methods", type=checks.methods, default=list(METHODS), help="default: every method")
     memory.add_argument("--per-layer", action="store_true", help="print the per-layer table")
     memory.add_argument("--json", action="store_true")
     memory.set_defaults(handler=cmd_memory)

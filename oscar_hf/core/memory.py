@@ -156,14 +156,34 @@ class MemoryReport:
         return "\n".join(rows)
 
     def __str__(self) -> str:
+        """Totals in words: as stored, as a BF16 model stores them, and why short prompts compress less."""
         s = self.summary()
         if not s["tokens"]:
             return f"{self.method}: no tokens stored yet"
-        return (
-            f"{self.method}: {s['total_bytes'] / 2**20:.2f} MiB for {s['tokens']} tokens "
-            f"({s['bits_per_element']:.2f} bits/element); a BF16 DynamicCache holds them in "
-            f"{s['bf16_dynamic_cache_bytes'] / 2**20:.2f} MiB (ratio {s['compression_vs_bf16']:.2f}x)"
-        )
+        bf16 = self.in_bf16()
+        text = f"{self.method}: {s['tokens']:,} tokens, {_mib(self.total_bytes)}"
+        wide = {layer.dtype_bytes for layer in self.layers if layer.dtype_bytes != BF16_BYTES}
+        if wide:  # a float32 model (the CPU default) stores its windows in float32
+            text += (f" with the model's float{8 * max(wide)} windows ({_mib(bf16.total_bytes)} with BF16 windows, "
+                     "as a bf16 model holds them)")
+        if round(bf16.compression, 2) == 1:
+            text += f": {bf16.bits_per_element:.2f} bits/element, as a BF16 DynamicCache."
+        else:
+            text += (f": {bf16.bits_per_element:.2f} bits/element, {bf16.compression:.1f}x smaller than a BF16 "
+                     f"DynamicCache ({_mib(bf16.bf16_bytes)}).")
+        quantized = [layer for layer in self.layers if layer.history_tokens]
+        if quantized:
+            windows = max(layer.sink_tokens + layer.recent_tokens for layer in quantized)
+            history_bits = 8 * sum(layer.code_bytes + layer.metadata_bytes for layer in quantized) / sum(
+                layer.history_tokens * layer.elements_per_token for layer in quantized)
+            text += (f"\n  {windows:,} of the {s['tokens']:,} tokens are the uncompressed sink and recent window; "
+                     f"the quantized history costs {history_bits:.2f} bits/element, so the cache approaches "
+                     f"{8 * BF16_BYTES / history_bits:.1f}x smaller than BF16 as the context grows.")
+        return text
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB"
 
 
 def bits_per_element(config: OscarConfig, context: int, head_dim: int, window_bits: int = 16) -> float:

@@ -26,6 +26,7 @@ from oscar_hf.core.config import METHODS
 from oscar_hf.log import get_logger
 from oscar_hf.core.memory import bits_per_element
 from oscar_hf.core.model_info import head_dim_of
+from oscar_hf.core.rotation_set import MethodRotations, rotations_for
 from oscar_hf.provenance import machine_line
 
 logger = get_logger(__name__)
@@ -144,7 +145,7 @@ def run_tasks(
     data_dir: str | Path | None = None,
     max_gen_toks: int | None = None,
     temperature: float = 0.0,
-    rotations=None,
+    rotations: MethodRotations = None,
     sink: int = 64,
     recent: int = 256,
     batch_size: int = 1,
@@ -189,7 +190,7 @@ def run_tasks(
             if key.method not in wrappers:
                 wrappers.clear()  # one wrapper at a time around the one model
                 wrappers[key.method] = OscarLM(
-                    pretrained=model, tokenizer=tokenizer, method=key.method, rotations=rotations, sink=sink,
+                    pretrained=model, tokenizer=tokenizer, method=key.method, rotations=rotations_for(rotations, key.method), sink=sink,
                     recent=recent, max_gen_toks=max_gen_toks, batch_size=batch_size, think_end_token=think_end_token,
                 )
             record = run_one(wrappers[key.method], specs[key.task], names[key.task], task_manager, key, limit, gen_kwargs)
