@@ -34,7 +34,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, r
     tar czf "$out/results.tgz" -C "$work" .
 }
 
-GPU_TEST_FILES="tests/test_kernels.py tests/test_gluon_history.py tests/test_static.py tests/test_layer_bits.py
+GPU_TEST_FILES="tests/test_kernels.py tests/test_gluon_history.py tests/test_static.py tests/test_step_replay.py tests/test_layer_bits.py
     tests/test_reliability.py tests/test_bench_gpu.py"
 
 gpu_tests() {  # every GPU test file, under a header line with the command, machine and date

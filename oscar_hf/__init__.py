@@ -14,7 +14,8 @@ from oscar_hf.core import attention  # noqa: F401  (registers attn_implementatio
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.config import METHODS, OscarConfig, TensorQuantConfig
-from oscar_hf.core.graph_generate import StaticDecoder, generate
+from oscar_hf.core.graph_generate import generate
+from oscar_hf.core.step_replay import StaticDecoder
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import MemoryReport, bits_per_element
 from oscar_hf.core.models import load_model

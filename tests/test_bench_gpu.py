@@ -322,8 +322,8 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
 
 @TWO_GPUS
 def test_device_map_auto_over_two_gpus(tmp_path):
-    """Each OscarCache layer lives on its layer's GPU, and plain generate (per-layer graphs) gives the tokens
-    of the same model on one GPU. The prompt outgrows the sink and the window, so the history is INT2."""
+    """Each OscarCache layer lives on its layer's GPU, and plain generate (eager there, replayed steps on
+    one GPU) gives the tokens of the same model on one GPU. The prompt outgrows the sink and the window, so the history is INT2."""
     from transformers import AutoModelForCausalLM
 
     _, spec = model_spec(SMALL_MODEL)

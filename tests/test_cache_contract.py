@@ -325,3 +325,27 @@ def test_sliding_window_layers_stay_bf16_and_work():
     assert isinstance(cache.layers[0], DynamicSlidingWindowLayer) and isinstance(cache.layers[1], OscarLayer)
     assert cache.layers[1].history_length > 0
     assert {m.kind for m in cache.memory_report().layers} == {"oscar", "dense"}
+
+
+def test_layer_keys_and_values_as_transformers_layers_expose_them(tiny):
+    """``none`` layers give their stored K/V as DynamicLayer does; quantized ones say what to use instead."""
+    ids = torch.randint(3, 200, (1, 30))
+    dynamic, none = DynamicCache(config=tiny.config), OscarCache(tiny, "none", sink=4, recent=8, block=2)
+    forward(tiny, ids, dynamic)
+    forward(tiny, ids, none)
+    for ours, theirs in zip(none.layers, dynamic.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=0)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="update"):
+        none.layers[0].keys = dynamic.layers[0].keys
+    quantized = OscarCache(tiny, "quarot-int2", sink=4, recent=8, block=2)
+    assert quantized.layers[0].keys is None  # empty, as an empty DynamicLayer
+    forward(tiny, ids, quantized)
+    with pytest.raises(TypeError, match="dequantized"):
+        quantized.layers[0].keys
+    keys, values = quantized.layers[0].dequantized()
+    assert keys.shape == values.shape == dynamic.layers[0].keys.shape
+    # the sink and the window are stored exactly; the history is within INT2 error
+    torch.testing.assert_close(keys[:, :, :4], dynamic.layers[0].keys[:, :, :4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys[:, :, -8:], dynamic.layers[0].keys[:, :, -8:], rtol=1e-5, atol=1e-5)
+    assert (keys - dynamic.layers[0].keys).abs().max() < dynamic.layers[0].keys.abs().max()

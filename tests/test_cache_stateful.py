@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 from transformers import DynamicCache
 
+from oscar_hf.core.compat import positive_crop_keeps_length
 from oscar_hf import METHODS, OscarCache, RotationSet, TensorQuantConfig, cache_keyword
 from oscar_hf.core.rotation_set import hadamard
 from oscar_hf.quant import dequantize, quantize
@@ -347,9 +348,13 @@ class CacheMachine(RuleBasedStateMachine):
     def crop(self, data):
         expected = self.expected
         remove = data.draw(st.integers(0, expected.recent + 2), label="remove")
-        as_length = data.draw(st.booleans(), label="as a length to keep")  # transformers 5.17's meaning
+        as_length = data.draw(st.booleans(), label="as a length to keep")  # transformers < 5.18's meaning
         keep = expected.length - remove
         argument = keep if as_length and remove and keep > 0 else -remove  # crop(0) removes nothing
+        if argument > 0 and not positive_crop_keeps_length():  # refused before anything changes
+            with pytest.raises(ValueError, match="negative"):
+                self.cache.crop(argument)
+            return
         self.thaw_for_good()
         if remove > expected.length:
             with pytest.raises(ValueError):

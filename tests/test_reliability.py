@@ -71,6 +71,13 @@ def fail_in_layer_1(monkeypatch, cache: OscarCache) -> None:
     """A simulated out-of-memory error in layer 1's decode attention, after layer 0 stored the step: in
     the kernel call or, under per-layer graphs (a frozen cache on CUDA), where its captured call replays."""
     error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    if cache.step_decoder is not None and cache.step_decoder.graph is not None:  # whole steps replay: fail one
+
+        def replay(graph):
+            raise error
+
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", replay)
+        return
     if cache.static is not None and cache.static.replayed is not None:  # a replay runs no Python: fail it
         real_call = ReplayedCall.__call__
 
@@ -95,8 +102,8 @@ def fail_in_layer_1(monkeypatch, cache: OscarCache) -> None:
 
 @pytest.mark.parametrize("frozen", PATHS)
 def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
-    """An error in layer 1's attention after layer 0 stored the step, on the eager path, the frozen
-    layout and the per-layer graphs that plain generate decodes with on a GPU."""
+    """An error in layer 1's attention after layer 0 stored the step, on the eager path and the frozen
+    layout; on a GPU, an error in the replay of the whole step that plain generate decodes with."""
     model = device_model()
     cache = OscarCache(model, "quarot-int2", decode_graphs=frozen, **SMALL)
     forward(model, tokens(20, device=model.device), cache)
@@ -107,7 +114,8 @@ def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
     with pytest.raises(torch.OutOfMemoryError):
         forward(model, tokens(1, seed=1, device=model.device), cache)
     # Layer 1 had reserved its window row for the step and never computed it: nothing may use that.
-    with pytest.raises(CacheBrokenError, match=r"layer 1 raised .* 1 of 2 quantized layers"):
+    broken = "a replayed decode step raised" if frozen is None else r"layer 1 raised .* 1 of 2 quantized layers"
+    with pytest.raises(CacheBrokenError, match=broken):
         forward(model, tokens(1, seed=2, device=model.device), cache)
 
 
@@ -189,6 +197,34 @@ def test_a_cache_used_with_another_model_names_the_difference(other, difference)
         forward(tiny_model("llama", **other), tokens(12), cache)
 
 
+@pytest.mark.parametrize("other", [dict(num_hidden_layers=3), dict(num_key_value_heads=4)])
+def test_a_refused_cache_leaves_nothing_behind_for_other_forwards(other):
+    """Only the refused cache is broken: the model it was refused by runs as before without it (no cache,
+    a default generate), and stays token-identical to SDPA."""
+    cache = OscarCache(tiny_model("llama"), "quarot-int2", **SMALL)
+    model, sdpa = tiny_model("llama", **other), tiny_model("llama", attn="sdpa", **other)
+    with pytest.raises(ValueError):
+        forward(model, tokens(12), cache)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens(12), use_cache=False).logits, sdpa(tokens(12), use_cache=False).logits)
+        torch.testing.assert_close(model.generate(tokens(12), max_new_tokens=4, do_sample=False),
+                                   sdpa.generate(tokens(12), max_new_tokens=4, do_sample=False))
+    with pytest.raises(CacheBrokenError):
+        forward(model, tokens(12), cache)
+
+
+def test_a_forward_without_the_cache_after_one_that_bypassed_it():
+    """A cache left with chunks no attention used (its model ran SDPA) does not hold up other forwards."""
+    sdpa = tiny_model("llama", attn="sdpa")
+    config = copy.deepcopy(sdpa.config)
+    config._attn_implementation = "oscar"
+    cache = OscarCache(config, "quarot-int2", **SMALL)
+    forward(sdpa, tokens(12), cache)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens(12), use_cache=False).logits, sdpa(tokens(12), use_cache=False).logits)
+
+
 def test_an_empty_cache_reports_no_tokens_rather_than_nan():
     report = OscarCache(tiny_model("llama"), "quarot-int2").memory_report()
     assert "nan" not in str(report).lower() and "no tokens" in str(report)
@@ -226,6 +262,24 @@ def test_crop_takes_the_count_as_a_0d_tensor(method):
                                rtol=0, atol=0)
     with pytest.raises(TypeError):
         caches[0].crop(-2.0)
+
+
+@pytest.mark.parametrize("method", ["none", "quarot-int2"])
+def test_a_positive_crop_means_what_the_installed_transformers_makes_of_it(method):
+    """Before 5.18 a positive count is the length to keep; from 5.18 transformers' own layers refuse it."""
+    model = tiny_model("llama")
+    cache, dynamic = OscarCache(model, method, **SMALL), DynamicCache(config=model.config)
+    for each in (cache, dynamic):
+        forward(model, tokens(30), each)
+    try:
+        dynamic.crop(25)
+    except ValueError:
+        with pytest.raises(ValueError, match="negative count"):
+            cache.crop(25)
+        assert lengths(cache) == [30, 30]
+    else:
+        cache.crop(25)
+        assert lengths(cache) == [dynamic.get_seq_length()] * 2 == [25, 25]
 
 
 def test_a_model_whose_attention_bypasses_the_cache_is_named():

@@ -138,8 +138,8 @@ def test_caches_that_cannot_be_frozen_say_why(tiny, caplog):
     assert "prefill has not run" in caplog.text
     with torch.no_grad():
         tiny(ids, attention_mask=mask, use_cache=True, **{cache_keyword(tiny): cache})
-    assert not cache.start_static()
-    assert "no capacity" in caplog.text
+    assert cache.start_static() and cache.static.grows  # no capacity given: it grows when full
+    cache.stop_static()
     gap = torch.ones(2, 31, dtype=torch.long)
     gap[0, 10] = 0
     assert not cache.start_static(100, gap)
@@ -274,9 +274,9 @@ def test_plain_generate_freezes_at_the_first_step_and_keeps_the_eager_tokens(tin
 
 
 def test_a_frozen_cache_grows_when_its_history_is_full(tiny, monkeypatch, static_steps):
-    import oscar_hf.core.cache
+    import oscar_hf.core.freezing
 
-    monkeypatch.setattr(oscar_hf.core.cache, "MAX_SLACK_ROWS", 8)  # grow every 8 rows instead of every 4,096
+    monkeypatch.setattr(oscar_hf.core.freezing, "MAX_SLACK_ROWS", 8)  # grow every 8 rows instead of every 4,096
     ids = prompts([30])[0][None]
     want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=120)
     cache = frozen(tiny)
@@ -330,24 +330,51 @@ def test_padding_after_the_sink_and_beam_search_keep_the_cache_eager(tiny, stati
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("max_cache_len", [400, None])
-def test_plain_generate_on_gpu_replays_each_layers_attention(arch, max_cache_len):
+def test_plain_generate_on_gpu_replays_whole_steps(arch, max_cache_len, monkeypatch):
+    """A cache made from the model: from its third one-token step, every step is one graph replay."""
     model = tiny_model(arch, head_dim=64).to("cuda")
     ids, mask = left_pad(prompts([300, 290]))
     ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64)
     rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
     want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
                     **options)  # fmt: skip
-    # decode_graphs: on CUDA by default
     cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=max_cache_len, **SMALL)
+    replays = count_replays(monkeypatch)
     assert torch.equal(generate(model, ids, cache, **options), want)  # float32: the same tokens
+    assert cache.step_decoder.graph is not None and cache.static.replayed is None
+    if max_cache_len:  # of 63 one-token steps, the first runs eagerly and the second frozen: 61 replays
+        assert replays["count"] == 61
+    else:  # the prompt's history buffer filled up: it grew, and the step was captured again
+        assert 2 < replays["count"] < 61
+
+
+def count_replays(monkeypatch) -> dict:
+    counts = {"count": 0}
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counting(self):
+        counts["count"] += 1
+        return replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
+    return counts
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_cache_made_from_a_config_replays_each_layers_attention_on_gpu(arch):
+    model = tiny_model(arch, head_dim=64).to("cuda")
+    ids, mask = left_pad(prompts([300, 290]))
+    ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64)
+    rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
+    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
+                    **options)  # fmt: skip
+    cache = OscarCache(model.config, "oscar-int2", rotations=rotations, max_cache_len=400, **SMALL)
+    assert torch.equal(generate(model, ids, cache, **options), want)
     calls = cache.static.replayed
     assert len(calls) == 1 + 2  # the advance and each layer's attention
     assert all(call.graph is not None for call in calls.values())
-    counts = {call.calls for call in calls.values()}
-    if max_cache_len:  # every step since the first decode step, one frozen layout
-        assert counts == {63}
-    else:  # the prompt's history buffer filled up: it grew, and its calls were captured again
-        assert len(counts) == 1 and 2 < counts.pop() < 63
+    assert {call.calls for call in calls.values()} == {63}  # every step since the first decode step
 
 
 def captured_and_eager(arch: str, dtype: torch.dtype, **options):

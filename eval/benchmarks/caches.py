@@ -5,9 +5,8 @@ A cache name is ``dynamic`` or ``static`` (transformers' BF16 caches) or an Osca
 
 * ``<method>+absorbed``: that method on the model with R_V folded into v_proj/o_proj (:func:`model_for`).
 * ``<method>+eager-layout``: ``OscarCache(decode_graphs=False)``: plain generate launches every kernel
-  from Python (the default freezes the cache on CUDA and replays each layer's attention from a CUDA
-  graph); ``<method>+frozen``: ``decode_graphs=True``, which freezes on CPU too (without graphs), for
-  CPU smoke tests.
+  from Python (the default, on CUDA, replays whole steps from a CUDA graph); ``<method>+frozen``:
+  ``decode_graphs=True``, which freezes on CPU too (without graphs), for CPU smoke tests.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ layer's stored state through it and ``module.layer_idx``. Attention runs in the 
 Two paths: decoding one token goes through :func:`oscar_hf.kernels.decode_attention.decode_attention`
 (the split-K Triton kernel reading packed history on GPU, its torch reference elsewhere); prefill
 and chunked prefill dequantize one layer's history transiently and run SDPA (prefill is
-compute-bound, and nothing dense outlives the call). On CUDA, plain ``generate`` freezes the cache at
-its first one-token step (``OscarCache(decode_graphs=...)``), and each layer's decode call is then
-replayed from a CUDA graph (:mod:`oscar_hf.core.frozen_decoding`).
+compute-bound, and nothing dense outlives the call). On CUDA, plain ``generate`` sets up graph replay
+at a cache's first one-token step (:meth:`OscarCache.freeze_for_decoding`): whole steps
+(:mod:`oscar_hf.core.step_replay`), or each layer's decode call (:mod:`oscar_hf.core.frozen_decoding`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from oscar_hf.core.cache import ATTENTION_NAME, OscarCache, active_cache
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.core.model_info import ATTENTION_NAME
 from oscar_hf.core.layer import OscarLayer, StepPlan, allowed_keys
+from oscar_hf.core.step_guard import waiting_cache
 from oscar_hf.kernels.decode_attention import decode_attention
 
 
@@ -138,9 +140,9 @@ def _decode(
 
 def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> tuple[OscarCache | None, OscarLayer | None]:
     """The active cache and its layer waiting for ``key``, or Nones when no OscarLayer is."""
-    cache = active_cache()
     layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None or layer_idx >= len(cache.layers):
+    cache = None if layer_idx is None else waiting_cache(layer_idx)
+    if cache is None or layer_idx >= len(cache.layers):
         return None, None
     layer = cache.layers[layer_idx]
     if not isinstance(layer, OscarLayer):

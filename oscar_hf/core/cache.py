@@ -7,10 +7,9 @@ layers, and switches them into the frozen layout for graph-replayed decoding.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
-import weakref
-from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -18,27 +17,21 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_hf.core.config import OscarConfig, check_bit_budget, resolve_method
-from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
-from oscar_hf.core.layer import OscarLayer, allowed_keys
+from oscar_hf.core.freezing import FrozenLayouts
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import LayerMemory, MemoryReport
 from oscar_hf.core.models import load_config
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
+from oscar_hf.core.model_info import ATTENTION_NAME, full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.core.quantize_jobs import quantize_jobs
 from oscar_hf.core.rotation_set import RotationSet, own_kv_heads, require_power_of_two
 from oscar_hf.core.step_guard import StepGuard
-from oscar_hf.core.storage import MAX_SLACK_ROWS
+from oscar_hf.core.step_replay import StaticDecoder
 from oscar_hf.log import get_logger, warning_once
 
 logger = get_logger(__name__)
 
-ATTENTION_NAME = "oscar"
 # Set on a model config by oscar_hf.rotations.absorption: the fingerprint of the R_V folded into its weights.
 ABSORBED_ATTRIBUTE = "oscar_absorbed_value_rotation"
-
-# The cache that received the latest ``update`` in this context; the attention function, which never
-# sees the cache, finds its layer through it. A weak reference, so a finished cache can be freed.
-_active_cache: ContextVar[weakref.ReferenceType | None] = ContextVar("oscar_active_cache", default=None)
-
 
 # Reading rotation files belongs to oscar_hf.rotations, a layer above this one; importing it installs its
 # reader here (``import oscar_hf`` does), so that from_zoo needs no import upwards. The reader takes
@@ -52,12 +45,7 @@ def install_zoo_reader(reader: Callable[[Any, Any, Any, dict], RotationSet]) -> 
     _zoo_reader = reader
 
 
-def active_cache() -> "OscarCache | None":
-    ref = _active_cache.get()
-    return None if ref is None else ref()
-
-
-class OscarCache(StepGuard, Cache):
+class OscarCache(StepGuard, FrozenLayouts, Cache):
     """A transformers ``Cache`` that stores the KV cache at ~2 bits per element with OSCAR rotations.
 
     Args:
@@ -68,11 +56,13 @@ class OscarCache(StepGuard, Cache):
         max_cache_len: optional most tokens (prompt and generated) the cache will hold; the history is
             then allocated once at that size, as static decoding (:func:`oscar_hf.generate`) wants.
         decode_graphs: how one-token steps of plain ``model.generate`` run. None (default): on CUDA,
-            the cache freezes into the static layout at the first such step (:mod:`oscar_hf.core.frozen_decoding`)
-            and each layer's attention is replayed from a CUDA graph of its own, which cuts most of
-            its host time; elsewhere it stays eager. True: freeze on any device (without
-            graphs off CUDA: what the CPU tests compare). False: always the eager layout. Greedy
-            tokens are the eager cache's either way (:func:`freeze_for_decoding`).
+            at the first such step a cache made from the model sets up a
+            :class:`~oscar_hf.core.step_replay.StaticDecoder`, which freezes it into the static layout
+            (:mod:`oscar_hf.core.frozen_decoding`) and replays whole steps from one CUDA graph; a cache
+            made from a config freezes and replays each layer's attention from a graph of its own;
+            elsewhere it stays eager. ``"step"``: whole steps on any device (without graphs off CUDA),
+            True: per-layer freezing on any device (what the CPU tests compare). False: always the
+            eager layout. Greedy tokens are the eager cache's either way (:func:`freeze_for_decoding`).
         **overrides: fields of :class:`OscarConfig` to change, e.g. ``sink=64, recent=256, block=8``.
 
     Full-attention layers become :class:`OscarLayer`; other layer types (sliding windows, linear
@@ -92,10 +82,15 @@ class OscarCache(StepGuard, Cache):
         method: str | OscarConfig = "oscar-int2",
         rotations: RotationSet | None = None,
         max_cache_len: int | None = None,
-        decode_graphs: bool | None = None,
+        decode_graphs: bool | str | None = None,
         **overrides,
     ):
+        if decode_graphs not in (None, True, False, "step"):
+            raise ValueError(f"decode_graphs must be None, True, False or 'step', not {decode_graphs!r}")
         model_config = config.config if isinstance(config, PreTrainedModel) else config
+        # The model, weakly: its decode steps are replayed whole (freeze_for_decoding, step_replay).
+        self._model = weakref.ref(config) if isinstance(config, PreTrainedModel) else None
+        self.step_decoder: StaticDecoder | None = None
         self.text_config = model_config.get_text_config(decoder=True)
         self.oscar_config = resolve_method(method, **overrides)
         head_dim = head_dim_of(self.text_config)
@@ -216,7 +211,7 @@ class OscarCache(StepGuard, Cache):
         layer = self.layers[layer_idx]
         if not isinstance(layer, OscarLayer):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        _active_cache.set(weakref.ref(self))
+        self._register_update(layer_idx)
         implementation = self.text_config._attn_implementation  # a config attribute read costs ~10 us
         static_step = key_states.shape[2] == 1 and implementation == ATTENTION_NAME
         if layer_idx == self._first_oscar_layer:
@@ -263,83 +258,6 @@ class OscarCache(StepGuard, Cache):
                 jobs += layer.demotion_jobs_ahead(new_tokens)
         quantize_jobs(jobs, metadata_dtype)
 
-    def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None) -> bool:
-        """Freeze the cache for static decoding (CUDA-graph capture); False, with the reason logged, if it
-        cannot be frozen yet or at all.
-
-        Args:
-            capacity: the most tokens the cache will hold; defaults to ``max_cache_len``.
-            attention_mask: the ``[batch, tokens]`` padding mask of the sequence so far; only the sink
-                may hold pads (left padding), which is checked (one host sync).
-
-        Each later one-token step then runs shape-stable on the device. Anything else (a longer chunk,
-        ``crop``, reordering, a memory report) thaws the cache back to its eager layout first.
-        """
-        if self.static is not None and not self.static.grows:
-            return True
-        self.stop_static()  # frozen by plain generate: freeze again at this fixed capacity
-        return self._freeze(capacity or self.capacity, attention_mask)
-
-    def freeze_for_decoding(self, layer_idx: int, attention_mask: torch.Tensor | None) -> None:
-        """Freeze at the first layer's attention of a one-token step of plain ``generate``, where
-        ``decode_graphs`` asks for it (see the constructor); the attention function calls this.
-
-        That step's update already ran eagerly (its demotions included), so only its ring slot is
-        reserved here. The frozen cache grows instead of filling up: MAX_SLACK_ROWS more history rows,
-        as the eager cache's buffers would. Called when the cache cannot be frozen yet (before its
-        sink is complete) it tries again next step; refused for good (padding after the sink,
-        several devices...), it stays eager (the reason is logged at debug level).
-        """
-        if layer_idx != self._first_oscar_layer or self.stays_eager or self.decode_graphs is False:
-            return
-        device = self.layers[layer_idx].device
-        if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
-            return
-        oscar_layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
-        if device.type == "cuda" and (reason := graphs_unsupported(oscar_layers)) is not None:
-            logger.debug("decoding eagerly: %s", reason)
-            self.stays_eager = True
-            return
-        key_mask = None if attention_mask is None else allowed_keys(attention_mask)
-        if not self._freeze(self._grown_capacity(), key_mask, replay=True, grows=True):
-            self.stays_eager = True
-            return
-        self.static.advance()
-
-    def _freeze(self, capacity: int | None, attention_mask: torch.Tensor | None, replay: bool = False,
-                grows: bool = False) -> bool:  # fmt: skip
-        reason = static_unsupported(self)
-        if reason is None and capacity is None:
-            reason = "no capacity: pass max_cache_len to the cache (or a capacity here)"
-        sink_mask = None
-        if reason is None and attention_mask is not None:
-            sink_rows = self.layers[0].sink_keys.length
-            real = attention_mask.bool()
-            if not bool(real[:, sink_rows:].all()):
-                reason = "the attention mask has pads after the sink (only left padding is supported)"
-            elif not bool(real[:, :sink_rows].all()):
-                sink_mask = real[:, :sink_rows]
-        if reason is not None:
-            logger.debug("OscarCache stays eager: %s", reason)
-            return False
-        self.static = StaticDecoding(self, capacity, sink_mask, replay=replay, grows=grows)
-        return True
-
-    def _grown_capacity(self) -> int:
-        """Tokens a growing frozen cache holds: its allocated history while that has room for another
-        block (a copy of the history is put off until it is needed), else MAX_SLACK_ROWS more rows."""
-        first = self.layers[self._first_oscar_layer]
-        allocated, stored = first.history_keys.codes.data.shape[2], first.history_length
-        history = allocated if allocated >= stored + first.config.block else stored + MAX_SLACK_ROWS
-        return first.sink_keys.length + history
-
-    def _grow_frozen(self) -> None:
-        """A full cache frozen by plain generate: thaw, and freeze again with room for more history."""
-        full = self.static
-        full.thaw()
-        self.static = StaticDecoding(self, self._grown_capacity(), full.sink_mask, replay=full.replay, grows=True)
-        logger.debug("OscarCache grew its frozen history to %d tokens", self.static.capacity)
-
     def reset(self) -> None:
         """Empty every layer; also makes a cache usable again after a failed step."""
         self.stays_eager = False
@@ -366,11 +284,6 @@ class OscarCache(StepGuard, Cache):
         self.require_intact()
         super().batch_repeat_interleave(repeats)
 
-    def stop_static(self) -> None:
-        """Thaw a frozen cache back to its eager layout (no device sync); nothing if it is not frozen."""
-        if self.static is not None:
-            self.static.thaw()
-
     def memory_report(self) -> MemoryReport:
         """Bytes of packed codes, metadata, sink and recent window per layer, with BPE and the BF16 baseline."""
         self.require_intact()
@@ -385,38 +298,7 @@ class OscarCache(StepGuard, Cache):
     def __deepcopy__(self, memo: dict) -> "OscarCache":
         # The model config is shared, not copied: the copy must follow the model's attention setting.
         memo[id(self.text_config)] = self.text_config
+        memo[id(self.step_decoder)] = None  # it holds the model; a copy sets up a decoder of its own
         clone = copy.copy(self)
         clone.__dict__ = copy.deepcopy(self.__dict__, memo)
         return clone
-def static_unsupported(cache: "OscarCache") -> str | None:
-    """Why ``cache`` cannot be frozen for static decoding now, or None when it can."""
-    layers = cache.layers
-    if not all(isinstance(layer, OscarLayer) for layer in layers):
-        return "the model has sliding-window or other non-full-attention layers"
-    if cache.text_config._attn_implementation != ATTENTION_NAME:
-        return f"the model runs attn_implementation={cache.text_config._attn_implementation!r}, not 'oscar'"
-    config = cache.oscar_config
-    if not config.quantized:
-        return f"method {config.method!r} keeps everything in BF16 (no window to demote)"
-    if config.check_finite:
-        return "check_finite=True reads every step's K/V on the host"
-    reason = static_not_yet(cache)
-    if reason is not None:
-        return reason
-    if len({layer.device for layer in layers}) > 1:  # one device tensor of lengths serves every layer
-        return "the cache's layers live on several devices (device_map); static decoding needs one"
-    lengths = {(layer.sink_keys.length, layer.history_length, layer.recent_keys.length) for layer in layers}
-    if len(lengths) > 1:
-        return f"layers hold different numbers of tokens {sorted(lengths)}"
-    return None
-
-
-def static_not_yet(cache: "OscarCache") -> str | None:
-    """Why ``cache`` cannot be frozen yet, though it may be later (after its prefill), or None."""
-    layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
-    if not layers or not all(layer.is_initialized and layer.sink_end is not None for layer in layers):
-        return "the prefill has not run yet"
-    first = layers[0]
-    if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
-        return "the sink is not complete yet (new tokens still go to the sink)"
-    return None

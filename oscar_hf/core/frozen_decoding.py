@@ -19,12 +19,12 @@ attention), so greedy outputs match it; only the order in which attention sums t
 A host mirror of the lengths advances with every step (a graph runner advances it per replay), so
 the cache thaws back into its eager layout without a device sync.
 
-Plain ``model.generate`` uses the same layout (:meth:`OscarCache.freeze_for_decoding`): there each
-layer's attention call, and the step's advance, are replayed from small CUDA graphs of their own
-(:class:`ReplayedCall`) instead of launching their kernels one by one from Python, which removes most
-of a step's host time (``eval/results/step_times_b1.md``). Such a cache grows: when its
-history is full it thaws and freezes again with ``MAX_SLACK_ROWS`` more rows (one copy of the history
-and new graphs every 4,096 tokens).
+Plain ``model.generate`` uses the same layout (:meth:`OscarCache.freeze_for_decoding`). A cache made
+from the model replays whole steps (:mod:`oscar_hf.core.step_replay`); one made from a config, or
+under tensor parallelism, replays each layer's attention call and the step's advance from small CUDA
+graphs of their own (:class:`ReplayedCall`) instead of launching their kernels one by one from Python.
+Such a cache grows: when its history is full it thaws and freezes again with ``MAX_SLACK_ROWS`` more
+rows (one copy of the history and new graphs every 4,096 tokens).
 """
 
 from __future__ import annotations

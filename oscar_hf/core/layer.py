@@ -18,7 +18,6 @@ to its own unquantized K/V, as the reference's prefill does:
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.core.config import OscarConfig, TensorQuantConfig
 from oscar_hf.core.frozen_decoding import StaticDecoding
+from oscar_hf.core.layer_dense import DenseView
+from oscar_hf.core.layer_edits import EditedLayer
 from oscar_hf.core.layer_rotation import RotatedLayer
 from oscar_hf.core.memory import LayerMemory
 from oscar_hf.core.quantize_jobs import QuantizeJob, quantize_jobs, roundtrip_rows
@@ -56,7 +57,7 @@ class PendingChunk:
     values: torch.Tensor
 
 
-class OscarLayer(RotatedLayer, CacheLayerMixin):
+class OscarLayer(DenseView, EditedLayer, RotatedLayer, CacheLayerMixin):
     """One full-attention layer of an :class:`OscarCache`.
 
     ``key_rotation`` / ``value_rotation`` are ``[D, D]`` (shared by all heads), ``[H_kv, D, D]`` (one
@@ -162,6 +163,10 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
     def owns(self, key_states: torch.Tensor) -> bool:
         """Whether ``key_states`` is the chunk this layer is waiting to attend over."""
         return self._pending is not None and self._pending.keys is key_states
+
+    def drop_pending(self) -> None:
+        """Forget the pending chunk of a step that was refused or failed."""
+        self._pending = None
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending chunk's K and V (not rotated), which the caller now rotates and stores."""
@@ -334,53 +339,6 @@ class OscarLayer(RotatedLayer, CacheLayerMixin):
     def _require_idle(self, operation: str) -> None:
         if self._pending is not None:
             raise RuntimeError(f"cannot {operation} an OscarCache layer in the middle of a forward pass")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._require_idle("reorder")
-        self._leave_static(stay_eager=True)
-        if self.is_initialized:
-            for buffer in self._buffers():
-                buffer.select_batch(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._require_idle("repeat")
-        self._leave_static(stay_eager=True)
-        if self.is_initialized:
-            for buffer in self._buffers():
-                buffer.repeat_batch(repeats)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the newest tokens (window, then the history's end, then the sink), e.g. rejected candidates.
-
-        Negative: that many tokens; positive: the length to keep (transformers 5.17's legacy meaning).
-        5.17 passes a 0-d tensor, which must not turn the buffers' lengths into tensors.
-        """
-        tokens_to_remove = operator.index(tokens_to_remove)
-        self._require_idle("crop")
-        self._leave_static(stay_eager=True)
-        length = self.get_seq_length()
-        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, length - tokens_to_remove)
-        if remove > length:
-            raise ValueError(f"cannot crop {remove} tokens from a layer that holds {length}")
-        from_recent = min(remove, self.recent_keys.length)
-        from_history = min(remove - from_recent, self.history_length)
-        from_sink = remove - from_recent - from_history
-        for buffer in (self.recent_keys, self.recent_values):
-            buffer.truncate(buffer.length - from_recent)
-        if from_history:
-            for history in (self.history_keys, self.history_values):
-                history.truncate(history.length - from_history)
-        for buffer in (self.sink_keys, self.sink_values):
-            buffer.truncate(buffer.length - from_sink)
-
-    def offload(self):
-        raise NotImplementedError("OscarCache does not support offloading: its packed history is already ~7x smaller")
-
-    def prefetch(self):
-        self.offload()
 
     # ------------------------------------------------------------------------------ reporting
     def memory(self, layer_idx: int) -> LayerMemory:

@@ -7,6 +7,9 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+# The attention implementation OscarCache registers, which reads the packed history directly.
+ATTENTION_NAME = "oscar"
+
 
 def text_config_of(model: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
     """The decoder's config of a model or of a (possibly multimodal) config."""

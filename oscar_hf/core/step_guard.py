@@ -10,11 +10,41 @@ cache broken, with the reason.
 
 from __future__ import annotations
 
+import weakref
+from contextvars import ContextVar
+from typing import NamedTuple
+
 import torch
 from transformers import PretrainedConfig
 
 from oscar_hf.core.layer import check_finite_states
 from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
+
+
+class _Step(NamedTuple):
+    cache: weakref.ReferenceType
+    layer_idx: int  # the layer whose update came last: its attention comes next in the same forward
+
+
+# The step in progress in this context: the attention function, which never sees the cache, finds its
+# layer through it. A weak reference, so that a finished cache can be freed.
+_current_step: ContextVar[_Step | None] = ContextVar("oscar_current_step", default=None)
+
+
+def waiting_cache(layer_idx: int):
+    """The cache whose update for ``layer_idx`` came last in this context, or None.
+
+    transformers runs each layer's cache update right before its attention; an attention whose layer
+    was not the last one updated belongs to another forward (``use_cache=False``, another cache), and
+    a step registered earlier is then over: it is forgotten, so that it cannot be mistaken for this one.
+    """
+    step = _current_step.get()
+    if step is None:
+        return None
+    if step.layer_idx != layer_idx:
+        _current_step.set(None)
+        return None
+    return step.cache()
 
 
 class CacheBrokenError(RuntimeError):
@@ -32,9 +62,26 @@ class StepGuard:
 
     def _open_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse a broken cache and a step it cannot store, before any layer stores anything."""
-        self.require_intact()
-        self._check_step_inputs(key_states, value_states)
+        try:
+            self.require_intact()
+            self._check_step_inputs(key_states, value_states)
+        except BaseException:
+            self._release_step()
+            raise
         self._step_open, self._finished_layers = True, 0
+
+    def _register_update(self, layer_idx: int) -> None:
+        """``layer_idx``'s update ran: its attention, next, finds this cache (:func:`waiting_cache`)."""
+        _current_step.set(_Step(weakref.ref(self), layer_idx))
+
+    def _release_step(self) -> None:
+        """Forget a refused or failed step: no chunk stays pending and no later forward finds this cache."""
+        step = _current_step.get()
+        if step is not None and step.cache() is self:
+            _current_step.set(None)
+        for layer in self.layers:
+            if getattr(layer, "has_pending", False):
+                layer.drop_pending()
 
     def _check_step_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape != value_states.shape:
@@ -61,14 +108,21 @@ class StepGuard:
 
     def step_failed(self, layer_idx: int, error: BaseException) -> None:
         """A layer raised during the step in progress: the layers before it have stored the step."""
+        self._release_step()
         if self._step_open:
             self._break(f"layer {layer_idx} raised {type(error).__name__} ({error}) after "
                         f"{self._finished_layers} of {len(self.layer_ids)} quantized layers had stored the step")  # fmt: skip
 
     def _fail_step(self, reason: str) -> None:
+        self._release_step()
         if self._step_open:
             self._break(reason)
         raise ValueError(reason)
+
+    def mark_broken(self, reason: str) -> None:
+        """A step failed where no layer could tell (a replayed CUDA graph): refuse further use until ``reset()``."""
+        self._release_step()
+        self._break(reason)
 
     def _break(self, reason: str) -> None:
         self.broken, self._step_open = reason, False

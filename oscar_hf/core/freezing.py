@@ -1,0 +1,153 @@
+"""How an :class:`~oscar_hf.core.cache.OscarCache` switches between its eager layout and the frozen one
+(:mod:`oscar_hf.core.frozen_decoding`) that graph-replayed decoding needs, and when plain ``generate``
+switches it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
+from oscar_hf.core.layer import OscarLayer, allowed_keys
+from oscar_hf.core.model_info import ATTENTION_NAME, tensor_parallel_rank
+from oscar_hf.core.step_replay import StaticDecoder, route_decode_steps
+from oscar_hf.core.storage import MAX_SLACK_ROWS
+from oscar_hf.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class FrozenLayouts:
+    """Freezing and thawing of :class:`~oscar_hf.core.cache.OscarCache` (a mixin: it reads the cache's
+    ``layers``, ``static``, ``capacity``, ``decode_graphs``, ``stays_eager`` and ``step_decoder``)."""
+
+    def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None) -> bool:
+        """Freeze the cache for static decoding (CUDA-graph capture); False, with the reason logged, if it
+        cannot be frozen yet or at all.
+
+        Args:
+            capacity: the most tokens the cache will hold; defaults to ``max_cache_len``; with neither,
+                the frozen cache grows when full (its owner freezes it again with more rows).
+            attention_mask: the ``[batch, tokens]`` padding mask of the sequence so far; only the sink
+                may hold pads (left padding), which is checked (one host sync).
+
+        Each later one-token step then runs shape-stable on the device. Anything else (a longer chunk,
+        ``crop``, reordering, a memory report) thaws the cache back to its eager layout first.
+        """
+        if self.static is not None and not self.static.grows:
+            return True
+        self.stop_static()  # frozen by plain generate: freeze again at this fixed capacity
+        capacity = capacity or self.capacity
+        if capacity is None:  # nothing fixes it: grow when full (StaticDecoder freezes again)
+            return self._freeze(self._grown_capacity(), attention_mask, grows=True)
+        return self._freeze(capacity, attention_mask)
+
+    def freeze_for_decoding(self, layer_idx: int, attention_mask: torch.Tensor | None) -> None:
+        """Freeze at the first layer's attention of a one-token step of plain ``generate``, where
+        ``decode_graphs`` asks for it (see the constructor); the attention function calls this.
+
+        That step's update already ran eagerly (its demotions included), so only its ring slot is
+        reserved here. The frozen cache grows instead of filling up: MAX_SLACK_ROWS more history rows,
+        as the eager cache's buffers would. Called when the cache cannot be frozen yet (before its
+        sink is complete) it tries again next step; refused for good (padding after the sink,
+        several devices...), it stays eager (the reason is logged at debug level).
+        """
+        if layer_idx != self._first_oscar_layer or self.stays_eager or self.decode_graphs is False:
+            return
+        device = self.layers[layer_idx].device
+        if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
+            return
+        if self.step_decoder is not None:  # it freezes the cache itself, from the next step on
+            return
+        oscar_layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        if device.type == "cuda" and (reason := graphs_unsupported(oscar_layers)) is not None:
+            logger.debug("decoding eagerly: %s", reason)
+            self.stays_eager = True
+            return
+        model = None if self._model is None else self._model()
+        # Under tensor parallelism a whole step would capture the ranks' collectives: per-layer graphs there.
+        if model is not None and self.decode_graphs in (None, "step") and tensor_parallel_rank(model) is None:
+            if (reason := static_unsupported(self)) is not None:
+                logger.debug("OscarCache stays eager: %s", reason)
+                self.stays_eager = True
+                return
+            # Fused projections would leave the model's weights as views after generate returns.
+            self.step_decoder = StaticDecoder(model, self, capture=device.type == "cuda", fuse_projections=False)
+            route_decode_steps(model)
+            return
+        key_mask = None if attention_mask is None else allowed_keys(attention_mask)
+        if not self._freeze(self._grown_capacity(), key_mask, replay=True, grows=True):
+            self.stays_eager = True
+            return
+        self.static.advance()
+
+    def _freeze(self, capacity: int, attention_mask: torch.Tensor | None, replay: bool = False,
+                grows: bool = False) -> bool:  # fmt: skip
+        reason = static_unsupported(self)
+        sink_mask = None
+        if reason is None and attention_mask is not None:
+            sink_rows = self.layers[0].sink_keys.length
+            real = attention_mask.bool()
+            if not bool(real[:, sink_rows:].all()):
+                reason = "the attention mask has pads after the sink (only left padding is supported)"
+            elif not bool(real[:, :sink_rows].all()):
+                sink_mask = real[:, :sink_rows]
+        if reason is not None:
+            logger.debug("OscarCache stays eager: %s", reason)
+            return False
+        self.static = StaticDecoding(self, capacity, sink_mask, replay=replay, grows=grows)
+        return True
+
+    def _grown_capacity(self) -> int:
+        """Tokens a growing frozen cache holds: its allocated history while that has room for another
+        block (a copy of the history is put off until it is needed), else MAX_SLACK_ROWS more rows."""
+        first = self.layers[self._first_oscar_layer]
+        allocated, stored = first.history_keys.codes.data.shape[2], first.history_length
+        history = allocated if allocated >= stored + first.config.block else stored + MAX_SLACK_ROWS
+        return first.sink_keys.length + history
+
+    def _grow_frozen(self) -> None:
+        """A full cache frozen by plain generate: thaw, and freeze again with room for more history."""
+        full = self.static
+        full.thaw()
+        self.static = StaticDecoding(self, self._grown_capacity(), full.sink_mask, replay=full.replay, grows=True)
+        logger.debug("OscarCache grew its frozen history to %d tokens", self.static.capacity)
+
+    def stop_static(self) -> None:
+        """Thaw a frozen cache back to its eager layout (no device sync); nothing if it is not frozen."""
+        if self.static is not None:
+            self.static.thaw()
+
+
+def static_unsupported(cache: FrozenLayouts) -> str | None:
+    """Why ``cache`` cannot be frozen for static decoding now, or None when it can."""
+    layers = cache.layers
+    if not all(isinstance(layer, OscarLayer) for layer in layers):
+        return "the model has sliding-window or other non-full-attention layers"
+    if cache.text_config._attn_implementation != ATTENTION_NAME:
+        return f"the model runs attn_implementation={cache.text_config._attn_implementation!r}, not 'oscar'"
+    config = cache.oscar_config
+    if not config.quantized:
+        return f"method {config.method!r} keeps everything in BF16 (no window to demote)"
+    if config.check_finite:
+        return "check_finite=True reads every step's K/V on the host"
+    reason = static_not_yet(cache)
+    if reason is not None:
+        return reason
+    if len({layer.device for layer in layers}) > 1:  # one device tensor of lengths serves every layer
+        return "the cache's layers live on several devices (device_map); static decoding needs one"
+    lengths = {(layer.sink_keys.length, layer.history_length, layer.recent_keys.length) for layer in layers}
+    if len(lengths) > 1:
+        return f"layers hold different numbers of tokens {sorted(lengths)}"
+    return None
+
+
+def static_not_yet(cache: FrozenLayouts) -> str | None:
+    """Why ``cache`` cannot be frozen yet, though it may be later (after its prefill), or None."""
+    layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
+    if not layers or not all(layer.is_initialized and layer.sink_end is not None for layer in layers):
+        return "the prefill has not run yet"
+    first = layers[0]
+    if first.history_length == 0 and first.recent_keys.length == 0 and first.sink_keys.length < first.sink_end:
+        return "the sink is not complete yet (new tokens still go to the sink)"
+    return None

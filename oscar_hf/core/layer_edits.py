@@ -1,0 +1,67 @@
+"""The edits transformers makes to a cache layer between steps: reorder and repeat the batch (beam
+search), crop the newest tokens (assisted decoding), and what it may ask but OscarCache refuses."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import transformers
+
+from oscar_hf.core.compat import positive_crop_keeps_length
+
+
+class EditedLayer:
+    """Batch reordering, repetition and cropping of :class:`~oscar_hf.core.layer.OscarLayer`'s tiers (a mixin:
+    it reads the layer's buffers and leaves the frozen layout first)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._require_idle("reorder")
+        self._leave_static(stay_eager=True)
+        if self.is_initialized:
+            for buffer in self._buffers():
+                buffer.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._require_idle("repeat")
+        self._leave_static(stay_eager=True)
+        if self.is_initialized:
+            for buffer in self._buffers():
+                buffer.repeat_batch(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest tokens (window, then the history's end, then the sink), e.g. rejected candidates.
+
+        Negative: that many tokens. Positive: as the installed transformers' own layers read it, the length
+        to keep before 5.18, refused from 5.18 on. 5.17 passes a 0-d tensor, which must not turn the
+        buffers' lengths into tensors.
+        """
+        tokens_to_remove = operator.index(tokens_to_remove)
+        if tokens_to_remove > 0 and not positive_crop_keeps_length():
+            raise ValueError(f"crop({tokens_to_remove}): transformers {transformers.__version__} takes a negative "
+                             "count of tokens to remove, as its own cache layers do")
+        self._require_idle("crop")
+        self._leave_static(stay_eager=True)
+        length = self.get_seq_length()
+        remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, length - tokens_to_remove)
+        if remove > length:
+            raise ValueError(f"cannot crop {remove} tokens from a layer that holds {length}")
+        from_recent = min(remove, self.recent_keys.length)
+        from_history = min(remove - from_recent, self.history_length)
+        from_sink = remove - from_recent - from_history
+        for buffer in (self.recent_keys, self.recent_values):
+            buffer.truncate(buffer.length - from_recent)
+        if from_history:
+            for history in (self.history_keys, self.history_values):
+                history.truncate(history.length - from_history)
+        for buffer in (self.sink_keys, self.sink_values):
+            buffer.truncate(buffer.length - from_sink)
+
+    def offload(self):
+        raise NotImplementedError("OscarCache does not support offloading: its packed history is already ~7x smaller")
+
+    def prefetch(self):
+        self.offload()

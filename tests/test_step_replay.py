@@ -1,0 +1,123 @@
+"""Plain ``model.generate`` replays whole decode steps: the cache sets up a StaticDecoder at its first
+one-token step and the model's forwards with that cache go through it.
+
+On CPU the replayed steps run without a CUDA graph (``decode_graphs="step"``), through the torch
+references; the GPU test in tests/test_static.py captures them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from oscar_hf import OscarCache, StaticDecoder
+from oscar_hf.core.frozen_decoding import StaticDecoding
+from tests.conftest import forward, generate, tiny_model
+from tests.test_cache_contract import left_pad, prompts
+
+SMALL = dict(sink=4, recent=8, block=4)
+
+
+@pytest.fixture
+def decoder_steps(monkeypatch):
+    """Counts the one-token forwards a StaticDecoder ran (static steps) and its (re)freezes."""
+    counts = {"steps": 0, "freezes": 0}
+    step, freeze = StaticDecoder.step, StaticDecoding.__init__
+
+    def counting_step(self, kwargs):
+        logits = step(self, kwargs)
+        counts["steps"] += logits is not None
+        return logits
+
+    def counting_freeze(self, *args, **kwargs):
+        counts["freezes"] += 1
+        return freeze(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticDecoder, "step", counting_step)
+    monkeypatch.setattr(StaticDecoding, "__init__", counting_freeze)
+    return counts
+
+
+@pytest.mark.parametrize("method", ["quarot-int2", "int4"])
+def test_plain_generate_replays_steps_with_the_eager_cache_tokens(tiny, method, decoder_steps):
+    ids, mask = left_pad(prompts([30, 26, 29]))
+    want = generate(tiny, ids, OscarCache(tiny, method, decode_graphs=False, **SMALL), attention_mask=mask,
+                    max_new_tokens=40)
+    cache = OscarCache(tiny, method, decode_graphs="step", **SMALL)
+    got = generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
+    assert torch.equal(got, want)
+    # the prefill and the first one-token step run eagerly; the cache sets up its decoder there
+    assert decoder_steps["steps"] == 38 and isinstance(cache.step_decoder, StaticDecoder)
+    # a second call continues from the cache: its longer chunk thaws it, its one-token steps replay again
+    more = generate(tiny, got, cache, attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:])], 1),
+                    max_new_tokens=6)
+    reference = OscarCache(tiny, method, decode_graphs=False, **SMALL)
+    generate(tiny, ids, reference, attention_mask=mask, max_new_tokens=40)
+    assert torch.equal(more, generate(tiny, got, reference, max_new_tokens=6,
+                                      attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:])], 1)))
+
+
+def test_a_growing_cache_freezes_again_when_full(tiny, monkeypatch, decoder_steps):
+    import oscar_hf.core.freezing
+
+    monkeypatch.setattr(oscar_hf.core.freezing, "MAX_SLACK_ROWS", 8)  # grow every 8 rows instead of every 4,096
+    ids = prompts([30])[0][None]  # 64 history rows allocated by the prompt, then 8 more at a time
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL), max_new_tokens=120)
+    cache = OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL)
+    assert torch.equal(generate(tiny, ids, cache, max_new_tokens=120), want)
+    assert decoder_steps["freezes"] >= 3 and decoder_steps["steps"] == 118
+
+
+def test_sampling_and_logits_processors_see_every_step(tiny):
+    class Count(LogitsProcessor):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            Count.calls += 1
+            return scores
+
+    ids = prompts([24])[0][None]
+    options = dict(do_sample=True, top_k=20, temperature=0.8, max_new_tokens=30)
+    torch.manual_seed(7)
+    want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL), **options)
+    torch.manual_seed(7)
+    got = generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL),
+                   logits_processor=LogitsProcessorList([Count()]), **options)
+    assert torch.equal(got, want) and Count.calls == 30
+
+
+def test_other_caches_and_models_are_not_routed(tiny):
+    """Routing is per cache: the same model with a DynamicCache or a fresh OscarCache runs as before."""
+    ids = prompts([24])[0][None]
+    generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL), max_new_tokens=8)
+    assert getattr(tiny.forward, "routes_decode_steps", False)
+    sdpa = tiny_model("llama" if tiny.config.model_type == "llama" else "qwen3", attn="sdpa")
+    assert torch.equal(generate(tiny, ids, DynamicCache(config=tiny.config), max_new_tokens=8),
+                       generate(sdpa, ids, DynamicCache(config=sdpa.config), max_new_tokens=8))
+    fresh = OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL)
+    assert torch.equal(generate(tiny, ids, fresh, max_new_tokens=8),
+                       generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL),
+                                max_new_tokens=8))
+    assert fresh.step_decoder is None
+
+
+def test_a_cache_made_from_a_config_freezes_per_layer(tiny):
+    """Without the model the cache cannot replay whole steps: its layers' attention calls are frozen."""
+    ids = prompts([24])[0][None]
+    cache = OscarCache(tiny.config, "quarot-int2", decode_graphs=True, **SMALL)
+    generate(tiny, ids, cache, max_new_tokens=8)
+    assert cache.step_decoder is None and cache.static is not None
+
+
+def test_a_single_step_forward_goes_through_the_decoder(tiny, decoder_steps):
+    """Not only generate: ``model(ids, cache=...)`` one token at a time replays too (the benchmarks do this)."""
+    ids = prompts([24])[0][None]
+    cache = OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL)
+    reference = OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL)
+    for each in (cache, reference):
+        forward(tiny, ids, each)
+    for token in range(3, 9):
+        step = torch.tensor([[token]])
+        torch.testing.assert_close(forward(tiny, step, cache).logits, forward(tiny, step, reference).logits)
+    assert decoder_steps["steps"] == 5
