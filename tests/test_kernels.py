@@ -626,7 +626,7 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
 
     Also: a decoding step demotes every layer's K and V rows in a single quantize launch.
     """
-    import oscar_hf.core.attention
+    import oscar_hf.core.layer_attention
     import oscar_hf.core.layer
     import oscar_hf.core.layer_rotation
     import oscar_hf.core.quantize_jobs
@@ -635,7 +635,7 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     from oscar_hf import OscarCache
 
     # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
-    monkeypatch.setattr(oscar_hf.core.attention, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.core.layer_attention, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.core.quantize_jobs, "quantize_pack_into", quantize_pack_into)
     monkeypatch.setattr(oscar_hf.core.layer, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.core.layer_rotation, "rotate_rows", _rotate.rotate_rows)

@@ -120,3 +120,42 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(monkeypatch):
         test_layers_import_only_downwards()
     with pytest.raises(AssertionError, match="->"):
         test_there_is_no_import_cycle()
+
+
+LAYER_MODULES = {"oscar_hf.core.layer", *(f"oscar_hf.core.{p.stem}" for p in (PACKAGE / "core").glob("layer_*.py"))}
+
+
+def layer_private_names() -> set[str]:
+    """The underscore attributes an OscarLayer defines: its methods' and those its code sets on ``self``."""
+    from oscar_hf.core.layer import OscarLayer
+
+    names = {name for cls in OscarLayer.__mro__ if cls.__module__ in LAYER_MODULES
+             for name in vars(cls) if name.startswith("_") and not name.startswith("__")}  # fmt: skip
+    for module in LAYER_MODULES:
+        source = library_modules()[module].read_text()
+        names.update(re.findall(r"self\.(_[a-z][a-z_]*)\b", source))
+    return names
+
+
+def private_uses(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every attribute read or write of ``names`` in ``source`` on anything but ``self``."""
+    return [(node.lineno, node.attr) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in names
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")]  # fmt: skip
+
+
+def test_no_module_outside_the_layer_touches_its_private_state():
+    """A layer's private state has one owner, the layer's own modules (layer.py and layer_*.py): the cache,
+    the attention adapter, frozen decoding, benchmarks and tools go through its public methods."""
+    names = layer_private_names()
+    assert {"_pending", "_plan", "_demoted_ahead", "_leave_static"} <= names  # the scan sees the layer's state
+    outside = [p for m, p in library_modules().items() if m not in LAYER_MODULES]
+    outside += sorted((ROOT / "eval").rglob("*.py")) + sorted((ROOT / "kernels" / "tools").glob("*.py"))
+    uses = [f"{path.relative_to(ROOT)}:{line} .{name}" for path in outside
+            for line, name in private_uses(path.read_text(), names)]  # fmt: skip
+    assert not uses, "\n".join(uses)
+
+
+def test_the_private_state_check_can_fail():
+    source = "def peek(layer):\n    return layer._pending\n\nclass Own:\n    def f(self):\n        self._pending = 1\n"
+    assert private_uses(source, {"_pending"}) == [(2, "_pending")]

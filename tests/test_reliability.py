@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import oscar_hf.core.attention
+import oscar_hf.core.layer_attention
 import oscar_hf.core.frozen_decoding
 from oscar_hf import METHODS, CacheBrokenError, OscarCache, RotationSet, TensorQuantConfig
 from oscar_hf.core.frozen_decoding import ReplayedCall
@@ -88,7 +88,7 @@ def fail_in_layer_1(monkeypatch, cache: OscarCache) -> None:
 
         monkeypatch.setattr(ReplayedCall, "__call__", replay)
         return
-    module = oscar_hf.core.frozen_decoding if cache.static is not None else oscar_hf.core.attention
+    module = oscar_hf.core.frozen_decoding if cache.static is not None else oscar_hf.core.layer_attention
     real, calls = module.decode_attention, []
 
     def kernel(*args, **kwargs):

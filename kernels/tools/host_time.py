@@ -67,7 +67,7 @@ def oscar_pieces(model, batch: int, context: int, rotations, device: torch.devic
         keys, values = cache.update(k.clone(), v.clone(), 0)
         oscar_attention_forward(module, q, keys, values, None, scaling=scaling)
 
-    key_rotation, value_rotation = layer._rotation("key", q), layer._rotation("value", q)
+    key_rotation, value_rotation = layer.rotation_for("key", q), layer.rotation_for("value", q)
     outputs = [torch.empty(batch, t.shape[1], t.shape[-1], device=device, dtype=t.dtype) for t in (q, k, v)]
     out = torch.empty_like(outputs[0])
 
@@ -75,7 +75,7 @@ def oscar_pieces(model, batch: int, context: int, rotations, device: torch.devic
         history_k, history_v = layer.history_keys.packed(), layer.history_values.packed()
         decode_attention(outputs[0], layer.sink_keys.view(), layer.sink_values.view(), history_k.codes, history_k.scale,
                          history_k.zero, history_v.codes, history_v.scale, history_v.zero, layer.recent_keys.view(),
-                         layer.recent_values.view(), layer._no_rows(k), layer._no_rows(v), k_bits=2, v_bits=2,
+                         layer.recent_values.view(), k[:, :, :0], v[:, :, :0], k_bits=2, v_bits=2,
                          sm_scale=scaling)  # fmt: skip
 
     pieces = {

@@ -226,11 +226,8 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
             else:
                 self._demote_all(key_states.shape[2])
         if implementation == ATTENTION_NAME:
-            try:
+            with self.layer_step(layer_idx, stores=False):  # its attention stores the chunk
                 layer.stash(key_states, value_states)
-            except BaseException as error:
-                self.step_failed(layer_idx, error)
-                raise
             return key_states, value_states
         warning_once(
             logger,
@@ -238,12 +235,8 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
             "attention then reads a dequantized BF16 copy of the history and left padding may fill the sink. "
             "Call model.set_attn_implementation('oscar') for the memory and speed benefits.",
         )
-        try:
+        with self.layer_step(layer_idx):
             keys, values = layer.update(key_states, value_states)
-        except BaseException as error:
-            self.step_failed(layer_idx, error)
-            raise
-        self.layer_finished()
         return keys, values
 
     def _demote_all(self, new_tokens: int) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
-from oscar_hf.core.layer import OscarLayer, allowed_keys
+from oscar_hf.core.layer import OscarLayer
+from oscar_hf.core.layer_attention import allowed_keys
 from oscar_hf.core.model_info import ATTENTION_NAME, tensor_parallel_rank
 from oscar_hf.core.step_replay import StaticDecoder, route_decode_steps
 from oscar_hf.core.storage import MAX_SLACK_ROWS

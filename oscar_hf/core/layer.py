@@ -9,7 +9,7 @@ to its own unquantized K/V, as the reference's prefill does:
 
 1. ``begin_step``: plan where the new tokens go and demote the oldest rows of the recent window
    (quantized from their stored rotated rows) if the window would overflow;
-2. rotation and attention over ``[sink | history | recent | new]`` (``oscar_hf.core.attention``): a
+2. rotation and attention over ``[sink | history | recent | new]`` (``oscar_hf.core.layer_attention``): a
    prefill chunk is rotated by GEMMs (``rotate_chunk``), a decode step's q, K and V by one launch
    that writes K and V straight into the recent window (``rotate_step``, ``kernels/rotate.py``);
 3. ``finish_step``: store the new tokens; those that land between the sink and the recent window
@@ -25,6 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.core.config import OscarConfig, TensorQuantConfig
 from oscar_hf.core.frozen_decoding import StaticDecoding
+from oscar_hf.core.layer_attention import LayerAttention, allowed_keys
 from oscar_hf.core.layer_dense import DenseView
 from oscar_hf.core.layer_edits import EditedLayer
 from oscar_hf.core.layer_rotation import RotatedLayer
@@ -57,7 +58,7 @@ class PendingChunk:
     values: torch.Tensor
 
 
-class OscarLayer(DenseView, EditedLayer, RotatedLayer, CacheLayerMixin):
+class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLayerMixin):
     """One full-attention layer of an :class:`OscarCache`.
 
     ``key_rotation`` / ``value_rotation`` are ``[D, D]`` (shared by all heads), ``[H_kv, D, D]`` (one
@@ -244,8 +245,8 @@ class OscarLayer(DenseView, EditedLayer, RotatedLayer, CacheLayerMixin):
         else:
             rotated_keys, rotated_values = torch.empty_like(keys), torch.empty_like(values)
         # The kernel maps each row to its KV head's R itself, so per-head rotations go as [H_kv, D, D].
-        key_rotation = self._rotation("key", query, identity=True, expand=False)
-        value_rotation = self._rotation("value", query, identity=True, expand=False)
+        key_rotation = self.rotation_for("key", query, identity=True, expand=False)
+        value_rotation = self.rotation_for("value", query, identity=True, expand=False)
         rotate_rows([(query, key_rotation, rotated_query), (keys, key_rotation, rotated_keys),
                      (values, value_rotation, rotated_values)])  # fmt: skip
         if into_window:
@@ -369,10 +370,3 @@ class OscarLayer(DenseView, EditedLayer, RotatedLayer, CacheLayerMixin):
 def check_finite_states(states: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(states).all()):
         raise ValueError(f"non-finite values (NaN/Inf) in the {name} states given to OscarCache")
-
-
-def allowed_keys(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[batch, keys]``, True where the newest query may attend, from a decode step's 4D mask (bool,
-    or additive float)."""
-    allowed = attention_mask[:, 0, -1, :]
-    return allowed if allowed.dtype == torch.bool else allowed == 0

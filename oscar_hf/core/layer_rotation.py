@@ -51,7 +51,7 @@ class RotatedLayer:
 
     def unrotate_output(self, output: torch.Tensor) -> torch.Tensor:
         """A decode step's attention output ``[B, Hq, D]`` mapped back (``o·R_V^T``), as ``[B, 1, Hq, D]``."""
-        rotation = self._rotation("value", output, expand=False)
+        rotation = self.rotation_for("value", output, expand=False)
         if rotation is None:
             return output.unsqueeze(1)
         unrotated = torch.empty_like(output)
@@ -61,22 +61,22 @@ class RotatedLayer:
     def rotate_keys(self, states: torch.Tensor) -> torch.Tensor:
         """``x @ R_K`` of ``[B, H, T, D]`` states; queries are rotated like keys (each by its KV head's
         R_K) so that scores are unchanged."""
-        return _rotate(states, self._rotation("key", states))
+        return _rotate(states, self.rotation_for("key", states))
 
     def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
-        return _rotate(states, self._rotation("value", states))
+        return _rotate(states, self.rotation_for("value", states))
 
     def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        rotation = self._rotation("key", keys)
+        rotation = self.rotation_for("key", keys)
         return keys if rotation is None else _rotate(keys, rotation.mT)
 
     def unrotate_values(self, values: torch.Tensor, heads_axis: int = 1) -> torch.Tensor:
         """``x @ R_V^T``; also maps attention outputs back, ``o = o_rot @ R_V^T`` (``heads_axis=2`` for
         ``[B, T, H, D]`` outputs)."""
-        rotation = self._rotation("value", values, heads_axis=heads_axis)
+        rotation = self.rotation_for("value", values, heads_axis=heads_axis)
         return values if rotation is None else _rotate(values, rotation.mT, heads_axis)
 
-    def _rotation(
+    def rotation_for(
         self, which: str, like: torch.Tensor, identity: bool = False, expand: bool = True, heads_axis: int = 1
     ) -> torch.Tensor | None:
         """R_K or R_V (kept in float32) on ``like``'s device and in its dtype, cast once; without one,

@@ -10,7 +10,9 @@ cache broken, with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -100,8 +102,19 @@ class StepGuard:
             check_finite_states(key_states, "key")
             check_finite_states(value_states, "value")
 
-    def layer_finished(self) -> None:
-        """A quantized layer has stored the step in progress (the attention functions call this)."""
+    @contextlib.contextmanager
+    def layer_step(self, layer_idx: int, stores: bool = True) -> Iterator[None]:
+        """Layer ``layer_idx``'s part of the step in progress: an error inside breaks the cache if earlier
+        layers stored the step; ``stores``: leaving the block normally means the layer stored it."""
+        try:
+            yield
+        except BaseException as error:
+            self.step_failed(layer_idx, error)
+            raise
+        if stores:
+            self._layer_finished()
+
+    def _layer_finished(self) -> None:
         self._finished_layers += 1
         if self._finished_layers == len(self.layer_ids):
             self._step_open = False
