@@ -22,6 +22,7 @@ span in Gluon, on the shapes it covers); :mod:`.decode_launch` plans and launche
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -30,38 +31,68 @@ from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 from ._triton import define_op, is_power_of_two, op_or_launcher, runs_triton
 from .decode_launch import decode_attention_triton
 
+@dataclass(frozen=True)
+class DecodeTiers:
+    """What one decode step attends over, in the rotated basis: ``[sink | history | recent | new]``.
+
+    Attributes:
+        sink_k, sink_v, recent_k, recent_v, new_k, new_v: dense rows ``[B, Hkv, n, D]`` (views are fine).
+        history_k, history_v: the packed history, codes ``uint8 [B, Hkv, L, D*bits/8]`` (the layout of
+            :func:`oscar_hf.quant.pack`) and ``[B, Hkv, L, D/G]`` scale and zero (any float dtype);
+            ``L`` may be 0.
+        k_bits, v_bits: 1, 2, 3 or 4 each.
+        key_mask: optional ``bool [B, S+L+R+T]``, True where a key may be attended (left-padding pads
+            are False).
+        lengths: static decoding (CUDA graphs): integers ``[history rows, ring start, ring rows]`` on the
+            device. The history tensors are then allocated at capacity with their first ``lengths[0]``
+            rows valid, ``recent_k``/``recent_v`` are a ring whose ``lengths[2]`` rows from
+            ``lengths[1]`` on are valid, and ``key_mask`` covers the sink only. The newest
+            ``new_k.shape[2]`` of those ring rows are the new rows' slots: the call stores ``new_k`` and
+            ``new_v`` there (a decode step's one write) and attends them as new rows. Nothing is read
+            on the host, so one launch can be captured and replayed as the lengths change.
+    """
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    history_k: QuantizedRows
+    history_v: QuantizedRows
+    recent_k: torch.Tensor
+    recent_v: torch.Tensor
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    k_bits: int
+    v_bits: int
+    key_mask: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    @classmethod
+    def from_flat(cls, tensors, k_bits: int, v_bits: int, key_mask: torch.Tensor | None = None,
+                  lengths: torch.Tensor | None = None) -> "DecodeTiers":  # fmt: skip
+        """The tiers from tensors in the kernels' argument order (:meth:`flat`)."""
+        sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v = tensors
+        return cls(sink_k, sink_v, QuantizedRows(k_codes, k_scale, k_zero), QuantizedRows(v_codes, v_scale, v_zero),
+                   recent_k, recent_v, new_k, new_v, k_bits, v_bits, key_mask, lengths)  # fmt: skip
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        """The tensors in the kernels' argument order (``torch.ops.oscar.decode_attention`` after ``q``)."""
+        k, v = self.history_k, self.history_v
+        return (self.sink_k, self.sink_v, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
+                self.recent_k, self.recent_v, self.new_k, self.new_v)  # fmt: skip
+
+
 # -------------------------------------------------------------------------------- torch reference
 
 
-def decode_attention_reference(
-    q: torch.Tensor,
-    sink_k: torch.Tensor,
-    sink_v: torch.Tensor,
-    k_codes: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    recent_k: torch.Tensor,
-    recent_v: torch.Tensor,
-    new_k: torch.Tensor,
-    new_v: torch.Tensor,
-    *,
-    k_bits: int,
-    v_bits: int,
-    sm_scale: float | None = None,
-    key_mask: torch.Tensor | None = None,
-    num_splits: int = 0,
-    lengths: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The torch reference and CPU fallback of :func:`decode_attention` (``num_splits`` is ignored).
+def decode_attention_reference(q: torch.Tensor, tiers: DecodeTiers, *, sm_scale: float | None = None) -> torch.Tensor:
+    """The torch reference and CPU fallback of :func:`decode_attention`.
 
     Dequantizes the history with :func:`oscar_hf.quant.dequantize` into the query dtype, concatenates
     the tiers and runs one float32 softmax, with the query heads of each KV head grouped (GQA).
     With ``lengths`` it first stores the new rows in the ring, as the kernel does, then takes the
     valid history rows and unrolls the ring (a host sync).
     """
+    sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v = tiers.flat()
+    k_bits, v_bits, key_mask, lengths = tiers.k_bits, tiers.v_bits, tiers.key_mask, tiers.lengths
     if lengths is not None:
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, key_mask = _unroll_static(
             lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v, key_mask
@@ -196,47 +227,19 @@ def kernel_supports_decode(head_dim: int, k_bits: int = 2, v_bits: int = 2, k_gr
 
 def decode_attention(
     q: torch.Tensor,
-    sink_k: torch.Tensor,
-    sink_v: torch.Tensor,
-    k_codes: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    recent_k: torch.Tensor,
-    recent_v: torch.Tensor,
-    new_k: torch.Tensor,
-    new_v: torch.Tensor,
+    tiers: DecodeTiers,
     *,
-    k_bits: int,
-    v_bits: int,
     sm_scale: float | None = None,
-    key_mask: torch.Tensor | None = None,
     num_splits: int = 0,
-    lengths: torch.Tensor | None = None,
     history_settled: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over ``[sink | history | recent | new]``, rotated basis.
 
     Args:
         q: ``[B, Hq, D]`` query, already multiplied by R_K, in the dtype of the dense rows.
-        sink_k, sink_v, recent_k, recent_v, new_k, new_v: dense rows ``[B, Hkv, n, D]`` (views are fine).
-        k_codes, v_codes: packed history ``uint8 [B, Hkv, L, D*bits/8]`` (the layout of
-            :func:`oscar_hf.quant.pack`); ``L`` may be 0.
-        k_scale, k_zero, v_scale, v_zero: ``[B, Hkv, L, D/G]`` per-group metadata (any float dtype).
-        k_bits, v_bits: 1, 2, 3 or 4 each.
+        tiers: what it attends over (:class:`DecodeTiers`).
         sm_scale: score scale, ``1/sqrt(D)`` by default.
-        key_mask: optional ``bool [B, S+L+R+T]``, True where a key may be attended (left-padding pads
-            are False).
         num_splits: history splits (0: chosen from the length and the device).
-        lengths: static decoding (CUDA graphs): integers ``[history rows, ring start, ring rows]`` on the
-            device. The history tensors are then allocated at capacity with their first ``lengths[0]``
-            rows valid, ``recent_k``/``recent_v`` are a ring whose ``lengths[2]`` rows from
-            ``lengths[1]`` on are valid, and ``key_mask`` covers the sink only. The newest
-            ``new_k.shape[2]`` of those ring rows are the new rows' slots: the call stores ``new_k`` and
-            ``new_v`` there (a decode step's one write) and attends them as new rows. Nothing is read
-            on the host, so one launch can be captured and replayed as the lengths change.
         history_settled: the kernel launched just before this call wrote neither the history nor
             ``lengths`` (as in a decode step, where that kernel rotates q, K and V). On Hopper the
             history's first tiles are then copied while it still runs. False is always correct.
@@ -246,18 +249,14 @@ def decode_attention(
 
     Runs the Triton kernels when :func:`~._triton.runs_triton` says so, else the torch reference.
     """
+    sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v = tiers.flat()
+    k_bits, v_bits, key_mask, lengths = tiers.k_bits, tiers.v_bits, tiers.key_mask, tiers.lengths
     dense = (sink_k, sink_v, recent_k, recent_v, new_k, new_v)
     _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits, lengths)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     supported = kernel_supports_decode(q.shape[-1], k_bits, v_bits, k_scale.shape[-1], v_scale.shape[-1])
     if not (runs_triton(q) and supported):
-        return decode_attention_reference(
-            q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
-            k_bits=k_bits, v_bits=v_bits, sm_scale=scale, key_mask=key_mask, lengths=lengths,
-        )  # fmt: skip
+        return decode_attention_reference(q, tiers, sm_scale=scale)
     launch = op_or_launcher(torch.ops.oscar.decode_attention, decode_attention_triton)
-    return launch(
-        q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
-        key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths, history_settled,
-    )  # fmt: skip
+    return launch(q, *tiers.flat(), key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths, history_settled)
 

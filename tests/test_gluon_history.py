@@ -15,10 +15,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_hf.kernels.decode_attention import decode_attention_reference
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
 from oscar_hf.core.storage import RowBuffer
 
 from tests.test_kernels import TOLERANCE, _decode_inputs
+
+
+def _flat_inputs(*shape, **kwargs):
+    """``_decode_inputs`` as flat tensors ``[q, sink K, sink V, K codes, K scale, ...]`` and the options
+    ``k_bits``, ``v_bits``, ``key_mask``, as the span's own functions take them."""
+    q, tiers = _decode_inputs(*shape, **kwargs)
+    return [q, *tiers.flat()], dict(k_bits=tiers.k_bits, v_bits=tiers.v_bits, key_mask=tiers.key_mask)
+
+
+def reference(q, *tensors, k_bits, v_bits, sm_scale=None, key_mask=None, lengths=None):
+    tiers = DecodeTiers.from_flat(tensors, k_bits, v_bits, key_mask, lengths)
+    return decode_attention_reference(q, tiers, sm_scale=sm_scale)
+
+
+def attend(q, *tensors, k_bits, v_bits, sm_scale=None, key_mask=None, lengths=None, history_settled=False):
+    from oscar_hf.kernels.decode_attention import decode_attention
+
+    tiers = DecodeTiers.from_flat(tensors, k_bits, v_bits, key_mask, lengths)
+    return decode_attention(q, tiers, sm_scale=sm_scale, history_settled=history_settled)
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels need a CUDA GPU")
 TOOLS = Path(__file__).resolve().parents[1] / "kernels" / "tools"
@@ -90,10 +109,10 @@ def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
 
     from oscar_hf.kernels.decode_history_gluon import merge_partials
 
-    args, _ = _decode_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3)
+    args, _ = _flat_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3)
     q, _, _, *packed, _, _, _, _ = args
     exact = [a.float() if a.is_floating_point() else a for a in args]
-    want = decode_attention_reference(*exact, k_bits=2, v_bits=2, sm_scale=diagnosis.SM_SCALE)
+    want = reference(*exact, k_bits=2, v_bits=2, sm_scale=diagnosis.SM_SCALE)
     partials = diagnosis.reference_partials(q, packed[:6], splits=3)
     assert partials[0].shape == (1, 4, 3)  # 300 rows in 3 splits of 128, 128 and 44
     torch.testing.assert_close(merge_partials(*partials), want, rtol=1e-5, atol=1e-5)
@@ -117,9 +136,9 @@ def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, s
     in place; staging needs that alignment); otherwise plain tensors of ``history`` rows."""
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
-    args, options = _decode_inputs(batch, q_heads, kv_heads, 128, 0, history, 0, 0, torch.bfloat16, 2, 2, seed=3)
+    args, options = _flat_inputs(batch, q_heads, kv_heads, 128, 0, history, 0, 0, torch.bfloat16, 2, 2, seed=3)
     args = [a.cuda() for a in args]
-    want = decode_attention_reference(*args, sm_scale=0.088, **options)
+    want = reference(*args, sm_scale=0.088, **options)
     q, _, _, *packed, _, _, _, _ = args
     if stored:
         packed = [_in_buffer(t) for t in packed]
@@ -134,7 +153,7 @@ def test_the_span_reads_key_and_value_rows_that_alternate_in_one_buffer(pipeline
     two packed buffers."""
     from oscar_hf.kernels.decode_history_gluon import history_partials
 
-    args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=6)
+    args, _ = _flat_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=6)
     q, _, _, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, _, _, _, _ = [a.cuda() for a in args]
     metadata = [_in_buffer(t) for t in (k_scale, k_zero, v_scale, v_zero)]
     rows = _in_buffer(torch.cat([k_codes, v_codes], dim=-1))
@@ -155,7 +174,7 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(pipeline):
     from oscar_hf.kernels.gluon_span_kernel import TIMELINE_FIELDS, placement
     from oscar_hf.kernels.gluon_span_variant import SpanVariant
 
-    args, _ = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=5)
+    args, _ = _flat_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=5)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
     packed = [_in_buffer(t) for t in packed]
     untimed = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
@@ -183,9 +202,9 @@ def test_the_span_variants_for_kernel_development_compute_the_same():
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
     from oscar_hf.kernels.gluon_span_variant import SpanVariant
 
-    args, options = _decode_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=8)
+    args, options = _flat_inputs(2, 8, 2, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=8)
     args = [a.cuda() for a in args]
-    want = decode_attention_reference(*args, sm_scale=0.088, **options).float()
+    want = reference(*args, sm_scale=0.088, **options).float()
     q, _, _, *packed, _, _, _, _ = args
     packed = [_in_buffer(t) for t in packed]
     m, l, _ = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=True)
@@ -205,13 +224,13 @@ def test_the_span_follows_scores_that_rise_or_fall_far(q_heads, rising):
     underflow. Both against the reference."""
     from oscar_hf.kernels.decode_history_gluon import history_partials, merge_partials
 
-    args, options = _decode_inputs(1, q_heads, 1, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=7)
+    args, options = _flat_inputs(1, q_heads, 1, 128, 0, 1000, 0, 0, torch.bfloat16, 2, 2, seed=7)
     args = [a.cuda() for a in args]
     ramp = torch.linspace(0.2, 6.0, 1000, device="cuda")
     ramp = ramp if rising else ramp.flip(0)
     args[4] = (args[4].float() * ramp[None, None, :, None]).to(torch.bfloat16)  # K's scales
     # in float32: the bf16 reference itself is off by up to 0.11 at scores this large
-    want = decode_attention_reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=0.088,
+    want = reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=0.088,
                                       **options)  # fmt: skip
     q, _, _, *packed, _, _, _, _ = args
     packed = [_in_buffer(t) for t in packed]  # staged, as in a cache
@@ -247,7 +266,7 @@ def test_a_cache_history_is_aligned_for_staging():
 def test_staging_refuses_unaligned_metadata():
     from oscar_hf.kernels.decode_history_gluon import history_partials
 
-    args, _ = _decode_inputs(1, 4, 1, 128, 0, 99, 0, 0, torch.bfloat16, 2, 2, seed=3)
+    args, _ = _flat_inputs(1, 4, 1, 128, 0, 99, 0, 0, torch.bfloat16, 2, 2, seed=3)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
     packed[1] = packed[1][:, :, 1:]  # every head's rows one element off
     with pytest.raises(ValueError, match="16-row aligned"):
@@ -258,7 +277,7 @@ def test_staging_refuses_unaligned_metadata():
 def test_history_span_refuses_what_it_does_not_cover():
     from oscar_hf.kernels.decode_history_gluon import history_partials
 
-    args, _ = _decode_inputs(1, 4, 1, 128, 0, 64, 0, 0, torch.bfloat16, 4, 2, seed=3)
+    args, _ = _flat_inputs(1, 4, 1, 128, 0, 64, 0, 0, torch.bfloat16, 4, 2, seed=3)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
     with pytest.raises(ValueError, match="INT2"):
         history_partials(q, *packed, sm_scale=0.088, splits=1)
@@ -269,14 +288,13 @@ def test_history_span_refuses_what_it_does_not_cover():
 def test_decode_attention_takes_its_history_slots_from_the_span(monkeypatch, pads):
     """``OSCAR_DECODE_HISTORY=gluon``: all four tiers through ``decode_attention``, the history from
     the Gluon span and the dense tiers from the Triton stage 1, merged by one stage 2."""
-    from oscar_hf.kernels.decode_attention import decode_attention
 
     monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
-    args, options = _decode_inputs(2, 32, 8, 128, 64, 3000, 260, 1, torch.bfloat16, 2, 2, pads=pads, seed=4)
+    args, options = _flat_inputs(2, 32, 8, 128, 64, 3000, 260, 1, torch.bfloat16, 2, 2, pads=pads, seed=4)
     args = [a.cuda() for a in args]
     options["key_mask"] = None if pads is None else options["key_mask"].cuda()
-    want = decode_attention_reference(*args, sm_scale=0.088, **options)
-    got = decode_attention(*args, sm_scale=0.088, **options)
+    want = reference(*args, sm_scale=0.088, **options)
+    got = attend(*args, sm_scale=0.088, **options)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
 
 
@@ -285,18 +303,17 @@ def test_a_settled_history_is_read_while_the_kernel_before_writes_q(monkeypatch)
     """``history_settled=True``: on Hopper the span starts while the kernel before it (here a matmul that
     writes q, as a decode step's rotation does) still runs, copying history rows meanwhile; it must read
     q only after that kernel ends. Several calls in a row, each after a new q, against the reference."""
-    from oscar_hf.kernels.decode_attention import decode_attention
 
     monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
-    args, options = _decode_inputs(1, 32, 8, 128, 64, 20_000, 260, 1, torch.bfloat16, 2, 2, seed=5)
+    args, options = _flat_inputs(1, 32, 8, 128, 64, 20_000, 260, 1, torch.bfloat16, 2, 2, seed=5)
     q, *tiers = [a.cuda() for a in args]
     generator = torch.Generator(device="cuda").manual_seed(0)
     features = torch.randn(32, 16384, device="cuda", dtype=torch.bfloat16, generator=generator)
     for step in range(4):
         projection = torch.randn(16384, 128, device="cuda", dtype=torch.bfloat16, generator=generator) / 128
         torch.mm(features, projection, out=q.view(32, 128))  # the kernel just before the span writes q
-        got = decode_attention(q, *tiers, sm_scale=0.088, history_settled=True, **options)
-        want = decode_attention_reference(q, *tiers, sm_scale=0.088, **options)
+        got = attend(q, *tiers, sm_scale=0.088, history_settled=True, **options)
+        want = reference(q, *tiers, sm_scale=0.088, **options)
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16], msg=f"call {step}")
 
 
@@ -305,20 +322,19 @@ def test_a_settled_history_is_read_while_the_kernel_before_writes_q(monkeypatch)
 def test_static_lengths_reach_the_span(monkeypatch, history):
     """Static decoding: the span reads the history length from the device tensor, as the Triton kernel
     does; splits are sized for the capacity, so with a short history most of them are empty."""
-    from oscar_hf.kernels.decode_attention import decode_attention
 
     monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
     capacity = 1600
-    args, options = _decode_inputs(1, 32, 8, 128, 64, history, 7, 1, torch.bfloat16, 2, 2, seed=6)
+    args, options = _flat_inputs(1, 32, 8, 128, 64, history, 7, 1, torch.bfloat16, 2, 2, seed=6)
     args = [a.cuda() for a in args]
-    want = decode_attention_reference(*args, sm_scale=0.088, **options)
+    want = reference(*args, sm_scale=0.088, **options)
     q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
     garbage = [torch.cat([t, torch.randint(0, 255, (*t.shape[:2], capacity - history, t.shape[-1]), device="cuda")
                           .to(t.dtype)], dim=2) for t in packed]  # fmt: skip
     # the ring as static decoding leaves it: 7 rows, and a slot for the new row that the call fills
     ring = [torch.cat([rows, torch.full_like(new_k, 50.0)], dim=2) for rows in (recent_k, recent_v)]
     lengths = torch.tensor([history, 0, 8], device="cuda")
-    got = decode_attention(q, sink_k, sink_v, *garbage, *ring, new_k, new_v, k_bits=2, v_bits=2, sm_scale=0.088,
+    got = attend(q, sink_k, sink_v, *garbage, *ring, new_k, new_v, k_bits=2, v_bits=2, sm_scale=0.088,
                            lengths=lengths)  # fmt: skip
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
     assert torch.equal(ring[0][:, :, 7:], new_k) and torch.equal(ring[1][:, :, 7:], new_v)
@@ -330,7 +346,7 @@ def test_an_unknown_history_kernel_is_refused(monkeypatch):
     from oscar_hf.kernels.decode_attention import decode_attention_triton
 
     monkeypatch.setenv("OSCAR_DECODE_HISTORY", "glunon")
-    args, options = _decode_inputs(1, 4, 1, 128, 4, 64, 4, 1, torch.bfloat16, 2, 2, seed=0)
+    args, options = _flat_inputs(1, 4, 1, 128, 4, 64, 4, 1, torch.bfloat16, 2, 2, seed=0)
     with pytest.raises(ValueError, match="OSCAR_DECODE_HISTORY='glunon'"):
         decode_attention_triton(*args, options["key_mask"], 2, 2, 0.088)
 

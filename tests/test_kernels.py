@@ -7,6 +7,8 @@ The write path must match bit for bit; attention within float32 / bfloat16 round
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -77,6 +79,7 @@ if not CUDA and not _triton.INTERPRET:
 quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
 quantize_pack_into = _quantize.quantize_pack_into
 decode_attention, decode_attention_reference = _decode.decode_attention, _decode.decode_attention_reference
+DecodeTiers = _decode.DecodeTiers
 
 DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="large shapes need a CUDA GPU (compiled Triton)")
@@ -354,12 +357,19 @@ def _decode_inputs(batch, q_heads, kv_heads, head_dim, sink, history, recent, ne
     q = torch.randn(batch, q_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
     k_hist = _history(batch, kv_heads, history, head_dim, k_bits, head_dim // k_groups, generator)
     v_hist = _history(batch, kv_heads, history, head_dim, v_bits, head_dim // v_groups, generator)
-    args = (q, dense(sink), dense(sink), *k_hist, *v_hist, dense(recent), dense(recent), dense(new), dense(new))
+    sink_k, sink_v = dense(sink), dense(sink)
     mask = None
     if pads is not None:  # left padding: the first pads[b] keys of row b (all in the sink) are pads
         positions = torch.arange(sink + history + recent + new)
         mask = (positions[None, :] >= torch.tensor(pads)[:, None]).to(DEVICE)
-    return args, dict(k_bits=k_bits, v_bits=v_bits, key_mask=mask)
+    return q, DecodeTiers(sink_k, sink_v, QuantizedRows(*k_hist), QuantizedRows(*v_hist), dense(recent), dense(recent),
+                          dense(new), dense(new), k_bits, v_bits, mask)  # fmt: skip
+
+
+def _op(q, tiers, sm_scale, splits, block_n=16, num_warps=0):
+    """``torch.ops.oscar.decode_attention``: the kernels with the launch knobs the dispatcher picks itself."""
+    return torch.ops.oscar.decode_attention(q, *tiers.flat(), tiers.key_mask, tiers.k_bits, tiers.v_bits, sm_scale,
+                                            splits, block_n, num_warps, 0, tiers.lengths)  # fmt: skip
 
 
 # (batch, q heads, kv heads, head_dim, sink, history, recent, new, splits, block_n, pads, k/v bits, k/v groups)
@@ -394,10 +404,10 @@ TOLERANCE = {
 
 def _run_decode_case(case, dtype, num_warps=0):
     batch, hq, hkv, dim, sink, hist, recent, new, splits, block_n, pads, (kb, vb), (kg, vg) = case
-    args, options = _decode_inputs(batch, hq, hkv, dim, sink, hist, recent, new, dtype, kb, vb, kg, vg, pads)
+    q, tiers = _decode_inputs(batch, hq, hkv, dim, sink, hist, recent, new, dtype, kb, vb, kg, vg, pads)
     scale = dim**-0.5
-    got = torch.ops.oscar.decode_attention(*args, options["key_mask"], kb, vb, scale, splits, block_n, num_warps, 0)
-    want = decode_attention_reference(*args, sm_scale=scale, **options)
+    got = _op(q, tiers, scale, splits, block_n, num_warps)
+    want = decode_attention_reference(q, tiers, sm_scale=scale)
     return got, want
 
 
@@ -470,9 +480,8 @@ def test_decode_attention_with_fewer_warps(name, num_warps):
 
 def test_decode_attention_splits_do_not_change_the_result():
     """The log-sum-exp merge is exact: 1 split and 5 splits agree to float32 rounding."""
-    args, options = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
-    one = torch.ops.oscar.decode_attention(*args, options["key_mask"], 4, 2, 0.125, 1, 16, 0, 0)
-    five = torch.ops.oscar.decode_attention(*args, options["key_mask"], 4, 2, 0.125, 5, 16, 0, 0)
+    q, tiers = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
+    one, five = _op(q, tiers, 0.125, 1), _op(q, tiers, 0.125, 5)
     # float32 rounding, amplified a little by the zero-point corrections of the packed tiles
     torch.testing.assert_close(one, five, atol=5e-6, rtol=1e-4)
 
@@ -480,8 +489,8 @@ def test_decode_attention_splits_do_not_change_the_result():
 def test_a_launch_variant_changes_how_the_merge_runs_not_its_result():
     """``decode_launch.LaunchVariant`` (kernels/tools/time_gluon_history.py): a smaller merge tile splits
     the merge into narrower blocks of dims (8 here instead of 32), the same output."""
-    args, options = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
-    knobs = (options["key_mask"], 4, 2, 0.125, 5, 16, 0, 0)
+    q, tiers = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
+    args, knobs = (q, *tiers.flat()), (tiers.key_mask, 4, 2, 0.125, 5, 16, 0, 0)
     default = _launch.decode_attention_triton(*args, *knobs)
     narrow = _launch.decode_attention_triton(*args, *knobs, launch_variant=_launch.LaunchVariant(merge_tile=64,
                                                                                                   merge_warps=1))
@@ -502,9 +511,9 @@ def test_the_gluon_span_fills_its_wave_and_the_triton_history_is_capped(monkeypa
 
 def test_decode_attention_merges_more_than_256_slots():
     """Beyond 256 slots the merge narrows its block of dims (its tile stays 8,192 floats); still exact."""
-    args, options = _decode_inputs(1, 2, 1, 64, 4, 16 * 270, 6, 1, torch.float32)
-    many = torch.ops.oscar.decode_attention(*args, None, 4, 2, 0.125, 270, 16, 0, 0)  # 270 + 3 slots: 512 in the merge
-    want = decode_attention_reference(*args, sm_scale=0.125, **options)
+    q, tiers = _decode_inputs(1, 2, 1, 64, 4, 16 * 270, 6, 1, torch.float32)
+    many = _op(q, tiers, 0.125, 270)  # 270 + 3 slots: 512 in the merge
+    want = decode_attention_reference(q, tiers, sm_scale=0.125)
     torch.testing.assert_close(many, want, **TOLERANCE[torch.float32])
 
 
@@ -512,34 +521,34 @@ def test_decode_attention_merges_more_than_256_slots():
 def test_eager_calls_of_one_shape_share_slot_buffers_not_outputs():
     """Consecutive eager calls reuse the partial buffers (_launch._partials) and keep their own outputs."""
     calls = [_decode_inputs(2, 8, 2, 128, 4, 3000, 9, 1, torch.bfloat16, 2, 2, seed=seed) for seed in (1, 2)]
-    outputs = [decode_attention(*args, **options) for args, options in calls]
+    outputs = [decode_attention(q, tiers) for q, tiers in calls]
     assert outputs[0].data_ptr() != outputs[1].data_ptr() and len(_launch._PARTIALS) >= 1
-    for (args, options), got in zip(calls, outputs):
-        torch.testing.assert_close(got, decode_attention_reference(*args, **options), **TOLERANCE[torch.bfloat16])
+    for (q, tiers), got in zip(calls, outputs):
+        torch.testing.assert_close(got, decode_attention_reference(q, tiers), **TOLERANCE[torch.bfloat16])
 
 
 def test_decode_attention_dispatcher_and_masked_rows():
-    args, options = _decode_inputs(2, 4, 2, 64, 3, 10, 4, 1, torch.float32)
-    options["key_mask"] = torch.ones(2, 18, dtype=torch.bool, device=DEVICE)
-    options["key_mask"][1] = False  # a row with nothing to attend to gives zeros, not NaN
-    got = decode_attention(*args, **options)
-    torch.testing.assert_close(got, decode_attention_reference(*args, **options), **TOLERANCE[torch.float32])
+    q, tiers = _decode_inputs(2, 4, 2, 64, 3, 10, 4, 1, torch.float32)
+    mask = torch.ones(2, 18, dtype=torch.bool, device=DEVICE)
+    mask[1] = False  # a row with nothing to attend to gives zeros, not NaN
+    tiers = dataclasses.replace(tiers, key_mask=mask)
+    got = decode_attention(q, tiers)
+    torch.testing.assert_close(got, decode_attention_reference(q, tiers), **TOLERANCE[torch.float32])
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     with pytest.raises(ValueError, match="key_mask"):
-        decode_attention(*args, k_bits=4, v_bits=2, key_mask=options["key_mask"][:, 1:])
+        decode_attention(q, dataclasses.replace(tiers, key_mask=mask[:, 1:]))
 
 
 @pytest.mark.parametrize("tier", ["sink", "history scale", "recent", "new"])
 def test_a_non_finite_key_reaches_the_outputs_of_its_kv_head(tier):
     """A NaN in one key of KV head 0 makes the outputs of that head's query heads NaN, as SDPA's math
     does, on the kernel path and in its reference; the other KV head's stay finite."""
-    args, options = _decode_inputs(1, 4, 2, 64, 3, 40, 4, 1, torch.float32, k_bits=2, v_bits=2)
-    args = [a.clone() for a in args]
-    position = {"sink": 1, "history scale": 4, "recent": 9, "new": 11}[tier]  # (q, sink K, sink V, K codes, K scale, ...)
-    args[position][0, 0, 0] = float("nan")
+    q, tiers = _decode_inputs(1, 4, 2, 64, 3, 40, 4, 1, torch.float32, k_bits=2, v_bits=2)
+    poisoned = {"sink": tiers.sink_k, "history scale": tiers.history_k.scale, "recent": tiers.recent_k, "new": tiers.new_k}
+    poisoned[tier][0, 0, 0] = float("nan")
     scale = 64**-0.5
-    got = torch.ops.oscar.decode_attention(*args, None, 2, 2, scale, 3, 16, 0, 0)
-    want = decode_attention_reference(*args, sm_scale=scale, **options)
+    got = _op(q, tiers, scale, 3)
+    want = decode_attention_reference(q, tiers, sm_scale=scale)
     for out in (got, want):
         assert out[0, :2].isnan().all() and out[0, 2:].isfinite().all()
 
@@ -559,9 +568,9 @@ def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, 
     the new row's slot, which the call fills (the ring's lengths count the new row).
     """
     batch, sink, ring_size = 2, 4, 12
-    args, options = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, k_bits, 2, pads=pads, seed=5)
-    q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
-    want = decode_attention_reference(*args, sm_scale=0.125, **options)
+    q, tiers = _decode_inputs(batch, 8, 2, 64, sink, history, ring_rows, 1, dtype, k_bits, 2, pads=pads, seed=5)
+    sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = tiers.flat()
+    want = decode_attention_reference(q, tiers, sm_scale=0.125)
 
     garbage = torch.Generator().manual_seed(9)
     static_packed = []
@@ -576,24 +585,15 @@ def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, 
         ring[:, :, slots] = rows
         rings.append(ring)
     lengths = torch.tensor([history, ring_start, ring_rows + 1], device=DEVICE)
-    sink_mask = None if options["key_mask"] is None else options["key_mask"][:, :sink].contiguous()
-    for attend in (_static_kernel, _static_reference):
+    sink_mask = None if tiers.key_mask is None else tiers.key_mask[:, :sink].contiguous()
+    for attend in (functools.partial(_op, splits=splits), decode_attention_reference):
         static_rings = [ring.clone() for ring in rings]
-        got = attend(q, sink_k, sink_v, *static_packed, *static_rings, new_k, new_v, sink_mask, splits, lengths, k_bits)
+        static = DecodeTiers(sink_k, sink_v, QuantizedRows(*static_packed[:3]), QuantizedRows(*static_packed[3:]),
+                             *static_rings, new_k, new_v, k_bits, 2, sink_mask, lengths)  # fmt: skip
+        got = attend(q, static, sm_scale=0.125)
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
         for ring, new in zip(static_rings, (new_k, new_v)):
             assert torch.equal(ring[:, :, new_slot], new[:, :, 0])  # stored by the call
-
-
-def _static_kernel(*args):
-    *tensors, sink_mask, splits, lengths, k_bits = args
-    return torch.ops.oscar.decode_attention(*tensors, sink_mask, k_bits, 2, 0.125, splits, 16, 0, 0, lengths)
-
-
-def _static_reference(*args):
-    *tensors, sink_mask, _, lengths, k_bits = args
-    return decode_attention_reference(*tensors, k_bits=k_bits, v_bits=2, sm_scale=0.125, key_mask=sink_mask,
-                                      lengths=lengths)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -601,22 +601,22 @@ def _static_reference(*args):
 
 def test_custom_ops_trace_under_torch_compile():
     rows = _rows(5, 64, torch.bfloat16, seed=2)
-    args, options = _decode_inputs(1, 4, 2, 64, 2, 9, 3, 1, torch.bfloat16, pads=[1])
+    q, tiers = _decode_inputs(1, 4, 2, 64, 2, 9, 3, 1, torch.bfloat16, pads=[1])
 
-    def step(rows, *decode_args):
+    def step(rows, q, tiers):
         packed = quantize_pack(rows * 2, 2, 64, clip_ratio=0.9)
-        return packed.codes, packed.scale, decode_attention(*decode_args, **options) + 1
+        return packed.codes, packed.scale, decode_attention(q, tiers) + 1
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    for got, want in zip(compiled(rows, *args), step(rows, *args)):
+    for got, want in zip(compiled(rows, q, tiers), step(rows, q, tiers)):
         assert torch.equal(got, want)
 
 
 def test_custom_ops_pass_opcheck():
     rows = _rows(4, 64, torch.bfloat16, seed=4)
     torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (rows, 4, 32, False, 0.5, torch.bfloat16))
-    args, options = _decode_inputs(1, 2, 1, 64, 2, 5, 2, 1, torch.float32)
-    torch.library.opcheck(torch.ops.oscar.decode_attention.default, (*args, None, 4, 2, 0.125, 0, 16, 0, 0))
+    q, tiers = _decode_inputs(1, 2, 1, 64, 2, 5, 2, 1, torch.float32)
+    torch.library.opcheck(torch.ops.oscar.decode_attention.default, (q, *tiers.flat(), None, 4, 2, 0.125, 0, 16, 0, 0))
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["hadamard", "per-head"])
@@ -682,6 +682,7 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     import oscar_hf
     import oscar_hf.core.frozen_decoding
     import oscar_hf.core.layer
+    import oscar_hf.core.layer_attention
     import oscar_hf.core.layer_rotation
     from conftest import generate, tiny_model
 
@@ -696,7 +697,7 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
         rotations.key_bits.update({0: 4})
         rotations.value_bits.update({0: 1, 1: 1})
 
-    monkeypatch.setattr(oscar_hf.core.frozen_decoding, "decode_attention", decode_attention)
+    monkeypatch.setattr(oscar_hf.core.layer_attention, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.core.layer, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.core.layer_rotation, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.core.frozen_decoding, "WindowQuantizer", _quantize.WindowQuantizer)
@@ -742,9 +743,9 @@ def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, gr
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (24, 8, 128), (16, 16, 64), (16, 2, 256)])
 def test_decode_attention_large(batch, history, q_heads, kv_heads, head_dim):
     pads = [index * 7 % 64 for index in range(batch)]
-    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, pads=pads)
-    got = decode_attention(*args, **options)
-    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+    q, tiers = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, pads=pads)
+    got = decode_attention(q, tiers)
+    torch.testing.assert_close(got.float(), decode_attention_reference(q, tiers).float(), atol=2e-2, rtol=2e-2)
 
 
 @gpu_only
@@ -752,10 +753,10 @@ def test_decode_attention_large(batch, history, q_heads, kv_heads, head_dim):
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64)])
 def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, head_dim):
     pads = [index * 7 % 64 for index in range(batch)]
-    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
-                                   pads=pads)  # fmt: skip
-    got = decode_attention(*args, **options)
-    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+    q, tiers = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
+                              pads=pads)  # fmt: skip
+    got = decode_attention(q, tiers)
+    torch.testing.assert_close(got.float(), decode_attention_reference(q, tiers).float(), atol=2e-2, rtol=2e-2)
 
 
 @gpu_only
@@ -764,7 +765,7 @@ def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, hea
 @pytest.mark.parametrize("k_bits, v_bits", [(2, 1), (4, 1)])
 def test_decode_attention_large_int1_values(batch, history, q_heads, kv_heads, head_dim, k_bits, v_bits):
     pads = [index * 7 % 64 for index in range(batch)]
-    args, options = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, k_bits,
-                                   v_bits, pads=pads)  # fmt: skip
-    got = decode_attention(*args, **options)
-    torch.testing.assert_close(got.float(), decode_attention_reference(*args, **options).float(), atol=2e-2, rtol=2e-2)
+    q, tiers = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, k_bits,
+                              v_bits, pads=pads)  # fmt: skip
+    got = decode_attention(q, tiers)
+    torch.testing.assert_close(got.float(), decode_attention_reference(q, tiers).float(), atol=2e-2, rtol=2e-2)

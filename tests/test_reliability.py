@@ -11,7 +11,6 @@ import torch
 from transformers import DynamicCache
 
 import oscar_hf.core.layer_attention
-import oscar_hf.core.frozen_decoding
 from oscar_hf import METHODS, CacheBrokenError, OscarCache, RotationSet, TensorQuantConfig
 from oscar_hf.core.frozen_decoding import ReplayedCall
 from tests.conftest import forward, generate, tiny_model
@@ -88,7 +87,7 @@ def fail_in_layer_1(monkeypatch, cache: OscarCache) -> None:
 
         monkeypatch.setattr(ReplayedCall, "__call__", replay)
         return
-    module = oscar_hf.core.frozen_decoding if cache.static is not None else oscar_hf.core.layer_attention
+    module = oscar_hf.core.layer_attention  # eager and frozen layers attend through it
     real, calls = module.decode_attention, []
 
     def kernel(*args, **kwargs):

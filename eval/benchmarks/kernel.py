@@ -139,9 +139,9 @@ def check_kernel(x: dict[str, torch.Tensor], config: dict) -> dict:
     """The kernel's output against ``decode_attention_reference`` on the same inputs (bf16 tolerance)."""
     got = oscar_triton(x, config).float()
     try:
-        want = decode_kernels().decode_attention_reference(
-            x["q"], *[x[name] for name in TIER_NAMES], k_bits=config["k_bits"], v_bits=config["v_bits"]
-        ).float()
+        kernels = decode_kernels()
+        tiers = kernels.DecodeTiers.from_flat([x[name] for name in TIER_NAMES], config["k_bits"], config["v_bits"])
+        want = kernels.decode_attention_reference(x["q"], tiers).float()
     except torch.OutOfMemoryError:  # the float32 reference needs ~4x the dense K/V; the timing still counts
         return {"max_abs_err": None, "check": "reference ran out of memory"}
     tolerance = config["check"]

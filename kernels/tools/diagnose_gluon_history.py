@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from oscar_hf.kernels._triton import split_rows  # noqa: E402
-from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference  # noqa: E402
 from oscar_hf.kernels.decode_history_gluon import merge_partials  # noqa: E402
 from oscar_hf.quant import QuantizedRows, dequantize  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
     want = reference_partials(q, packed, splits=3)
     merged = merge_partials(*want)
     exact = [(a.float() if a.is_floating_point() else a).to(device) for a in args]
-    full = decode_attention_reference(*exact, k_bits=2, v_bits=2, sm_scale=SM_SCALE)
+    full = decode_attention_reference(exact[0], DecodeTiers.from_flat(exact[1:], 2, 2), sm_scale=SM_SCALE)
     report = {"reference_vs_whole_softmax_max_abs": (merged - full).abs().max().item()}
     if not options.reference_only:
         from oscar_hf.kernels.decode_history_gluon import history_partials

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from oscar_hf.kernels.decode_attention import decode_attention_reference  # noqa: E402
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference  # noqa: E402
 from tests.test_kernels import _decode_inputs  # noqa: E402
 
 OFFSET, SM_SCALE = 128.0, 0.088
@@ -144,10 +144,10 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) ->
 def main() -> None:
     torch.manual_seed(0)
     for group in (4, 8):  # two halves of 32 keys a tile, and one of 64
-        args, options = _decode_inputs(1, group, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
-        q, _, _, kc, ks, kz, vc, vs, vz, *_ = args
-        want = decode_attention_reference(*[a.float() if a.is_floating_point() else a for a in args],
-                                          sm_scale=SM_SCALE, **options)[0].float()  # fmt: skip
+        q, tiers = _decode_inputs(1, group, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
+        _, _, kc, ks, kz, vc, vs, vz, *_ = tiers.flat()
+        exact = DecodeTiers.from_flat([t.float() if t.is_floating_point() else t for t in tiers.flat()], 2, 2)
+        want = decode_attention_reference(q.float(), exact, sm_scale=SM_SCALE)[0].float()
         words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
         meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
         got = span(q[0].float(), words[0], words[1], *meta)

@@ -72,11 +72,7 @@ def oscar_pieces(model, batch: int, context: int, rotations, device: torch.devic
     out = torch.empty_like(outputs[0])
 
     def attention() -> None:  # over the layer's tiers as they stand (the new row already in the window)
-        history_k, history_v = layer.history_keys.packed(), layer.history_values.packed()
-        decode_attention(outputs[0], layer.sink_keys.view(), layer.sink_values.view(), history_k.codes, history_k.scale,
-                         history_k.zero, history_v.codes, history_v.scale, history_v.zero, layer.recent_keys.view(),
-                         layer.recent_values.view(), k[:, :, :0], v[:, :, :0], k_bits=2, v_bits=2,
-                         sm_scale=scaling)  # fmt: skip
+        decode_attention(outputs[0], layer.decode_tiers(k[:, :, :0], v[:, :, :0]), sm_scale=scaling)
 
     pieces = {
         "oscar: update + attention (one layer)": whole_layer,

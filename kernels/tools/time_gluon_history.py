@@ -71,7 +71,7 @@ def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, 
     of each size."""
 
     tiers = [x[name] for name in TIER_NAMES]
-    want = kernels.decode_attention_reference(x["q"], *tiers, k_bits=2, v_bits=2, sm_scale=scale).float()
+    want = kernels.decode_attention_reference(x["q"], kernels.DecodeTiers.from_flat(tiers, 2, 2), sm_scale=scale).float()
 
     def row(kernel: str, settled: bool = False, launch: LaunchVariant = PRODUCTION_LAUNCH, **extra) -> dict:
         def run():
@@ -111,8 +111,8 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict, span_v
     rows.append(torch.cat([k_codes, v_codes], dim=-1))
     layouts = {"two buffers": x, "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:])}
     batch, splits = x["q"].shape[0], tune.splits_for(span_variant.programs_per_sm(), x["q"].shape[0])
-    want = kernels.decode_attention_reference(x["q"], *(x[name] for name in TIER_NAMES), k_bits=2, v_bits=2,
-                                              sm_scale=scale).float()  # fmt: skip
+    tiers = kernels.DecodeTiers.from_flat([x[name] for name in TIER_NAMES], 2, 2)
+    want = kernels.decode_attention_reference(x["q"], tiers, sm_scale=scale).float()
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     out = []
     for _, (name, inputs) in itertools.product(range(2), layouts.items()):
@@ -211,8 +211,8 @@ def main() -> None:
         if options.floors:
             rows += floor_rows(kernels, x, scale)
             continue
-        want = kernels.decode_attention_reference(q, empty, empty, *packed, empty, empty, empty, empty, k_bits=2,
-                                                  v_bits=2, sm_scale=scale).float()  # fmt: skip
+        tiers = kernels.DecodeTiers.from_flat([empty, empty, *packed, empty, empty, empty, empty], 2, 2)
+        want = kernels.decode_attention_reference(q, tiers, sm_scale=scale).float()
 
         def triton_run():
             return kernels.decode_attention_triton(q, empty, empty, *packed, empty, empty, empty, empty, None, 2, 2, scale)

@@ -47,7 +47,7 @@ def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
     x = tiered_inputs(CONFIG, context, batch, device, seed=0)
     args, scale = [x["q"], *(x[name] for name in TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
     kernels = decode_kernels()
-    want = kernels.decode_attention_reference(*args, k_bits=2, v_bits=2, sm_scale=scale).float()
+    want = kernels.decode_attention_reference(args[0], kernels.DecodeTiers.from_flat(args[1:], 2, 2), sm_scale=scale).float()
     dense = dense_inputs(CONFIG, context, batch, device, seed=0)
     rows = []
     axes = (grid["block_n"], grid["warps"], grid["stages"], grid["programs_per_sm"])

@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_hf.core.config import OscarConfig, check_bit_budget, resolve_method
 from oscar_hf.core.freezing import FrozenLayouts
+from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import LayerMemory, MemoryReport
 from oscar_hf.core.models import load_config

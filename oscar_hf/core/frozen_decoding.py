@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar_hf.kernels.decode_attention import decode_attention, kernel_supports_decode
+from oscar_hf.kernels.decode_attention import kernel_supports_decode
 from oscar_hf.kernels.quantize import WindowQuantizer
 from oscar_hf.log import get_logger
 
@@ -226,16 +226,8 @@ class StaticDecoding:
     def _attend(self, layer: CacheLayerMixin, scaling: float | None, query: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor) -> torch.Tensor:  # fmt: skip
         query, keys, values = layer.rotate_step(query, keys, values, into_window=False)
-        ring_k, ring_v = layer.recent_keys.data, layer.recent_values.data
-        history_k, history_v = layer.history_keys.whole(), layer.history_values.whole()
-        output = decode_attention(
-            query, layer.sink_keys.view(), layer.sink_values.view(),
-            history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
-            ring_k, ring_v, keys, values, k_bits=layer.config.key.bits,
-            v_bits=layer.config.value.bits, sm_scale=scaling, key_mask=self.sink_mask, lengths=self.lengths,
-            history_settled=True,  # the step's advance wrote history and lengths; rotate_step ran since
-        )  # fmt: skip
-        return layer.unrotate_output(output)
+        # the step's advance wrote history and lengths; rotate_step ran since, so they are settled
+        return layer.decode_over(query, layer.decode_tiers(keys, values, self.sink_mask, self.lengths), scaling)
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from oscar_hf.kernels.decode_attention import decode_attention
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention
 
 
 class LayerAttention:
@@ -77,16 +77,24 @@ class LayerAttention:
         """
         query, new_keys, new_values = self.rotate_step(query, new_keys, new_values, into_window=plan.joins_window)
         key_mask = None if attention_mask is None else allowed_keys(attention_mask)
-        history_k, history_v = self.history_keys.packed(), self.history_values.packed()
-        output = decode_attention(
-            query, self.sink_keys.view(), self.sink_values.view(),
-            history_k.codes, history_k.scale, history_k.zero, history_v.codes, history_v.scale, history_v.zero,
-            self.recent_keys.view(), self.recent_values.view(), new_keys, new_values,
-            k_bits=self.config.key.bits, v_bits=self.config.value.bits, sm_scale=scaling, key_mask=key_mask,
-            history_settled=True,  # it last changed in an earlier finish_step; kernels since write no history
-        )  # fmt: skip
+        output = self.decode_over(query, self.decode_tiers(new_keys, new_values, key_mask), scaling)
         self.finish_step(new_keys, new_values, plan)
-        return self.unrotate_output(output)
+        return output
+
+    def decode_tiers(self, new_keys: torch.Tensor, new_values: torch.Tensor, key_mask: torch.Tensor | None = None,
+                     lengths: torch.Tensor | None = None) -> DecodeTiers:  # fmt: skip
+        """The layer's tiers and the new rows as a decode step reads them: the stored rows, or with
+        ``lengths`` (a frozen layer) every allocated row, whose valid ones the lengths say."""
+        frozen = lengths is not None
+        history_k, history_v = (h.whole() if frozen else h.packed() for h in (self.history_keys, self.history_values))
+        recent_k, recent_v = (r.data if frozen else r.view() for r in (self.recent_keys, self.recent_values))
+        return DecodeTiers(self.sink_keys.view(), self.sink_values.view(), history_k, history_v, recent_k, recent_v,
+                           new_keys, new_values, self.config.key.bits, self.config.value.bits, key_mask, lengths)  # fmt: skip
+
+    def decode_over(self, query: torch.Tensor, tiers: DecodeTiers, scaling: float | None) -> torch.Tensor:
+        """``[B, 1, Hq, D]``: the rotated ``query`` attends over ``tiers``, mapped back by R_V^T."""
+        # the history last changed in an earlier step; the kernels launched since write none of it
+        return self.unrotate_output(decode_attention(query, tiers, sm_scale=scaling, history_settled=True))
 
 
 def allowed_keys(attention_mask: torch.Tensor) -> torch.Tensor:
