@@ -249,7 +249,8 @@ def decode_attention(
 
     Runs the Triton kernels when :func:`~._triton.runs_triton` says so, else the torch reference.
     """
-    sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v = tiers.flat()
+    flat = tiers.flat()
+    sink_k, sink_v, k_codes, k_scale, _, v_codes, v_scale, _, recent_k, recent_v, new_k, new_v = flat
     k_bits, v_bits, key_mask, lengths = tiers.k_bits, tiers.v_bits, tiers.key_mask, tiers.lengths
     dense = (sink_k, sink_v, recent_k, recent_v, new_k, new_v)
     _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits, v_bits, lengths)
@@ -258,5 +259,5 @@ def decode_attention(
     if not (runs_triton(q) and supported):
         return decode_attention_reference(q, tiers, sm_scale=scale)
     launch = op_or_launcher(torch.ops.oscar.decode_attention, decode_attention_triton)
-    return launch(q, *tiers.flat(), key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths, history_settled)
+    return launch(q, *flat, key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths, history_settled)
 

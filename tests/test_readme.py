@@ -19,6 +19,9 @@ def test_readme_has_exactly_two_setup_commands():
     assert commands[0].endswith("oscar-hf demo") and "pytest" in commands[1]
 
 
-def test_ci_runs_the_readme_test_command_verbatim():
-    ci_lines = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    assert setup_commands()[1] in ci_lines
+def test_ci_runs_both_readme_commands_verbatim():
+    """The test command as a line of its own; the demo command inside the fresh environment's subshell."""
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    demo, tests = setup_commands()
+    assert tests in ci.splitlines()
+    assert f"&&\n      {demo})" in ci and 'python -m venv "$user_env/venv"' in ci

@@ -551,7 +551,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 
 
 @pytest.mark.parametrize(
-    "name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/root/.cache/oscar_hf/core/models/SmolLM2-135M-Instruct.Q4_1-0123"]
+    "name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "models/SmolLM2-135M-Instruct.Q4_1-0123"]
 )
 def test_default_matches_the_bundled_set_by_name_or_signature(name) -> None:
     config = LlamaConfig(**SMOLLM2)  # a config only: no weights are built
