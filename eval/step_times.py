@@ -3,9 +3,9 @@
     python eval/step_times.py [--model qwen3-8b] [--context 100000] [--batch 1] [--new-tokens 64]
                               [--caches dynamic oscar-int2 oscar-int2+eager-layout]
 
-On CUDA plain ``generate`` with an OscarCache runs its first decode step eagerly, freezes the cache at the
-second and captures the whole step in a CUDA graph at the third (:mod:`oscar_hf.core.step_replay`), so a
-call pays a one-time cost that a short benchmark's tokens/s mixes with the per-token rate. A logits processor records a
+On CUDA plain ``generate`` with an OscarCache freezes the cache at its first decode step (which runs
+eagerly) and captures the whole step in a CUDA graph at the second (:mod:`oscar_hf.core.step_replay`), so
+a call pays a one-time cost that a short benchmark's tokens/s mixes with the per-token rate. A logits processor records a
 synchronised timestamp after every step. Each cache runs once to compile its kernels, then ``--rounds``
 times on a fresh fill, the caches in turn (the device host's speed drifts, which would favour whichever
 cache ran in a fast stretch); the round of median steady step is reported: its first steps, the median

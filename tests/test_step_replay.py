@@ -1,5 +1,5 @@
-"""Plain ``model.generate`` replays whole decode steps: the cache sets up a StaticDecoder at its first
-one-token step and the model's forwards with that cache go through it.
+"""Plain ``model.generate`` replays whole decode steps: a cache made from the model holds a StaticDecoder,
+and the model's forwards with that cache go through it.
 
 On CPU the replayed steps run without a CUDA graph (``decode_graphs="step"``), through the torch
 references; the GPU test in tests/test_static.py captures them.
@@ -47,8 +47,8 @@ def test_plain_generate_replays_steps_with_the_eager_cache_tokens(tiny, method, 
     cache = OscarCache(tiny, method, decode_graphs="step", **SMALL)
     got = generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
     assert torch.equal(got, want)
-    # the prefill and the first one-token step run eagerly; the cache sets up its decoder there
-    assert decoder_steps["steps"] == 38 and isinstance(cache.step_decoder, StaticDecoder)
+    # the prefill runs eagerly, every one-token step through the decoder the cache was made with
+    assert decoder_steps["steps"] == 39 and isinstance(cache.step_decoder, StaticDecoder)
     # a second call continues from the cache: its longer chunk thaws it, its one-token steps replay again
     more = generate(tiny, got, cache, attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:])], 1),
                     max_new_tokens=6)
@@ -66,7 +66,7 @@ def test_a_growing_cache_freezes_again_when_full(tiny, monkeypatch, decoder_step
     want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL), max_new_tokens=120)
     cache = OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL)
     assert torch.equal(generate(tiny, ids, cache, max_new_tokens=120), want)
-    assert decoder_steps["freezes"] >= 3 and decoder_steps["steps"] == 118
+    assert decoder_steps["freezes"] >= 3 and decoder_steps["steps"] == 119
 
 
 def test_sampling_and_logits_processors_see_every_step(tiny):
@@ -120,4 +120,4 @@ def test_a_single_step_forward_goes_through_the_decoder(tiny, decoder_steps):
     for token in range(3, 9):
         step = torch.tensor([[token]])
         torch.testing.assert_close(forward(tiny, step, cache).logits, forward(tiny, step, reference).logits)
-    assert decoder_steps["steps"] == 5
+    assert decoder_steps["steps"] == 6

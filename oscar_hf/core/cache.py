@@ -7,7 +7,6 @@ layers, and switches them into the frozen layout for graph-replayed decoding.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable
 from typing import Any
 from pathlib import Path
@@ -17,7 +16,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_hf.core.config import OscarConfig, check_bit_budget, resolve_method
-from oscar_hf.core.freezing import FrozenLayouts
+from oscar_hf.core.freezing import FrozenLayouts, step_decoder_for
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import LayerMemory, MemoryReport
@@ -56,12 +55,12 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         rotations: per-layer R_K/R_V, required by calibrated methods (``oscar-*``).
         max_cache_len: optional most tokens (prompt and generated) the cache will hold; the history is
             then allocated once at that size, as static decoding (:func:`oscar_hf.generate`) wants.
-        decode_graphs: how one-token steps of plain ``model.generate`` run. None (default): on CUDA,
-            at the first such step a cache made from the model sets up a
-            :class:`~oscar_hf.core.step_replay.StaticDecoder`, which freezes it into the static layout
-            (:mod:`oscar_hf.core.frozen_decoding`) and replays whole steps from one CUDA graph; a cache
-            made from a config freezes and replays each layer's attention from a graph of its own;
-            elsewhere it stays eager. ``"step"``: whole steps on any device (without graphs off CUDA),
+        decode_graphs: how one-token steps of plain ``model.generate`` run. None (default): a cache
+            made from a model on CUDA gets a :class:`~oscar_hf.core.step_replay.StaticDecoder`, which
+            freezes it into the static layout (:mod:`oscar_hf.core.frozen_decoding`) at its first
+            one-token step and replays whole steps from one CUDA graph; a cache made from a config (or
+            under tensor parallelism) freezes and replays each layer's attention from a graph of its
+            own; elsewhere it stays eager. ``"step"``: whole steps on any device (without graphs off CUDA),
             True: per-layer freezing on any device (what the CPU tests compare). False: always the
             eager layout. Greedy tokens are the eager cache's either way (:func:`freeze_for_decoding`).
         **overrides: fields of :class:`OscarConfig` to change, e.g. ``sink=64, recent=256, block=8``.
@@ -89,8 +88,6 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         if decode_graphs not in (None, True, False, "step"):
             raise ValueError(f"decode_graphs must be None, True, False or 'step', not {decode_graphs!r}")
         model_config = config.config if isinstance(config, PreTrainedModel) else config
-        # The model, weakly: its decode steps are replayed whole (freeze_for_decoding, step_replay).
-        self._model = weakref.ref(config) if isinstance(config, PreTrainedModel) else None
         self.step_decoder: StaticDecoder | None = None
         self.text_config = model_config.get_text_config(decoder=True)
         self.oscar_config = resolve_method(method, **overrides)
@@ -115,6 +112,8 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         self.head_dim, self.layer_ids = head_dim, quantized_ids
         self._init_steps()
         super().__init__(layers=layers)
+        if isinstance(config, PreTrainedModel):
+            self.step_decoder = step_decoder_for(config, self)
 
     def _layer(self, layer_id: int, rotations: RotationSet, head_dim: int) -> OscarLayer:
         config = self.oscar_config.for_layer(
@@ -295,4 +294,6 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         memo[id(self.step_decoder)] = None  # it holds the model; a copy sets up a decoder of its own
         clone = copy.copy(self)
         clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        if self.step_decoder is not None:
+            clone.step_decoder = step_decoder_for(self.step_decoder.model, clone)
         return clone

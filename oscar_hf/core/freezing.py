@@ -40,8 +40,12 @@ class FrozenLayouts:
         self.stop_static()  # frozen by plain generate: freeze again at this fixed capacity
         capacity = capacity or self.capacity
         if capacity is None:  # nothing fixes it: grow when full (StaticDecoder freezes again)
-            return self._freeze(self._grown_capacity(), attention_mask, grows=True)
-        return self._freeze(capacity, attention_mask)
+            frozen = self._freeze(self._grown_capacity(), attention_mask, grows=True)
+        else:
+            frozen = self._freeze(capacity, attention_mask)
+        if not frozen and static_not_yet(self) is None:
+            self.stays_eager = True  # refused for good: plain generate stops asking
+        return frozen
 
     def freeze_for_decoding(self, layer_idx: int, attention_mask: torch.Tensor | None) -> None:
         """Freeze at the first layer's attention of a one-token step of plain ``generate``, where
@@ -58,23 +62,12 @@ class FrozenLayouts:
         device = self.layers[layer_idx].device
         if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
             return
-        if self.step_decoder is not None:  # it freezes the cache itself, from the next step on
+        if self.step_decoder is not None:  # it freezes the cache itself; this step it could not
             return
         oscar_layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
-        if device.type == "cuda" and (reason := graphs_unsupported(oscar_layers)) is not None:
+        if device.type == "cuda" and (reason := graphs_unsupported(oscar_layers, self.head_dim)) is not None:
             logger.debug("decoding eagerly: %s", reason)
             self.stays_eager = True
-            return
-        model = None if self._model is None else self._model()
-        # Under tensor parallelism a whole step would capture the ranks' collectives: per-layer graphs there.
-        if model is not None and self.decode_graphs in (None, "step") and tensor_parallel_rank(model) is None:
-            if (reason := static_unsupported(self)) is not None:
-                logger.debug("OscarCache stays eager: %s", reason)
-                self.stays_eager = True
-                return
-            # Fused projections would leave the model's weights as views after generate returns.
-            self.step_decoder = StaticDecoder(model, self, capture=device.type == "cuda", fuse_projections=False)
-            route_decode_steps(model)
             return
         key_mask = None if attention_mask is None else allowed_keys(attention_mask)
         if not self._freeze(self._grown_capacity(), key_mask, replay=True, grows=True):
@@ -118,6 +111,25 @@ class FrozenLayouts:
         """Thaw a frozen cache back to its eager layout (no device sync); nothing if it is not frozen."""
         if self.static is not None:
             self.static.thaw()
+
+
+def step_decoder_for(model, cache: FrozenLayouts) -> StaticDecoder | None:
+    """The decoder that replays ``cache``'s one-token steps on ``model`` whole, where it can: the model
+    on CUDA (or ``decode_graphs="step"``: any device, without graphs off CUDA), not under tensor
+    parallelism (a captured step would hold the ranks' collectives), with shapes the decode kernel
+    takes. Routes the model's forwards to it."""
+    cuda = model.device.type == "cuda"
+    if not (cache.decode_graphs == "step" or (cache.decode_graphs is None and cuda)):
+        return None
+    if tensor_parallel_rank(model) is not None:
+        return None
+    layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
+    if cuda and (reason := graphs_unsupported(layers, cache.head_dim)) is not None:  # the torch reference reads on the host
+        logger.debug("decoding eagerly: %s", reason)
+        return None
+    route_decode_steps(model)
+    # Fused projections would leave the model's weights as views after generate returns.
+    return StaticDecoder(model, cache, capture=cuda, fuse_projections=False)
 
 
 def static_unsupported(cache: FrozenLayouts) -> str | None:

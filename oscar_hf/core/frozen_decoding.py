@@ -96,12 +96,12 @@ class ReplayedCall:
         self.graph = graph
 
 
-def graphs_unsupported(layers: Sequence[Any]) -> str | None:
+def graphs_unsupported(layers: Sequence[Any], dim: int) -> str | None:
     """Why the decode steps of ``layers`` (:class:`~oscar_hf.core.layer.OscarLayer`) cannot be captured in CUDA
     graphs, or None: shapes and widths the decode kernel does not take run the torch reference, which reads
     the static lengths on the host."""
     for layer in layers:
-        key, value, dim = layer.config.key, layer.config.value, layer.head_dim
+        key, value = layer.config.key, layer.config.value
         if not kernel_supports_decode(dim, key.bits, value.bits, dim // key.group_of(dim), dim // value.group_of(dim)):
             return f"the decode kernel does not take head_dim {dim} at K{key.bits} V{value.bits}"
     return None

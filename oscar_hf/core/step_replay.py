@@ -15,8 +15,8 @@ Position ids live in a device buffer the graph increments, so the captured step 
 attention mask is not an input (only the sink can hold pads, and its mask is fixed when freezing).
 
 :func:`route_decode_steps` sends a model's forwards to the decoder of the cache they carry: plain
-``model.generate`` (and anything else that calls the model with an OscarCache) then replays whole
-steps, which the cache sets up at its first one-token step (:meth:`OscarCache.freeze_for_decoding`).
+``model.generate`` (and anything else that calls the model with an OscarCache made from it) then
+replays whole steps (:func:`oscar_hf.core.freezing.step_decoder_for`).
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ class StaticDecoder:
     def step(self, kwargs: dict) -> torch.Tensor | None:
         """Logits ``[B, 1, vocab]`` of one decode step, or None when the cache cannot be static now."""
         self.cache.require_intact()  # a replay runs none of the cache's checks
+        if self.cache.stays_eager:  # refused for good, reordered or rolled back: until reset()
+            return None
         ids = kwargs["input_ids"]
         static = self.cache.static
         if static is not None and self.input_ids is not None and static.grows and static.full():
