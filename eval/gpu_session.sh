@@ -65,10 +65,10 @@ for step in "$@"; do
             for k in 2 3; do
                 run kernel_k${k}_d64 120 env OSCAR_DECODE_HISTORY=triton $bench $one $d64 --set k_bits=$k --name kernel_k${k}_d64
             done ;;
-        decode-graphs) run gpu_test_decode_graphs 150 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
+        decode-graphs) run gpu_test_decode_graphs 300 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
         step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8
             for batch in 1 8; do
-                run "step_times_b$batch" 200 python3 eval/step_times.py --batch $batch --caches dynamic oscar-int2 \
+                run "step_times_b$batch" 300 python3 eval/step_times.py --batch $batch --caches dynamic oscar-int2 \
                     --out "$work/step_times_b$batch"
             done ;;
         e2e | e2e-4b)

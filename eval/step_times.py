@@ -3,14 +3,14 @@
     python eval/step_times.py [--model qwen3-8b] [--context 100000] [--batch 1] [--new-tokens 64]
                               [--caches dynamic oscar-int2 oscar-int2+eager-layout]
 
-On CUDA plain ``generate`` with an OscarCache freezes the cache at its first decode step (which runs
-eagerly) and captures the whole step in a CUDA graph at the second (:mod:`oscar_hf.core.step_replay`), so
-a call pays a one-time cost that a short benchmark's tokens/s mixes with the per-token rate. A logits processor records a
-synchronised timestamp after every step. Each cache runs once to compile its kernels, then ``--rounds``
-times on a fresh fill, the caches in turn (the device host's speed drifts, which would favour whichever
-cache ran in a fast stretch); the round of median steady step is reported: its first steps, the median
-of the rest, and the one-time cost (the first steps' excess over that median), with every round's
-steady step. Writes ``<out>/step_times.{json,md,png}``.
+On CUDA plain ``generate`` with an OscarCache freezes the cache at its first decode step and replays
+whole steps from a CUDA graph (:mod:`oscar_hf.core.step_replay`): the first call of a shape in a process
+compiles and captures, a later one captures its first step at once; a short benchmark's tokens/s mixes
+that one-time cost with the per-token rate. A logits processor records a synchronised timestamp after
+every step. Each cache runs a first call, then ``--rounds`` times on a fresh fill, the caches in turn
+(the device host's speed drifts, which would favour whichever cache ran in a fast stretch); the round of
+median steady step is reported: its first steps, the median of the rest, and the one-time cost (the
+first steps' excess over that median), with every round's steady step, and the first call's. Writes ``<out>/step_times.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -83,14 +83,18 @@ def write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_times.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, batch "
-             f"{result['batch']}, {result['new_tokens']} new tokens, every step synchronised; after a compiling "
-             f"run, {result['rounds']} rounds with the caches in turn, the round of median steady step shown.\n",
-             "| cache | first steps ms | steady step ms | one-time cost ms | steady step ms, each round |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             f"{result['batch']}, {result['new_tokens']} new tokens, every step synchronised. The first call "
+             f"of each cache in the process (compiling, capturing), then {result['rounds']} rounds of later calls "
+             "with the caches in turn, each on a fresh cache; the round of median steady step shown. One-time "
+             "cost: the first steps' excess over the steady step.\n",
+             "| cache | first call: one-time cost ms | later call: first steps ms | later call: one-time cost ms "
+             "| steady step ms | steady step ms, each round |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for name, row in result["caches"].items():
         first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
         each = " / ".join(f"{t:.1f}" for t in row["steady_step_ms_rounds"])
-        lines.append(f"| {name} | {first} | {row['steady_step_ms']:.2f} | {row['one_time_ms']:.1f} | {each} |")
+        lines.append(f"| {name} | {row['first_call']['one_time_ms']:.1f} | {first} | {row['one_time_ms']:.1f} "
+                     f"| {row['steady_step_ms']:.2f} | {each} |")
     lines.append(f"\n{provenance_line(result)}.\n")
     (out / "step_times.md").write_text("\n".join(lines))
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -117,12 +121,13 @@ def main() -> None:
     def measure(cache_name: str) -> dict:
         return summary(step_ms(model, cache_name, args.batch, args.context, args.new_tokens, rotations))
 
-    for cache_name in args.caches:
-        measure(cache_name)  # compiles the kernels
+    first_calls = {cache_name: measure(cache_name) for cache_name in args.caches}  # compiles, captures
     rounds: dict[str, list[dict]] = {cache_name: [] for cache_name in args.caches}
     for _, cache_name in tqdm([(r, c) for r in range(args.rounds) for c in args.caches], desc="rounds"):
         rounds[cache_name].append(measure(cache_name))
     caches = {name: median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
+    for name, first in first_calls.items():
+        caches[name]["first_call"] = first
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
     write(args.out, {**provenance(command_line()), "model": name,

@@ -113,11 +113,12 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
 def test_e2e_benchmark(tmp_path):
     config = {
         "benchmark": "e2e", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
-        "decode": {**TINY_DECODE, "bandwidth_bytes_per_s": 1e11, "rounds": 2},
+        "decode": {**TINY_DECODE, "bandwidth_bytes_per_s": 1e11, "rounds": 2, "call_new_tokens": [2, 3]},
         "prefill": {"context": 384, "warmup": 0, "repeats": 1},
     }  # fmt: skip
     config["caches"] = ["dynamic", "static", "oscar-int2", "oscar-int2+absorbed"]
     rows = _ok(_run(config, tmp_path, "e2e")["cases"])
+    assert "tokens/s 3 new, second call" in (tmp_path / "e2e.md").read_text()
     decode = [r for r in rows if r["part"] == "decode"]
     caches = ("dynamic", "static", "oscar-int2", "oscar-int2+absorbed")
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in caches}
@@ -125,6 +126,7 @@ def test_e2e_benchmark(tmp_path):
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0
         assert row["roofline_ms"] > 0 and row["step_over_roofline"] == pytest.approx(row["step_ms"] / row["roofline_ms"])
         assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] in row["tokens_per_s_rounds"]
+        assert all(row[f"call{n}_{which}_tokens_per_s"] > 0 for n in (2, 3) for which in ("first", "second"))
     oscar = next(r for r in decode if r["cache"] == "oscar-int2" and r["batch"] == 1)
     dynamic = next(r for r in decode if r["cache"] == "dynamic" and r["batch"] == 1)
     assert oscar["kv_bytes"] < dynamic["kv_bytes"]
@@ -377,6 +379,6 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     assert reported["steady_step_ms_rounds"] == [slower["steady_step_ms"], row["steady_step_ms"], faster["steady_step_ms"]]
     step_times.write(tmp_path, {"command": "x", "machine": machine_info(), "date": "d", "model": "tiny",
                                 "context": 300, "batch": 1, "new_tokens": 6, "rounds": 3,
-                                "caches": {"oscar-int2": reported}})  # fmt: skip
-    assert "| oscar-int2 |" in (tmp_path / "step_times.md").read_text()
+                                "caches": {"oscar-int2": {**reported, "first_call": faster}}})  # fmt: skip
+    assert f"| oscar-int2 | {faster['one_time_ms']:.1f} |" in (tmp_path / "step_times.md").read_text()
     assert (tmp_path / "step_times.png").stat().st_size > 0

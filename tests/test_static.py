@@ -290,9 +290,9 @@ def test_a_frozen_cache_grows_when_its_history_is_full(tiny, monkeypatch, static
     monkeypatch.setattr(OscarCache, "_grow_frozen", growing)
     assert torch.equal(generate(tiny, ids, cache, max_new_tokens=120), want)
     assert static_steps["steps"] == 119
-    # full at 4 + 64 history rows (the prompt's allocation), then 8 rows more each time, rounded up to
-    # whole 16 rows: it grows instead of overflowing
-    assert capacities[:3] == [68, 84, 100] and cache.static.capacity > capacities[-1]
+    # full at 4 + 32 history rows, then the full history and a block (8 rows) more each time, rounded up
+    # to whole 8 rows and allocated in whole 16 rows: it grows instead of overflowing
+    assert capacities[:3] == [36, 52, 68] and cache.static.capacity > capacities[-1]
     assert cache.static.replay and cache.static.grows  # the grown cache still replays graphs (where CUDA has them)
 
 
@@ -331,21 +331,22 @@ def test_padding_after_the_sink_and_beam_search_keep_the_cache_eager(tiny, stati
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("max_cache_len", [400, None])
 def test_plain_generate_on_gpu_replays_whole_steps(arch, max_cache_len, monkeypatch):
-    """A cache made from the model: from its second one-token step, every step is one graph replay."""
+    """A cache made from the model: its first one-token step freezes it and runs eagerly (compiling the
+    decoder layers and the kernels), every later step is one graph replay; a fresh cache of the same
+    shapes captures its first step at once. Float32: the eager cache's tokens, compiled layers and all."""
     model = tiny_model(arch, head_dim=64).to("cuda")
     ids, mask = left_pad(prompts([300, 290]))
     ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64)
     rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
     want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
                     **options)  # fmt: skip
-    cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=max_cache_len, **SMALL)
     replays = count_replays(monkeypatch)
-    assert torch.equal(generate(model, ids, cache, **options), want)  # float32: the same tokens
-    assert cache.step_decoder.graph is not None and cache.static.replayed is None
-    if max_cache_len:  # of 63 one-token steps the first freezes the cache and runs eagerly: 62 replays
-        assert replays["count"] == 62
-    else:  # the prompt's history buffer filled up: it grew, and the step was captured again
-        assert 2 < replays["count"] < 62
+    for replayed_steps in (62, 63):  # of 63 one-token steps; a growing cache holds 4,096 history rows here
+        cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=max_cache_len, **SMALL)
+        replays["count"] = 0
+        assert torch.equal(generate(model, ids, cache, **options), want)
+        assert cache.step_decoder.graph is not None and cache.static.replayed is None
+        assert cache.step_decoder.compiled_layers and replays["count"] == replayed_steps
 
 
 def count_replays(monkeypatch) -> dict:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers.masking_utils import sdpa_mask
 
 from oscar_hf import OscarCache, StaticDecoder
+from oscar_hf.core.attention import oscar_mask
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from tests.conftest import forward, generate, tiny_model
 from tests.test_cache_contract import left_pad, prompts
@@ -121,3 +123,27 @@ def test_a_single_step_forward_goes_through_the_decoder(tiny, decoder_steps):
         step = torch.tensor([[token]])
         torch.testing.assert_close(forward(tiny, step, cache).logits, forward(tiny, step, reference).logits)
     assert decoder_steps["steps"] == 6
+
+
+def test_one_token_steps_without_padding_build_no_mask(tiny, monkeypatch):
+    """A decode step's mask would grow by a key every step (compiled layers would recompile for each
+    length): without padding none is built; with padding the mask still reaches attention."""
+    masks = []
+    forward = type(tiny.model.layers[0]).forward
+
+    def recording(self, *args, **kwargs):
+        masks.append(kwargs.get("attention_mask"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny.model.layers[0]), "forward", recording)
+    ids, mask = left_pad(prompts([30, 26]))
+    generate(tiny, ids[:1, 4:], OscarCache(tiny, "quarot-int2", **SMALL), max_new_tokens=3)
+    calls = 3 * len(tiny.model.layers)  # the prefill and two one-token steps through every layer
+    assert masks == [None] * calls
+    masks.clear()
+    generate(tiny, ids, OscarCache(tiny, "quarot-int2", **SMALL), attention_mask=mask, max_new_tokens=3)
+    assert len(masks) == calls and all(m is not None for m in masks)
+    # also where transformers would build one anyway (it may not skip the causal mask, e.g. while tracing)
+    step = dict(batch_size=1, q_length=1, kv_length=40, q_offset=39, allow_is_causal_skip=False)
+    assert sdpa_mask(**step) is not None and oscar_mask(**step) is None
+    assert oscar_mask(**{**step, "q_length": 2}) is not None

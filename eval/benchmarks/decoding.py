@@ -67,6 +67,24 @@ def decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: 
     return times
 
 
+def first_and_second_calls(model: PreTrainedModel, filled: Callable[[], Any], input_ids: torch.Tensor,
+                           call_tokens: list[int]) -> dict[str, float]:  # fmt: skip
+    """tokens/s of a first and a second ``generate`` call of each length in ``call_tokens``, each on a
+    fresh cache from ``filled()``: the first call of these shapes pays what is set up once (compiling,
+    capturing), the second what every later call pays. Run before anything else of these shapes.
+    Keys ``call<tokens>_first_tokens_per_s`` and ``call<tokens>_second_tokens_per_s``."""
+    calls = {}
+    for tokens in call_tokens:
+        speeds = []
+        for _ in range(2):
+            cache = filled()
+            speeds.append(input_ids.shape[0] * tokens * 1e3 / generate_ms(model, cache, input_ids, tokens))
+            del cache
+            free_memory()
+        calls[f"call{tokens}_first_tokens_per_s"], calls[f"call{tokens}_second_tokens_per_s"] = speeds
+    return calls
+
+
 def roofline(model: PreTrainedModel, cache_bytes: int, step_ms: float, bandwidth: float | None) -> dict:
     """A decode step's memory roofline: every weight and the whole KV cache read once at ``bandwidth``.
 
@@ -97,8 +115,8 @@ def decode_case(
     cache after the step loop and adds its entries to the row.
     """
     batch, context = input_ids.shape[0], input_ids.shape[1] - 1
-    new_tokens = run["new_tokens"]
-    max_len = context + max(new_tokens, run["warmup_steps"] + run["steps"]) + 8
+    new_tokens, call_tokens = run["new_tokens"], run.get("call_new_tokens", [])
+    max_len = context + max(new_tokens, run["warmup_steps"] + run["steps"], *call_tokens) + 8
     model.set_attn_implementation(attention_for(cache_name))
 
     def filled():
@@ -107,8 +125,9 @@ def decode_case(
         synchronize(model_devices(model))
         return cache
 
+    row = first_and_second_calls(model, filled, input_ids, call_tokens)
     cache = filled()
-    row = {"kv_bytes": kv_bytes(cache)}
+    row["kv_bytes"] = kv_bytes(cache)
     steps = decode_steps(model, cache, batch, run["warmup_steps"], run["steps"])
     if inspect is not None:
         row.update(inspect(cache))

@@ -99,9 +99,16 @@ PREFILL_COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
+def call_columns(call_tokens: list[int]) -> list[Column]:
+    """tokens/s of a first and a second ``generate`` call per length (:func:`first_and_second_calls`)."""
+    return [(f"tokens/s {n} new, {which} call", f"call{n}_{which}_tokens_per_s", ".1f")
+            for n in call_tokens for which in ("first", "second")]  # fmt: skip
+
+
 def e2e_markdown(result: dict) -> str:
     cases = result["cases"]
-    return ("Decoding\n\n" + table([r for r in cases if r.get("part") != "prefill"], E2E_COLUMNS)
+    columns = E2E_COLUMNS + call_columns(result["config"]["decode"].get("call_new_tokens", []))
+    return ("Decoding\n\n" + table([r for r in cases if r.get("part") != "prefill"], columns)
             + "\n\nPrefill (real forward, quantize-on-write included)\n\n"
             + table([r for r in cases if r.get("part") == "prefill"], PREFILL_COLUMNS))  # fmt: skip
 

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.model_info import ATTENTION_NAME
@@ -72,9 +72,21 @@ def _waiting_layer(module: torch.nn.Module, key: torch.Tensor) -> tuple[OscarCac
     return None, None
 
 
+def oscar_mask(**kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, but none for one causal query token without padding, which may attend
+    to every key: a mask tensor would grow by a key every step, and compiled layers that take it would
+    recompile for each new length."""
+    positions = kwargs.get("cache_position")  # transformers before 5.24 pass these, later ones q_length
+    query_tokens = kwargs.get("q_length", None if positions is None else positions.shape[0])
+    if (query_tokens == 1 and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
+            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function):  # fmt: skip
+        return None
+    return sdpa_mask(**kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, oscar_attention_forward)
 # Without a mask function for the name, transformers silently builds no mask (no causal, no padding).
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, oscar_mask)
 
 
 @contextlib.contextmanager

@@ -93,12 +93,12 @@ class FrozenLayouts:
         return True
 
     def _grown_capacity(self) -> int:
-        """Tokens a growing frozen cache holds: its allocated history while that has room for another
-        block (a copy of the history is put off until it is needed), else MAX_SLACK_ROWS more rows."""
+        """Tokens a growing frozen cache holds: the stored history and room for another block, rounded
+        up to whole MAX_SLACK_ROWS rows. Caches of similar lengths then share shapes, and a step of shapes
+        that already ran in this process is captured at once (:class:`StaticDecoder`)."""
         first = self.layers[self._first_oscar_layer]
-        allocated, stored = first.history_keys.codes.data.shape[2], first.history_length
-        history = allocated if allocated >= stored + first.config.block else stored + MAX_SLACK_ROWS
-        return first.sink_keys.length + history
+        needed = first.history_length + first.config.block
+        return first.sink_keys.length + -(-needed // MAX_SLACK_ROWS) * MAX_SLACK_ROWS
 
     def _grow_frozen(self) -> None:
         """A full cache frozen by plain generate: thaw, and freeze again with room for more history."""
@@ -117,7 +117,9 @@ def step_decoder_for(model, cache: FrozenLayouts) -> StaticDecoder | None:
     """The decoder that replays ``cache``'s one-token steps on ``model`` whole, where it can: the model
     on CUDA (or ``decode_graphs="step"``: any device, without graphs off CUDA), not under tensor
     parallelism (a captured step would hold the ranks' collectives), with shapes the decode kernel
-    takes. Routes the model's forwards to it."""
+    takes. Routes the model's forwards to it. On CUDA the decoder layers are compiled inside the
+    captured step (once per process and batch size) unless ``model.generation_config.disable_compile``.
+    """
     cuda = model.device.type == "cuda"
     if not (cache.decode_graphs == "step" or (cache.decode_graphs is None and cuda)):
         return None
@@ -128,8 +130,10 @@ def step_decoder_for(model, cache: FrozenLayouts) -> StaticDecoder | None:
         logger.debug("decoding eagerly: %s", reason)
         return None
     route_decode_steps(model)
-    # Fused projections would leave the model's weights as views after generate returns.
-    return StaticDecoder(model, cache, capture=cuda, fuse_projections=False)
+    # As generate compiles its forward for a static cache on CUDA unless the generation config has
+    # disable_compile; fused projections would leave the model's weights as views after generate returns.
+    compile = cuda and not getattr(model.generation_config, "disable_compile", False)
+    return StaticDecoder(model, cache, capture=cuda, compile=compile, fuse_projections=False)
 
 
 def static_unsupported(cache: FrozenLayouts) -> str | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -30,6 +31,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from oscar_hf.core.compat import cache_keyword
+from oscar_hf.core.frozen_decoding import captured
 from oscar_hf.core.fused_projections import fused_projections
 from oscar_hf.log import get_logger
 
@@ -79,7 +81,9 @@ class StaticDecoder:
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA-graph capture needs a CUDA model, this one is on {model.device}")
         mode = _compile_mode(compile)
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.capture = model, capture
+        self._cache = weakref.ref(cache)  # the cache owns its decoder: no reference cycle keeps its memory alive
+        self.compile = compile
         self.capacity = capacity if capacity is not None else cache.capacity
         self.fuse_projections = fuse_projections
         self.fusion: contextlib.ExitStack | None = None  # from freezing the cache to leaving static decoding
@@ -89,6 +93,14 @@ class StaticDecoder:
         self.keyword = cache_keyword(model)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.input_ids = self.position_ids = self.logits = None
+
+    @property
+    def cache(self):
+        """The OscarCache this decoder runs (it raises once the cache is gone)."""
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("the OscarCache of this StaticDecoder no longer exists")
+        return cache
 
     def stop(self) -> None:
         """Leave static decoding: the cache back in its eager layout, the projections unfused, the
@@ -140,8 +152,10 @@ class StaticDecoder:
             self.input_ids = ids.clone()
             self.position_ids = self._first_positions(ids, kwargs)
             self.graph = None
-            return self._first_step()
-        self.input_ids.copy_(ids)
+            if not self._warmed_up():
+                return self._first_step()
+        else:
+            self.input_ids.copy_(ids)
         if not self.capture:
             return self._run().clone()
         if self.graph is None:
@@ -153,6 +167,18 @@ class StaticDecoder:
             self.cache.mark_broken(f"a replayed decode step raised {type(error).__name__} ({error})")
             raise
         return self.logits.clone()
+
+    def _warmed_up(self) -> bool:
+        """Whether a step of these shapes ran in this process (its kernels compiled, the layers' code
+        compiled, cuBLAS initialised), so that the first step can be captured at once; marks them as run."""
+        static = self.cache.static
+        shapes = (tuple(self.input_ids.shape), static.sink_rows, static.history_capacity, static.sink_mask is None,
+                  self.compile, self.fuse_projections)  # fmt: skip
+        seen = _warm_shapes.setdefault(self.model, set())
+        if not self.capture or shapes not in seen:
+            seen.add(shapes)
+            return False
+        return True
 
     def _first_positions(self, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
         positions = kwargs.get("position_ids")
@@ -173,9 +199,7 @@ class StaticDecoder:
         return logits
 
     def _capture(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._run()
+        self.graph, self.logits = captured(self._run, None, torch.cuda.Stream(self.model.device))
         logger.info("captured a decode step of %s in a CUDA graph", type(self.model).__name__)
 
     def _run(self) -> torch.Tensor:
@@ -198,12 +222,16 @@ class StaticDecoder:
         for layer, compiled in zip(self.layers, self.compiled_layers):
             layer.forward = compiled
         try:
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            # a layer Dynamo cannot compile runs eagerly (logged by torch) rather than failing the step
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, suppress_errors=True):
                 yield
         finally:
             for layer in self.layers[: len(self.compiled_layers)]:
                 del layer.forward
 
+
+# Per model, the shapes of steps already run in this process (StaticDecoder._warmed_up).
+_warm_shapes: weakref.WeakKeyDictionary[PreTrainedModel, set[tuple]] = weakref.WeakKeyDictionary()
 
 # torch.compile modes for the layers inside the captured step: the others capture CUDA graphs of
 # their own (cudagraph trees), which cannot nest in the step's capture.
