@@ -8,7 +8,7 @@
 # device call. The steps:
 #   GPU tests          tests (all GPU test files), static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
 #                      tests, diagnosis and timing), multigpu-tests (2 GPUs)
-#   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, graph, graph-4b, graph-8b-64k, graph-100k,
+#   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, e2e-32k, graph, graph-4b, graph-8b-64k, graph-100k,
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
 #   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
@@ -37,8 +37,8 @@ run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, r
 GPU_TEST_FILES="tests/test_kernels.py tests/test_gluon_history.py tests/test_static.py tests/test_step_replay.py tests/test_layer_bits.py
     tests/test_reliability.py tests/test_bench_gpu.py"
 
-gpu_tests() {  # every GPU test file, under a header line with the command, machine and date
-    local command="python3 -m pytest -q -n 12 -p no:cacheprovider $(echo $GPU_TEST_FILES)"
+gpu_tests() {  # the GPU test files given (default: all), under a header line with the command, machine and date
+    local command="python3 -m pytest -q -n 12 -p no:cacheprovider ${*:-$(echo $GPU_TEST_FILES)}"
     local versions
     versions=$(python3 -c 'import torch, triton, transformers as t; print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {t.__version__}")')
     echo "$command  # $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $versions, $(date -u +%F)"
@@ -50,6 +50,8 @@ export GPU_TEST_FILES
 for step in "$@"; do
     case $step in
         tests) run gpu_tests 560 bash -c gpu_tests ;;
+        decoding-tests) run gpu_tests_decoding 300 bash -c 'gpu_tests tests/test_static.py tests/test_step_replay.py \
+                            tests/test_reliability.py tests/test_layer_bits.py' ;;
         tune) run tune 300 python3 kernels/tools/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
@@ -76,10 +78,14 @@ for step in "$@"; do
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
             run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
-        e2e-100k)  # the 8B at 100K, DynamicCache and OscarCache in turn for 3 rounds (host time drifts)
-            run e2e_100k 300 $bench --config eval/configs/bench_e2e.json --name "${E2E_NAME:-bench_e2e_100k}" \
-                --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'caches=["dynamic","oscar-int2"]' \
-                --set decode.repeats=1 --set decode.rounds=3 ;;
+        e2e-100k)  # the 8B at 100K: DynamicCache, compiled StaticCache (about 2 min to compile) and OscarCache; short generations
+            run e2e_100k 560 $bench --config eval/configs/bench_e2e.json --name "${E2E_NAME:-bench_e2e_100k}" \
+                --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'caches=["dynamic","static","oscar-int2"]' \
+                --set decode.repeats=1 ;;
+        e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations
+            run e2e_32k 300 $bench --config eval/configs/bench_e2e.json --name bench_e2e_32k \
+                --set 'models=["qwen3-8b"]' --set 'contexts=[32768]' --set 'caches=["dynamic","static","oscar-int2"]' \
+                --set decode.repeats=1 --set 'short_generations.caches=[]' --set 'prefill.caches=[]' ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
         graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \

@@ -126,8 +126,8 @@ def main() -> None:
     for _, cache_name in tqdm([(r, c) for r in range(args.rounds) for c in args.caches], desc="rounds"):
         rounds[cache_name].append(measure(cache_name))
     caches = {name: median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
-    for name, first in first_calls.items():
-        caches[name]["first_call"] = first
+    for cache_name, first in first_calls.items():
+        caches[cache_name]["first_call"] = first
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
     write(args.out, {**provenance(command_line()), "model": name,

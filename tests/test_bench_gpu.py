@@ -115,12 +115,18 @@ def test_e2e_benchmark(tmp_path):
         "benchmark": "e2e", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
         "decode": {**TINY_DECODE, "bandwidth_bytes_per_s": 1e11, "rounds": 2, "call_new_tokens": [2, 3]},
         "prefill": {"context": 384, "warmup": 0, "repeats": 1},
+        "short_generations": {"prompts": 2, "prompt_tokens": [20, 40], "new_tokens": 3, "caches": ["dynamic", "oscar-int2"],
+                              "second_round": ["oscar-int2"]},
     }  # fmt: skip
     config["caches"] = ["dynamic", "static", "oscar-int2", "oscar-int2+absorbed"]
     rows = _ok(_run(config, tmp_path, "e2e")["cases"])
+    short = {r["cache"]: r for r in rows if r["part"] == "short"}
+    assert short["dynamic"]["short_wall_s"] == short["dynamic"]["short_first_round_s"] > 0
+    assert short["oscar-int2"]["short_tokens_per_s"] == pytest.approx(2 * 3 / short["oscar-int2"]["short_wall_s"])
     assert "tokens/s 3 new, second call" in (tmp_path / "e2e.md").read_text()
     decode = [r for r in rows if r["part"] == "decode"]
     caches = ("dynamic", "static", "oscar-int2", "oscar-int2+absorbed")
+    assert "Short generations" in (tmp_path / "e2e.md").read_text()
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in caches}
     for row in decode:
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0

@@ -125,7 +125,8 @@ def decode_case(
         synchronize(model_devices(model))
         return cache
 
-    row = first_and_second_calls(model, filled, input_ids, call_tokens)
+    timed_calls = call_tokens if cache_name in run.get("call_caches", [cache_name]) else []
+    row = first_and_second_calls(model, filled, input_ids, timed_calls)
     cache = filled()
     row["kv_bytes"] = kv_bytes(cache)
     steps = decode_steps(model, cache, batch, run["warmup_steps"], run["steps"])

@@ -16,7 +16,7 @@ from oscar_hf.core.compat import cache_keyword
 from . import Benchmark
 from .caches import attention_for, make_cache, model_for, synthetic_fill
 from .cases import add_speedups, free_memory, guarded, median_round
-from .decoding import DECODE_DEFAULTS, decode_case
+from .decoding import DECODE_DEFAULTS, decode_case, generate
 from .models import model_cases, model_rotations, random_tokens
 from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import elapsed_ms, median, model_devices
@@ -43,6 +43,29 @@ def prefill_case(model: PreTrainedModel, cache_name: str, context: int, batch: i
             "prefill_ms_all": times}  # fmt: skip
 
 
+def short_generations_case(model: PreTrainedModel, cache_name: str, run: dict, rotations) -> dict:
+    """Wall time of ``prompts`` greedy generations one after another, each of ``new_tokens`` tokens from a
+    prompt of random length in ``prompt_tokens`` (a real prefill) into a fresh cache: what lm-eval's
+    ``--model oscar`` does for a generation task, one request at a time. The first round also sets up
+    what the process sets up once (compiling, capturing); caches in ``second_round`` run a second."""
+    model.set_attn_implementation(attention_for(cache_name))
+    low, high = run["prompt_tokens"]
+    lengths = torch.randint(low, high + 1, (run["prompts"],), generator=torch.Generator().manual_seed(2)).tolist()
+    prompts = [random_tokens(model, 1, length, seed=index) for index, length in enumerate(lengths)]
+
+    def all_prompts() -> float:
+        def once() -> None:
+            for ids in prompts:
+                cache = make_cache(cache_name, model, ids.shape[1] + run["new_tokens"] + 8, rotations)
+                generate(model, cache, ids, run["new_tokens"])
+        return elapsed_ms(once, model_devices(model))
+
+    first = all_prompts()
+    wall = all_prompts() if cache_name in run.get("second_round", []) else first
+    return {"short_first_round_s": first / 1e3, "short_wall_s": wall / 1e3,
+            "short_tokens_per_s": run["prompts"] * run["new_tokens"] * 1e3 / wall}  # fmt: skip
+
+
 def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     """Decode rows per (context, batch, cache), then the prefill rows.
 
@@ -66,6 +89,11 @@ def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
         measured.setdefault((context, batch, cache_name), []).append(guarded(
             {"part": "decode", "model": name, "context": context, "batch": batch, "cache": cache_name}, measure))
     rows += [median_round(results) for results in measured.values()]
+    short = config.get("short_generations")
+    for cache_name in tqdm(short["caches"] if short else [], desc=f"short generations {name}"):
+        rows.append(guarded({"part": "short", "model": name, "cache": cache_name, "prompts": short["prompts"],
+                             "new_tokens": short["new_tokens"]},
+                            lambda: short_generations_case(model, cache_name, short, rotations)))  # fmt: skip
     prefill = config["prefill"]
     for cache_name in tqdm(prefill["caches"], desc=f"prefill {name}"):
         rows.append(guarded({"part": "prefill", "model": name, "context": prefill["context"],
@@ -105,10 +133,20 @@ def call_columns(call_tokens: list[int]) -> list[Column]:
             for n in call_tokens for which in ("first", "second")]  # fmt: skip
 
 
+SHORT_COLUMNS: list[Column] = [
+    ("model", "model", ""), ("cache", "cache", ""), ("prompts", "prompts", ""), ("new tokens each", "new_tokens", ""),
+    ("first round s", "short_first_round_s", ".1f"), ("wall time s (a later round)", "short_wall_s", ".1f"),
+    ("tokens/s", "short_tokens_per_s", ".1f"),
+]  # fmt: skip
+
+
 def e2e_markdown(result: dict) -> str:
     cases = result["cases"]
     columns = E2E_COLUMNS + call_columns(result["config"]["decode"].get("call_new_tokens", []))
-    return ("Decoding\n\n" + table([r for r in cases if r.get("part") != "prefill"], columns)
+    short = [r for r in cases if r.get("part") == "short"]
+    return ("Decoding\n\n" + table([r for r in cases if r.get("part") == "decode"], columns)
+            + ("\n\nShort generations (a fresh cache and a real prefill each, as lm-eval's generation tasks run)\n\n"
+               + table(short, SHORT_COLUMNS) if short else "")
             + "\n\nPrefill (real forward, quantize-on-write included)\n\n"
             + table([r for r in cases if r.get("part") == "prefill"], PREFILL_COLUMNS))  # fmt: skip
 

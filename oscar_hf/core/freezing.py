@@ -11,7 +11,7 @@ from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.layer_attention import allowed_keys
 from oscar_hf.core.model_info import ATTENTION_NAME, tensor_parallel_rank
-from oscar_hf.core.step_replay import StaticDecoder, route_decode_steps
+from oscar_hf.core.step_replay import StaticDecoder, compiles_layers, route_decode_steps
 from oscar_hf.core.storage import MAX_SLACK_ROWS
 from oscar_hf.log import get_logger
 
@@ -130,10 +130,8 @@ def step_decoder_for(model, cache: FrozenLayouts) -> StaticDecoder | None:
         logger.debug("decoding eagerly: %s", reason)
         return None
     route_decode_steps(model)
-    # As generate compiles its forward for a static cache on CUDA unless the generation config has
-    # disable_compile; fused projections would leave the model's weights as views after generate returns.
-    compile = cuda and not getattr(model.generation_config, "disable_compile", False)
-    return StaticDecoder(model, cache, capture=cuda, compile=compile, fuse_projections=False)
+    # Fused projections would leave the model's weights as views after generate returns.
+    return StaticDecoder(model, cache, capture=cuda, compile=compiles_layers(model), fuse_projections=False)
 
 
 def static_unsupported(cache: FrozenLayouts) -> str | None:

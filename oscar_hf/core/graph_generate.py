@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.core.step_replay import StaticDecoder, route_decode_steps
+from oscar_hf.core.step_replay import StaticDecoder, compiles_layers, route_decode_steps
 from oscar_hf.log import get_logger
 
 logger = get_logger(__name__)
@@ -23,7 +23,7 @@ def generate(
     inputs: torch.Tensor | None = None,
     *,
     capture: bool | None = None,
-    compile: bool | str = False,
+    compile: bool | str | None = None,
     fuse_projections: bool = True,
     **kwargs,
 ):
@@ -38,8 +38,9 @@ def generate(
         inputs, **kwargs: as ``model.generate``.
         capture: None (default) captures on CUDA and falls back to plain ``model.generate`` elsewhere
             (CPU has no CUDA graphs); False runs the static steps without a graph (for tests).
-        compile: also compile the decoder layers inside the captured step: True, or a mode of
-            :data:`COMPILE_MODES` (see :class:`StaticDecoder`).
+        compile: compile the decoder layers inside the captured step: True, False, or a mode of
+            :data:`COMPILE_MODES` (see :class:`StaticDecoder`); None (default) as plain ``generate``
+            does (:func:`~oscar_hf.core.step_replay.compiles_layers`).
         fuse_projections: stacked q/k/v and gate/up GEMMs while decoding (see :class:`StaticDecoder`).
 
     Beam search, assisted decoding and caches that cannot be frozen run eagerly (logged).
@@ -63,6 +64,7 @@ def generate(
         return model.generate(inputs, **kwargs)
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     capacity = cache.capacity or _capacity(prompt, config, cache)
+    compile = compiles_layers(model) if compile is None else compile
     decoder = StaticDecoder(model, cache, capacity, capture=capture is not False, compile=compile,
                             fuse_projections=fuse_projections)  # fmt: skip
     route_decode_steps(model)

@@ -248,6 +248,12 @@ def _compile_mode(compile: bool | str) -> str | None:
     return compile
 
 
+def compiles_layers(model: PreTrainedModel) -> bool:
+    """Whether decoders compile ``model``'s layers unless told: on CUDA, unless its generation config has
+    ``disable_compile`` (as ``generate`` compiles its forward for transformers' static caches)."""
+    return model.device.type == "cuda" and not getattr(model.generation_config, "disable_compile", False)
+
+
 def route_decode_steps(model: PreTrainedModel) -> None:
     """Send every forward of ``model`` that carries a cache with a ``step_decoder`` through that decoder
     (:meth:`StaticDecoder.forward`); other forwards run as before. Installed once per model, as an

@@ -20,9 +20,9 @@ from oscar_hf.core.rotation_set import MethodRotations, rotations_for
 
 QUESTION = "According to the guide, what is the name of the lighthouse keeper's dog?"
 PROJECTED_TOKENS = (32 * 1024, 128 * 1024)
-# On CUDA plain generate freezes a new cache at its first decode step (which runs eagerly) and captures
-# the step at the second (oscar_hf.core.step_replay): one-time costs, timed apart from decoding.
-SETUP_STEPS = 2
+# On CUDA, once the warm-up has compiled the layers and kernels, plain generate freezes a new cache and
+# captures the step at its first decode step (oscar_hf.core.step_replay): a one-time cost, timed apart.
+SETUP_STEPS = 1
 
 
 def _document() -> str:
@@ -78,8 +78,8 @@ class _StepClock(LogitsProcessor):
 class DemoRun:
     """One method's answer, timings and KV memory right after prefill.
 
-    On a GPU ``setup_seconds`` are the first SETUP_STEPS decode steps, which freeze the cache and capture
-    its CUDA graphs (None on CPU, where nothing is captured); ``decode_tokens_per_second`` counts the
+    On a GPU ``setup_seconds`` is the first decode step, which freezes the cache and captures the step
+    (None on CPU, where nothing is captured); ``decode_tokens_per_second`` counts the
     decode steps after them (None: too few to time).
     """
 
@@ -256,16 +256,16 @@ def _speed(demo: Demo) -> list[str]:
     if demo.warmup_seconds:
         warm = "; ".join(f"{m} {s:.1f} s" for m, s in demo.warmup_seconds.items())
         lines = [f"Speed on {demo.device} ({demo.dtype}), after a warm-up run of each cache that compiled its "
-                 f"kernels ({warm}):"]
+                 f"layers and kernels ({warm}):"]
     else:
         lines = [f"Speed on {demo.device} ({demo.dtype}):"]
     for run in demo.runs:
-        setup = "" if run.setup_seconds is None else f", first {SETUP_STEPS} decode steps {run.setup_seconds:.2f} s"
+        setup = "" if run.setup_seconds is None else f", first decode step {run.setup_seconds:.2f} s"
         decode = ("too few tokens to time decoding" if run.decode_tokens_per_second is None
                   else f"{'then ' if setup else ''}decode {run.decode_tokens_per_second:.1f} tokens/s")
         lines.append(f"  {run.method:<18}prefill {run.prefill_seconds:.2f} s{setup}, {decode}")
     if demo.device.startswith("cuda"):
-        lines.append(f"  (the first {SETUP_STEPS} decode steps of a new cache freeze it and capture its CUDA graphs)")
+        lines.append("  (the first decode step of a new cache freezes it and captures the step in a CUDA graph)")
     elif any(METHODS[run.method].quantized for run in demo.runs):
         lines.append("  On a CPU the quantized caches run the torch reference, which dequantizes the history at every "
                      "step, so they decode slower than none; on a GPU the decode kernels read the packed history "
