@@ -22,7 +22,8 @@ class FrozenLayouts:
     """Freezing and thawing of :class:`~oscar_hf.core.cache.OscarCache` (a mixin: it reads the cache's
     ``layers``, ``static``, ``capacity``, ``decode_graphs``, ``stays_eager`` and ``step_decoder``)."""
 
-    def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None) -> bool:
+    def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None,
+                     stay_eager_if_refused: bool = False) -> bool:  # fmt: skip
         """Freeze the cache for static decoding (CUDA-graph capture); False, with the reason logged, if it
         cannot be frozen yet or at all.
 
@@ -31,6 +32,8 @@ class FrozenLayouts:
                 the frozen cache grows when full (its owner freezes it again with more rows).
             attention_mask: the ``[batch, tokens]`` padding mask of the sequence so far; only the sink
                 may hold pads (left padding), which is checked (one host sync).
+            stay_eager_if_refused: a cache that can never be frozen (not merely not yet) sets
+                ``stays_eager``, so that plain generate stops asking (a :class:`StaticDecoder` does).
 
         Each later one-token step then runs shape-stable on the device. Anything else (a longer chunk,
         ``crop``, reordering, a memory report) thaws the cache back to its eager layout first.
@@ -43,8 +46,8 @@ class FrozenLayouts:
             frozen = self._freeze(self._grown_capacity(), attention_mask, grows=True)
         else:
             frozen = self._freeze(capacity, attention_mask)
-        if not frozen and static_not_yet(self) is None:
-            self.stays_eager = True  # refused for good: plain generate stops asking
+        if not frozen and stay_eager_if_refused and static_not_yet(self) is None:
+            self.stays_eager = True
         return frozen
 
     def freeze_for_decoding(self, layer_idx: int, attention_mask: torch.Tensor | None) -> None:

@@ -144,7 +144,7 @@ class StaticDecoder:
         if static is not None and self.input_ids is not None and static.grows and static.full():
             self.stop()  # a growing cache: freeze again with more rows, capture again
         if self.cache.static is None or self.input_ids is None:  # (re)freeze: new buffers, a new graph
-            if not self.cache.start_static(self.capacity, kwargs.get("attention_mask")):
+            if not self.cache.start_static(self.capacity, kwargs.get("attention_mask"), stay_eager_if_refused=True):
                 return None
             if self.fuse_projections and self.fusion is None:
                 self.fusion = contextlib.ExitStack()
