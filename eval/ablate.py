@@ -44,11 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.core.model_info import head_dim_of  # noqa: E402
-from oscar_hf.rotations.calibration import collect_covariances, rotations_from_covariances  # noqa: E402
-from oscar_hf.rotations.calibration_data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
-from oscar_hf.rotations.clip_search import search_layers  # noqa: E402
-from oscar_hf.core.config import METHODS, OscarConfig, resolve_method  # noqa: E402
+from oscar_hf.model_info import head_dim_of  # noqa: E402
+from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances  # noqa: E402
+from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
+from oscar_hf.calibration.clip_search import search_layers  # noqa: E402
+from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
 from oscar_hf.evaluation.kl import evaluate_caches  # noqa: E402
 from oscar_hf.evaluation.report import tokens_label, write_outputs  # noqa: E402
 from oscar_hf.log import get_logger  # noqa: E402
@@ -57,7 +57,7 @@ from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
 from oscar_hf.evaluation.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
 from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
 from oscar_hf.provenance import command_line, machine_line, provenance, provenance_line  # noqa: E402
-from oscar_hf.rotations.refine import refine_rotations  # noqa: E402
+from oscar_hf.calibration.refine import refine_rotations  # noqa: E402
 from oscar_hf.rotations.resolve import resolve_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"

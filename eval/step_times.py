@@ -33,7 +33,7 @@ from benchmarks.decoding import generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     add_model_arguments, build_model, input_device, random_rotations, random_tokens,
 )  # fmt: skip
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from oscar_hf.provenance import command_line, provenance, provenance_line  # noqa: E402
 
 FIRST_STEPS = 3

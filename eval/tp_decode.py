@@ -47,7 +47,7 @@ from benchmarks.decoding import decode_case, generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     DTYPES, model_spec, random_rotations, random_tokens, save_random_model,
 )  # fmt: skip
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, text_config_of  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of  # noqa: E402
 from benchmarks.multigpu import DEFAULTS  # noqa: E402
 
 from oscar_hf.core.compat import cache_keyword  # noqa: E402

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "eval"))
 
 import ablate  # noqa: E402
-from oscar_hf.core.config import METHODS  # noqa: E402
+from oscar_hf.config import METHODS  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 from tests.test_niah import VOCAB, byte_tokenizer, write_essays  # noqa: E402
 

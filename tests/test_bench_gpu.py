@@ -32,7 +32,7 @@ from benchmarks.memory import predict_max_batch  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     build_model, model_spec, random_rotations, random_tokens, save_random_model,
 )  # fmt: skip
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from benchmarks.multigpu import device_map_cases, placement_check, tensors_of, torchrun_command  # noqa: E402
 from oscar_hf.provenance import machine_info  # noqa: E402
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.rotations.bit_allocation import allocate_bits
-from oscar_hf.core.config import METHODS, TensorQuantConfig
-from oscar_hf.core.teacher_forcing import position_stats_of_caches
+from oscar_hf.calibration.bit_allocation import allocate_bits
+from oscar_hf.config import METHODS, TensorQuantConfig
+from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from tests.conftest import tiny_model, saved_tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)

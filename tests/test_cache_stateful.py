@@ -39,7 +39,7 @@ from transformers import DynamicCache
 
 from oscar_hf.core.compat import positive_crop_keeps_length
 from oscar_hf import METHODS, OscarCache, RotationSet, TensorQuantConfig, cache_keyword
-from oscar_hf.core.rotation_set import hadamard
+from oscar_hf.rotations.rotation_set import hadamard
 from oscar_hf.quant import dequantize, quantize
 from tests.conftest import TINY, forward, tiny_model
 

@@ -19,9 +19,9 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar_hf.rotations import calibration
-from oscar_hf.rotations.calibration import CALIBRATION_ATTENTION, calibrate, collect_covariances
-from oscar_hf.core.rotation_set import RotationSet, check_orthogonal, rotation_from_covariance
+from oscar_hf.calibration import covariances as calibration
+from oscar_hf.calibration.covariances import CALIBRATION_ATTENTION, calibrate, collect_covariances
+from oscar_hf.rotations.rotation_set import RotationSet, check_orthogonal, rotation_from_covariance
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
 from oscar_hf.rotations.hub import load_rotations
 from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from oscar_hf.rotations.calibration_data import calibration_batches, read_calibration_files, token_batches
+from oscar_hf.calibration.data import calibration_batches, read_calibration_files, token_batches
 
 
 class CharTokenizer:

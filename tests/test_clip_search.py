@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache
-from oscar_hf.rotations.calibration import collect_covariances, rotations_from_covariances
-from oscar_hf.rotations.clip_search import CLIP_GRID, search_layers
-from oscar_hf.core.config import METHODS
+from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances
+from oscar_hf.calibration.clip_search import CLIP_GRID, search_layers
+from oscar_hf.config import METHODS
 from tests.conftest import tiny_model, saved_tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from oscar_hf import METHODS, OscarCache, RotationSet
-from oscar_hf.core.config import TensorQuantConfig, check_bit_budget
+from oscar_hf.config import TensorQuantConfig, check_bit_budget
 from oscar_hf.evaluation.kl import evaluate_caches
 from oscar_hf.core.memory import mean_bits_per_element
 from oscar_hf.quant import unpack
-from oscar_hf.core.teacher_forcing import teacher_forced_logits
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 from tests.conftest import forward
 
 SMALL = dict(sink=4, recent=8, block=2)

@@ -192,7 +192,7 @@ def test_eval_tasks_end_to_end_fresh_cache_resume_and_table(tmp_path, model, tok
 
 def test_eval_tasks_gives_each_calibrated_method_its_own_set(tmp_path, model, tok):
     """The command line passes one rotation set per method (the bundled sets differ by recipe)."""
-    from oscar_hf.core.rotation_set import RotationSet
+    from oscar_hf.rotations.rotation_set import RotationSet
 
     data, tasks = write_tiny_task(tmp_path)
     recorder = GenerateRecorder(model)

@@ -14,12 +14,12 @@ from transformers import DynamicCache
 
 import oscar_hf
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.rotations.absorption import absorb_value_rotations
+from oscar_hf.calibration.absorption import absorb_value_rotations
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.core.config import OscarConfig
-from oscar_hf.core.teacher_forcing import teacher_forced_logits
+from oscar_hf.config import OscarConfig
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 from tests.conftest import TINY, forward, generate, tiny_model
 
 SMALL = dict(sink=4, recent=8, block=2)

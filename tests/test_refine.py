@@ -7,10 +7,10 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.core.quantize_jobs import roundtrip_rows
-from oscar_hf.rotations.calibration import collect_covariances
-from oscar_hf.rotations.clip_search import search_layers
-from oscar_hf.core.config import METHODS
-from oscar_hf.rotations.refine import (
+from oscar_hf.calibration.covariances import collect_covariances
+from oscar_hf.calibration.clip_search import search_layers
+from oscar_hf.config import METHODS
+from oscar_hf.calibration.refine import (
     RefineSettings,
     cayley,
     capture_rows,
@@ -18,7 +18,7 @@ from oscar_hf.rotations.refine import (
     refine_matrix,
     refine_rotations,
 )
-from oscar_hf.core.rotation_set import check_orthogonal
+from oscar_hf.rotations.rotation_set import check_orthogonal
 from tests.conftest import tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_hf.core.rotation_set import (
+from oscar_hf.rotations.rotation_set import (
     RotationSet,
     bit_reversal,
     check_orthogonal,
@@ -81,8 +81,12 @@ def test_rotation_set_checks_shape_and_orthogonality_on_load():
     rotations = RotationSet.hadamard(16, [0, 1])
     with pytest.raises(ValueError, match="head_dim=16 but the model has head_dim=32"):
         rotations.check_model(32, [0, 1])
-    with pytest.raises(ValueError, match="layers \\[1\\]"):
+    with pytest.raises(ValueError, match="extra \\[1\\]"):
         rotations.check_model(16, [0])
+    with pytest.raises(ValueError, match="missing \\[2\\]"):
+        rotations.check_model(16, [0, 1, 2])
+    with pytest.raises(ValueError, match="without R_V \\[1\\]"):
+        RotationSet(16, key=rotations.key, value={0: rotations.value[0]}).check_model(16, [0, 1])
 
 
 def _orthogonal(dim: int, seed: int) -> torch.Tensor:
@@ -113,9 +117,9 @@ def test_per_head_rotation_set_validates_every_head():
     # shared and per-head layers may mix (e.g. a per-head R_K file beside a shared R_V file)
     mixed = RotationSet(16, key={0: rotations.key[0]}, value={0: _orthogonal(16, 1)})
     assert mixed.kv_heads == 4
-    rotations.check_model(16, [0, 1, 2], kv_heads=4)
+    rotations.check_model(16, [0, 2], kv_heads=4)
     with pytest.raises(ValueError, match="4 KV heads but the model has 2 KV heads"):
-        rotations.check_model(16, [0, 1, 2], kv_heads=2)
+        rotations.check_model(16, [0, 2], kv_heads=2)
     RotationSet.hadamard(16, [0]).check_model(16, [0], kv_heads=2)  # a shared R serves any head count
 
 

@@ -16,7 +16,7 @@ import torch
 import oscar_hf
 from oscar_hf import OscarCache
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.core.config import METHODS
+from oscar_hf.config import METHODS
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.storage import aligned_rows
 from tests.conftest import generate, tiny_model

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet
 from oscar_hf.core.layer import OscarLayer
-from oscar_hf.core.teacher_forcing import history_lengths, teacher_forced_logits
+from oscar_hf.calibration.teacher_forcing import history_lengths, teacher_forced_logits
 from tests.conftest import forward
 
 SMALL = dict(sink=4, recent=8, block=2)

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from oscar_hf import OscarCache
-from oscar_hf.core.model_info import full_attention_layer_ids
+from oscar_hf.model_info import full_attention_layer_ids
 from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.rotations.rotation_set import RotationSet
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
 from oscar_hf.rotations.hub import RotationsNotFoundError, load_rotations, push_rotations_to_hub
 from oscar_hf.rotations.official import OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE, convert_official, load_official

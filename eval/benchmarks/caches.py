@@ -18,11 +18,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from oscar_hf import OscarCache, OscarLayer, RotationSet
-from oscar_hf.rotations.absorption import absorb_value_rotations
+from oscar_hf.calibration.absorption import absorb_value_rotations
 from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
 
 from .models import (attention_device)
-from oscar_hf.core.model_info import head_dim_of, text_config_of
+from oscar_hf.model_info import head_dim_of, text_config_of
 from .timing import tensor_bytes
 
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method

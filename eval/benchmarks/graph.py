@@ -29,7 +29,7 @@ from .caches import attention_for, fill_cache, kv_bytes, make_cache, model_for, 
 from .cases import add_speedups, free_memory, guarded
 from .decoding import DECODE_DEFAULTS, decode_steps, generate_ms, roofline
 from .models import (DTYPES, input_device, model_cases, model_rotations, random_tokens)
-from oscar_hf.core.model_info import head_dim_of, text_config_of
+from oscar_hf.model_info import head_dim_of, text_config_of
 from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import elapsed_ms, median, model_devices, synchronize
 

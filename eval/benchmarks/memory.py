@@ -19,7 +19,7 @@ from .caches import attention_for, fill_cache, kv_bytes, make_cache
 from .cases import add_speedups, first_line, free_memory, guarded
 from .decoding import decode_steps
 from .models import (input_device, model_cases, model_rotations)
-from oscar_hf.core.model_info import head_dim_of, text_config_of
+from oscar_hf.model_info import head_dim_of, text_config_of
 from .report import Column, bars, figure, no_data, table
 from .timing import median, synchronize, tensor_bytes
 

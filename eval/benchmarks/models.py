@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel, Qwen3Config
 
 from oscar_hf import RotationSet
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, text_config_of
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of
 
 from .cases import free_memory, guarded
 

@@ -26,7 +26,7 @@ from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E40
 from benchmarks.models import (  # noqa: E402
     add_model_arguments, build_model, input_device, random_rotations,
 )  # fmt: skip
-from oscar_hf.core.model_info import head_dim_of, text_config_of  # noqa: E402
+from oscar_hf.model_info import head_dim_of, text_config_of  # noqa: E402
 from benchmarks.timing import synchronize  # noqa: E402
 
 from oscar_hf.core.attention import oscar_attention_forward  # noqa: E402

@@ -32,7 +32,7 @@ from benchmarks.decoding import decode_steps, generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     add_model_arguments, build_model, random_rotations, random_tokens,
 )  # fmt: skip
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from benchmarks.timing import median, model_devices, synchronize  # noqa: E402
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
 from oscar_hf.provenance import command_line, provenance  # noqa: E402

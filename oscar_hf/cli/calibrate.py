@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from oscar_hf.rotations.bit_allocation import BitAllocation, allocate_bits
-from oscar_hf.rotations.calibration import LayerCovariances, collect_covariances, rotations_from_covariances
-from oscar_hf.rotations.calibration_data import calibration_batches, read_calibration_files
-from oscar_hf.rotations.clip_search import LayerChoice, search_layers
-from oscar_hf.core.config import K_CLIP, METHODS, V_CLIP
-from oscar_hf.rotations.refine import refine_rotations
-from oscar_hf.core.rotation_set import COMPOSITION_NAMES, RotationSet
+from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits
+from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
+from oscar_hf.calibration.data import calibration_batches, read_calibration_files
+from oscar_hf.calibration.clip_search import LayerChoice, search_layers
+from oscar_hf.config import K_CLIP, METHODS, V_CLIP
+from oscar_hf.calibration.refine import refine_rotations
+from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
 from oscar_hf.provenance import provenance
 
 # Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from oscar_hf.core.config import METHODS
+from oscar_hf.config import METHODS
 
 
 def positive_int(text: str) -> int:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 
 from oscar_hf.cli import checks
-from oscar_hf.core.config import METHODS
+from oscar_hf.config import METHODS
 from oscar_hf.evaluation.niah import parse_depths, parse_lengths
 from oscar_hf.log import get_logger
 from oscar_hf.core.models import DTYPES
 from oscar_hf.provenance import provenance
-from oscar_hf.core.rotation_set import MethodRotations
+from oscar_hf.rotations.rotation_set import MethodRotations
 
 logger = get_logger(__name__)
 
@@ -247,7 +247,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
         raise ValueError("--from-rotations keeps the saved set's rotations: drop --refine, --per-head and "
                          "--no-clip-search")
     if args.allocate_for != "oscar-int2":
-        from oscar_hf.rotations.bit_allocation import value_layers_per_key_layer
+        from oscar_hf.calibration.bit_allocation import value_layers_per_key_layer
 
         if not args.allocate_bits:
             raise ValueError("--allocate-for names the method an --allocate-bits allocation is for; add --allocate-bits N")

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.core.model_info import ATTENTION_NAME
+from oscar_hf.model_info import ATTENTION_NAME
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.step_guard import waiting_cache
 

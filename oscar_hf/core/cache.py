@@ -7,50 +7,37 @@ layers, and switches them into the frozen layout for graph-replayed decoding.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar_hf.core.config import OscarConfig, check_bit_budget, resolve_method
+from oscar_hf.config import OscarConfig, check_bit_budget, resolve_method
 from oscar_hf.core.freezing import FrozenLayouts, step_decoder_for
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import LayerMemory, MemoryReport
 from oscar_hf.core.models import load_config
-from oscar_hf.core.model_info import ATTENTION_NAME, full_attention_layer_ids, head_dim_of, kv_heads_of
+from oscar_hf.model_info import ATTENTION_NAME, full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.core.quantize_jobs import quantize_jobs
-from oscar_hf.core.rotation_set import RotationSet, own_kv_heads, require_power_of_two
+from oscar_hf.rotations.resolve import ZOO_OPTIONS, resolve_rotations
+from oscar_hf.rotations.rotation_set import RotationSet, own_kv_heads, require_power_of_two
 from oscar_hf.core.step_guard import StepGuard
 from oscar_hf.core.step_replay import StaticDecoder
 from oscar_hf.log import get_logger, warning_once
 
 logger = get_logger(__name__)
 
-# Set on a model config by oscar_hf.rotations.absorption: the fingerprint of the R_V folded into its weights.
+# Set on a model config by oscar_hf.calibration.absorption: the fingerprint of the R_V folded into its weights.
 ABSORBED_ATTRIBUTE = "oscar_absorbed_value_rotation"
-
-# Reading rotation files belongs to oscar_hf.rotations, a layer above this one; importing it installs its
-# reader here (``import oscar_hf`` does), so that from_zoo needs no import upwards. The reader takes
-# (model, rotations, method, kwargs) and pops its own options from kwargs.
-_zoo_reader: Callable[[Any, Any, Any, dict], RotationSet] | None = None
-
-
-def install_zoo_reader(reader: Callable[[Any, Any, Any, dict], RotationSet]) -> None:
-    """Make ``reader`` the function :meth:`OscarCache.from_zoo` resolves rotations with."""
-    global _zoo_reader
-    _zoo_reader = reader
-
 
 class OscarCache(StepGuard, FrozenLayouts, Cache):
     """A transformers ``Cache`` that stores the KV cache at ~2 bits per element with OSCAR rotations.
 
     Args:
         config: the model (or its config) this cache serves.
-        method: a name from :data:`oscar_hf.core.config.METHODS` (``none``, ``naive-int2``, ``quarot-int2``,
+        method: a name from :data:`oscar_hf.config.METHODS` (``none``, ``naive-int2``, ``quarot-int2``,
             ``oscar-int2``, ``int4``, ``oscar-k4v2``, ``oscar-k3v2``) or an :class:`OscarConfig`.
         rotations: per-layer R_K/R_V, required by calibrated methods (``oscar-*``).
         max_cache_len: optional most tokens (prompt and generated) the cache will hold; the history is
@@ -148,12 +135,13 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         if isinstance(model, str):
             model = load_config(model)
             model._attn_implementation = ATTENTION_NAME
-        resolved = _zoo_reader(model, rotations, method, kwargs)  # takes the zoo options out of kwargs
+        zoo_options = {key: kwargs.pop(key) for key in list(kwargs) if key in ZOO_OPTIONS}
+        resolved = resolve_rotations(model, rotations, method=method, **zoo_options)
         return cls(model, method, rotations=resolved, **kwargs)
 
     @property
     def values_prerotated(self) -> bool:
-        """Whether the model's weights already apply R_V (``oscar_hf.rotations.absorption``)."""
+        """Whether the model's weights already apply R_V (``oscar_hf.calibration.absorption``)."""
         return getattr(self.text_config, ABSORBED_ATTRIBUTE, None) is not None
 
     def _resolve_rotations(
@@ -182,7 +170,7 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         if rotations is None:
             raise ValueError(
                 f"method {config.method!r} uses calibrated rotations: pass rotations= "
-                "(OscarCache.from_zoo(...), oscar_hf.rotations.hub.load_rotations(...) or oscar_hf.rotations.calibration.calibrate(...))"
+                "(OscarCache.from_zoo(...), oscar_hf.rotations.hub.load_rotations(...) or oscar_hf.calibration.covariances.calibrate(...))"
             )
         if config.shared_rotations and rotations.per_head:
             raise ValueError(
@@ -190,9 +178,6 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
                 "load the shared ones (per_head=False, or --shared-rotations) or use 'oscar-int2'"
             )
         rotations.check_model(head_dim, layer_ids, kv_heads)
-        missing = [i for i in layer_ids if i not in rotations.key or i not in rotations.value]
-        if missing:
-            raise ValueError(f"the rotations lack R_K or R_V for layers {missing}")
         widths = rotations.key_bits or rotations.value_bits
         if widths and config.layer_bits and not config.takes_widths_for(rotations.base_bits):
             # The bundled sets carry an allocation for oscar-int2: other methods use them at their own widths.

@@ -10,7 +10,7 @@ import torch
 from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.layer_attention import allowed_keys
-from oscar_hf.core.model_info import ATTENTION_NAME, tensor_parallel_rank
+from oscar_hf.model_info import ATTENTION_NAME, tensor_parallel_rank
 from oscar_hf.core.step_replay import StaticDecoder, compiles_layers, route_decode_steps
 from oscar_hf.core.storage import MAX_SLACK_ROWS
 from oscar_hf.log import get_logger

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from oscar_hf.core.config import OscarConfig, TensorQuantConfig
+from oscar_hf.config import OscarConfig, TensorQuantConfig
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.layer_attention import LayerAttention, allowed_keys
 from oscar_hf.core.layer_dense import DenseView

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.core.rotation_set import per_query_head
+from oscar_hf.rotations.rotation_set import per_query_head
 from oscar_hf.kernels.rotate import rotate_rows
 
 

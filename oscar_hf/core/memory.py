@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from oscar_hf.core.config import OscarConfig
+from oscar_hf.config import OscarConfig
 
 BF16_BYTES = 2
 

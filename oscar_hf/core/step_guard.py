@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig
 
 from oscar_hf.core.layer import check_finite_states
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
 
 
 class _Step(NamedTuple):

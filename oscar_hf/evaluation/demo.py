@@ -12,11 +12,11 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.core.model_info import head_dim_of
+from oscar_hf.model_info import head_dim_of
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.core.config import METHODS
+from oscar_hf.config import METHODS
 from oscar_hf.core.memory import MemoryReport, bits_per_element
-from oscar_hf.core.rotation_set import MethodRotations, rotations_for
+from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 QUESTION = "According to the guide, what is the name of the lighthouse keeper's dog?"
 PROJECTED_TOKENS = (32 * 1024, 128 * 1024)

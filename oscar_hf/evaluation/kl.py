@@ -12,10 +12,10 @@ from transformers import PreTrainedModel
 from oscar_hf.core.cache import OscarCache
 
 from oscar_hf.core.layer import OscarLayer
-from oscar_hf.core.model_info import head_dim_of
+from oscar_hf.model_info import head_dim_of
 from oscar_hf.core.memory import mean_bits_per_element
-from oscar_hf.core.rotation_set import MethodRotations, rotations_for
-from oscar_hf.core.teacher_forcing import position_stats_of_caches
+from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
+from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """KL from BF16 as a function of context length (the paper's Figure 3 analogue).
 
-Each window of ``context`` tokens is scored teacher-forced (:func:`~oscar_hf.core.teacher_forcing.teacher_forced_logits`,
+Each window of ``context`` tokens is scored teacher-forced (:func:`~oscar_hf.calibration.teacher_forcing.teacher_forced_logits`,
 the exact step-by-step decoding schedule) once per method, and the per-position KL(p_none || p_method),
 top-1 agreement and NLL are averaged over windows. Position ``p`` predicts token ``p + 1`` from a
 context of ``p + 1`` tokens, so one long window gives the whole curve: positions are averaged in
@@ -18,10 +18,10 @@ import torch
 from transformers import PreTrainedModel
 
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.core.teacher_forcing import position_stats_of_caches
+from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.provenance import machine_line, provenance_line
-from oscar_hf.core.rotation_set import MethodRotations, rotations_for
+from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 
 def position_stats(

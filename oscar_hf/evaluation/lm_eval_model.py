@@ -13,7 +13,7 @@ Model arguments (besides HFLM's: ``batch_size``, ``max_length``, ``max_gen_toks`
 
 - ``pretrained``: a hub id, a local directory, ``default`` (SmolLM2-135M-Instruct, through
   :func:`oscar_hf.core.models.load_model`) or an already loaded model (with ``tokenizer=``).
-- ``method``: one of :data:`oscar_hf.core.config.METHODS`.
+- ``method``: one of :data:`oscar_hf.config.METHODS`.
 - ``rotations``: a rotations directory (default: the bundled ones for the default model).
 - ``sink``, ``recent``: the BF16 windows (64 and 256, as in the paper).
 - ``think_end_token``: e.g. ``</think>`` (or a token id): stop strings only fire on the text after
@@ -40,11 +40,11 @@ from lm_eval.models.utils_hf import stop_sequences_criteria
 
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.core.config import METHODS
+from oscar_hf.config import METHODS
 from oscar_hf.log import get_logger
 from oscar_hf.core.models import DTYPES, load_model
-from oscar_hf.core.rotation_set import RotationSet
-from oscar_hf.core.teacher_forcing import teacher_forced_logits
+from oscar_hf.rotations.rotation_set import RotationSet
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 from oscar_hf.rotations.resolve import resolve_rotations
 
 logger = get_logger(__name__)
@@ -192,7 +192,7 @@ class OscarLM(HFLM):
 
         ``teacher-forced`` (default): the logits that decoding the sequence token by token with this
         method's cache gives (token j is seen quantized by query i iff it sat in the INT2 history
-        when i was decoded; :func:`oscar_hf.core.teacher_forcing.teacher_forced_logits`). ``prefill``:
+        when i was decoded; :func:`oscar_hf.calibration.teacher_forcing.teacher_forced_logits`). ``prefill``:
         one forward into a fresh cache; a prompt attends to its own unquantized K/V, so these
         logits equal BF16's by design and only the cache's contents are quantized.
         lm-eval pads loglikelihood batches on the right, which keeps every real token's positions.

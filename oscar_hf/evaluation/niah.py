@@ -29,7 +29,7 @@ from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.log import get_logger
 from oscar_hf.core.models import model_context
 from oscar_hf.provenance import machine_line, provenance_line
-from oscar_hf.core.rotation_set import MethodRotations
+from oscar_hf.rotations.rotation_set import MethodRotations
 
 logger = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """Needle-in-a-haystack scores from teacher-forced passes instead of generation.
 
 A trial is a prompt from :func:`oscar_hf.evaluation.niah.build_prompt`; real use prefills it in one chunk and
-decodes the answer against the cache that chunk left (:func:`~oscar_hf.core.teacher_forcing.teacher_forced_logits`
+decodes the answer against the cache that chunk left (:func:`~oscar_hf.calibration.teacher_forcing.teacher_forced_logits`
 with ``prefill`` = the prompt's length reproduces that schedule in one pass). Two scores come from it:
 
 * **answer log-probability**: the summed log-probability of the needle's number (its digit tokens,
@@ -38,7 +38,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.log import get_logger
 from oscar_hf.evaluation.niah import NUMBER, NeedlePrompt, encode, extract_number
-from oscar_hf.core.teacher_forcing import teacher_forced_logits
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 
 logger = get_logger(__name__)
 

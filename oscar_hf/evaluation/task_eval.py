@@ -22,11 +22,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from oscar_hf.core.config import METHODS
+from oscar_hf.config import METHODS
 from oscar_hf.log import get_logger
 from oscar_hf.core.memory import bits_per_element
-from oscar_hf.core.model_info import head_dim_of
-from oscar_hf.core.rotation_set import MethodRotations, rotations_for
+from oscar_hf.model_info import head_dim_of
+from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 from oscar_hf.provenance import machine_line
 
 logger = get_logger(__name__)

@@ -1,5 +1,5 @@
-"""Rotations: their math, calibration (covariances, clip search, refinement, bit allocation), files
-(our format and the official RotationZoo's), the hub, the bundled sets, and absorption into weights.
-
-Builds on :mod:`oscar_hf.core`; imports nothing from :mod:`oscar_hf.evaluation` or :mod:`oscar_hf.cli`.
+"""Rotation sets and where they come from: the :class:`~oscar_hf.rotations.rotation_set.RotationSet`, its
+files (our format and the official RotationZoo's), the hub, the bundled sets and resolving a set for a
+model. Below the cache (:mod:`oscar_hf.core`), which uses them; fitting rotations is
+:mod:`oscar_hf.calibration`.
 """

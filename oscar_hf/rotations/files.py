@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from oscar_hf._version import __version__
 from oscar_hf.log import get_logger
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.rotations.rotation_set import RotationSet
 
 
 logger = get_logger(__name__)
@@ -173,14 +173,3 @@ def _shortest_float(tensor: torch.Tensor) -> float:
         if torch.tensor(candidate, dtype=torch.float32) == stored:
             return candidate
     return stored.item()
-
-
-def format_layer_ids(ids: list[int]) -> str:
-    """``[0, 1, 2, 3, 7]`` -> ``"[0-3, 7]"``: readable for 36- or 92-layer models."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return "[" + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs) + "]"

@@ -23,7 +23,7 @@ from oscar_hf._version import __version__
 from oscar_hf.log import get_logger
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_ours, save_rotations
 from oscar_hf.rotations.official import OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE, OFFICIAL_KEY_PATTERN, OFFICIAL_VALUE_PATTERN, holds_official, load_official
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.rotations.rotation_set import RotationSet
 
 
 logger = get_logger(__name__)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from oscar_hf.log import get_logger
-from oscar_hf.rotations.files import format_layer_ids, save_rotations
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.rotations.files import save_rotations
+from oscar_hf.rotations.rotation_set import RotationSet, format_layer_ids
 
 
 logger = get_logger(__name__)

@@ -11,14 +11,13 @@ from typing import Any
 import huggingface_hub
 from transformers import PretrainedConfig, PreTrainedModel
 
-from oscar_hf.core.cache import install_zoo_reader
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
-from oscar_hf.core.config import OscarConfig, resolve_method
+from oscar_hf.model_info import head_dim_of
+from oscar_hf.config import OscarConfig, resolve_method
 from oscar_hf.log import get_logger
-from oscar_hf.rotations.files import CONFIG_FILE, format_layer_ids, layer_ids_of, load_rotation_config
+from oscar_hf.rotations.files import CONFIG_FILE, load_rotation_config
 from oscar_hf.rotations.hub import download, hub_offline, load_rotations
 from oscar_hf.rotations.official import OFFICIAL_KEY_PATTERN, OFFICIAL_VALUE_PATTERN, holds_official
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.rotations.rotation_set import RotationSet
 
 
 logger = get_logger(__name__)
@@ -97,17 +96,8 @@ def resolve_rotations(
             raise ValueError("pass either subfolder= or calibration=, not both")
         resolved = load_rotations(rotations, subfolder=subfolder, per_head=per_head, **hub)
         source = f"{rotations}" + (f" (subfolder {subfolder})" if subfolder else "")
-    _check_matches(resolved, config, source)
+    resolved.check_fits(config, source=f"rotations from {source}")
     return resolved
-
-
-def _resolve_for_cache(model: PreTrainedModel | PretrainedConfig, rotations: Any, method: Any, options: dict) -> RotationSet:
-    """:meth:`OscarCache.from_zoo`'s reader: takes the zoo options out of ``options``, leaves the cache's."""
-    zoo_options = {k: options.pop(k) for k in list(options) if k in ZOO_OPTIONS}
-    return resolve_rotations(model, rotations, method=method, **zoo_options)
-
-
-install_zoo_reader(_resolve_for_cache)
 
 
 def _model_config(model: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
@@ -124,30 +114,6 @@ def model_signature(model: PreTrainedModel | PretrainedConfig) -> dict[str, Any]
     signature = {key: getattr(text, key, None) for key in _SIGNATURE_KEYS}
     signature["head_dim"] = head_dim_of(text)
     return signature
-
-
-def _check_matches(rotations: RotationSet, config: PretrainedConfig, source: str) -> None:
-    """Rotations must have the model's head_dim and cover exactly its full-attention layers."""
-    model = _model_name(config) or "this model"
-    text = config.get_text_config(decoder=True)
-    head_dim = head_dim_of(text)
-    if rotations.head_dim != head_dim:
-        raise ValueError(
-            f"rotations from {source} have head_dim={rotations.head_dim} but {model} has head_dim={head_dim}"
-        )
-    if rotations.kv_heads not in (None, kv_heads_of(text)):
-        raise ValueError(
-            f"rotations from {source} hold one R per KV head for {rotations.kv_heads} KV heads but {model} has "
-            f"{kv_heads_of(text)} KV heads; they were made for another model"
-        )
-    expected, present = full_attention_layer_ids(config), layer_ids_of(rotations)
-    if present != expected:
-        missing, extra = sorted(set(expected) - set(present)), sorted(set(present) - set(expected))
-        differences = [f"{what} {format_layer_ids(ids)}" for what, ids in (("missing", missing), ("extra", extra)) if ids]
-        raise ValueError(
-            f"rotations from {source} cover layers {format_layer_ids(present)} but the full-attention layers of "
-            f"{model} are {format_layer_ids(expected)} ({', '.join(differences)}); they were made for another model"
-        )
 
 
 def _bundled_sets() -> dict[str, dict[str, Any]]:
@@ -231,7 +197,7 @@ def _no_bundled_message(name: str, signature: dict[str, Any], sets: dict[str, di
     return (
         f"no rotations are bundled for {name or 'this model'} ({signature}); bundled sets: {bundled}. "
         "Calibrate rotations for it (`oscar-hf calibrate`, see `oscar-hf calibrate --help`, or "
-        "oscar_hf.rotations.calibration.calibrate(model, batches) and oscar_hf.rotations.files.save_rotations(rotations, DIR)) "
+        "oscar_hf.calibration.covariances.calibrate(model, batches) and oscar_hf.rotations.files.save_rotations(rotations, DIR)) "
         "and pass the directory, OscarCache.from_zoo(model, DIR); or pass a hub repo id, e.g. "
         f"OscarCache.from_zoo(model, {ROTATION_ZOO!r}) for the models of the official RotationZoo."
     )

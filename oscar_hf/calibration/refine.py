@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from oscar_hf.core.quantize_jobs import roundtrip_rows
-from oscar_hf.rotations.calibration import observe_attention
-from oscar_hf.core.config import METHODS, OscarConfig, TensorQuantConfig
-from oscar_hf.core.rotation_set import RotationSet
-from oscar_hf.core.teacher_forcing import quantized_key_mask
+from oscar_hf.calibration.covariances import observe_attention
+from oscar_hf.config import METHODS, OscarConfig, TensorQuantConfig
+from oscar_hf.rotations.rotation_set import RotationSet
+from oscar_hf.calibration.teacher_forcing import quantized_key_mask
 
 # Clip ratios tried around the starting one once a rotation is fitted (each costs one hard evaluation).
 CLIP_OFFSETS = (0.04, 0.02, 0.0, -0.02, -0.04, -0.06, -0.08)

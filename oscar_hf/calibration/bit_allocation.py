@@ -1,7 +1,7 @@
 """Per-layer bit widths at a method's budget: 4-bit keys where they help most, paid for by 1-bit values.
 
 Each layer is scored twice on calibration rows, by the teacher-forced KL divergence of the model's
-next-token distributions from the unquantized model's (:func:`oscar_hf.core.teacher_forcing.position_stats_of_caches`),
+next-token distributions from the unquantized model's (:func:`oscar_hf.calibration.teacher_forcing.position_stats_of_caches`),
 against the baseline of the given rotations and clip ratios at the base method's widths everywhere:
 
 * ``key_gain``: how much the KL falls with that layer's keys at 4 bits (min-max, no clipping);
@@ -23,9 +23,9 @@ from transformers import PreTrainedModel
 from oscar_hf.core.cache import OscarCache
 
 from oscar_hf.core.layer import OscarLayer
-from oscar_hf.core.config import METHODS, OscarConfig
-from oscar_hf.core.teacher_forcing import position_stats_of_caches
-from oscar_hf.core.rotation_set import RotationSet
+from oscar_hf.config import METHODS, OscarConfig
+from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
+from oscar_hf.rotations.rotation_set import RotationSet
 
 KEY_BITS, VALUE_BITS = 4, 1
 
@@ -71,7 +71,7 @@ def allocate_bits(
     ``batches``: calibration rows ``[1, T]`` longer than ``base.sink + base.recent`` (cut to the
     shortest one's length). ``base`` must be a calibrated method with keys below 4 bits and values
     above 1 bit whose key step is paid by a whole number of value layers (``oscar-int2``, ``oscar-k3v2``);
-    ``rotations`` supply its rotations and clip ratios (e.g. those of :func:`oscar_hf.rotations.clip_search.search_layers`).
+    ``rotations`` supply its rotations and clip ratios (e.g. those of :func:`oscar_hf.calibration.clip_search.search_layers`).
     Costs ``2 * L + 2`` teacher-forced passes per row for ``L`` layers, plus one unquantized pass.
     """
     value_per_key = value_layers_per_key_layer(base)

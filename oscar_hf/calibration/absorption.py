@@ -33,9 +33,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
-from oscar_hf.core.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.log import get_logger
-from oscar_hf.core.rotation_set import RotationSet, per_query_head
+from oscar_hf.rotations.rotation_set import RotationSet, per_query_head
 
 logger = get_logger(__name__)
 
@@ -77,7 +77,7 @@ def absorb_value_rotations(model: PreTrainedModel, rotations: RotationSet) -> No
     layer_ids = _full_attention_layers(model.config)
     kv_heads = kv_heads_of(text_config)
     query_heads = text_config.num_attention_heads
-    _check_coverage(rotations, head_dim, layer_ids, kv_heads)
+    rotations.check_model(head_dim, layer_ids, kv_heads)
     modules = _attention_modules(model, layer_ids)
     # Validate every layer before touching any weight, so that a refusal leaves the model intact.
     for layer_id in layer_ids:
@@ -113,16 +113,6 @@ def _full_attention_layers(config: PretrainedConfig) -> list[int]:
     if not layer_ids:
         raise ValueError("this model has no full-attention layers: there is no value rotation to fold")
     return layer_ids
-
-
-def _check_coverage(rotations: RotationSet, head_dim: int, layer_ids: list[int], kv_heads: int) -> None:
-    rotations.check_model(head_dim, layer_ids, kv_heads)  # head_dim, KV heads, no R for a layer OscarCache leaves alone
-    missing = [i for i in layer_ids if i not in rotations.value]
-    if missing:
-        raise ValueError(
-            f"the rotations lack R_V for full-attention layers {missing}: absorption needs an R_V for every "
-            "layer OscarCache quantizes, since an absorbed model's cache rotates V on none of them"
-        )
 
 
 def _attention_modules(model: PreTrainedModel, layer_ids: list[int]) -> dict[int, nn.Module]:

@@ -27,9 +27,9 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from oscar_hf.core.attention import swapped_attention
-from oscar_hf.core.model_info import full_attention_layer_ids
+from oscar_hf.model_info import full_attention_layer_ids
 from oscar_hf.log import get_logger
-from oscar_hf.core.rotation_set import RotationSet, rotation_from_covariance
+from oscar_hf.rotations.rotation_set import RotationSet, rotation_from_covariance
 
 logger = get_logger(__name__)
 

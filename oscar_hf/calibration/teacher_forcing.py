@@ -25,7 +25,7 @@ from oscar_hf.core.attention import swapped_attention
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.core.config import OscarConfig
+from oscar_hf.config import OscarConfig
 
 TEACHER_FORCED = "oscar_teacher_forced"
 _state: dict[str, object] = {}

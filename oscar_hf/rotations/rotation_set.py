@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from oscar_hf.core.model_info import tensor_parallel_rank
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of, tensor_parallel_rank
 from oscar_hf.quant import SUPPORTED_BITS
 
 ORTHOGONALITY_TOLERANCE = 1e-3
@@ -132,7 +132,7 @@ class RotationSet:
     uses the identity. The ascending eigenvalues of the calibration covariances are kept for
     inspection only; they are not needed at run time. ``key_clip`` / ``value_clip`` and ``key_bits`` /
     ``value_bits`` are optional per-layer clip ratios and history bit widths that calibrated methods
-    apply (:meth:`oscar_hf.core.config.OscarConfig.for_layer`); ``base_bits`` are the (K, V) widths of
+    apply (:meth:`oscar_hf.config.OscarConfig.for_layer`); ``base_bits`` are the (K, V) widths of
     the method the per-layer widths were allocated for (``oscar-int2``'s (2, 2) unless set), and
     only a method at those widths takes them.
     """
@@ -246,24 +246,45 @@ class RotationSet:
             digest.update(self.value[layer_id].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
 
-    def check_model(self, head_dim: int, layer_ids: list[int], kv_heads: int | None = None) -> None:
-        """Raise a clear error if these rotations were made for another model shape.
-
-        ``kv_heads`` (the KV heads the cache or weights hold) is checked against per-head rotations.
-        """
+    def check_model(self, head_dim: int, layer_ids: list[int], kv_heads: int | None = None, model: str = "the model",
+                    source: str = "the rotations") -> None:  # fmt: skip
+        """Raise a clear error unless this set fits a model: its ``head_dim``, its ``kv_heads`` (per-head
+        rotations) and an R_K and an R_V for exactly its quantized full-attention ``layer_ids``. The one
+        check wherever a set meets a model (:meth:`check_fits` reads the three from its config)."""
         if head_dim != self.head_dim:
-            raise ValueError(f"rotations are for head_dim={self.head_dim} but the model has head_dim={head_dim}")
+            raise ValueError(f"{source} are for head_dim={self.head_dim} but {model} has head_dim={head_dim}")
         if kv_heads is not None and self.kv_heads not in (None, kv_heads):
             raise ValueError(
-                f"the rotations hold one R per KV head for {self.kv_heads} KV heads but the model has {kv_heads} "
-                "KV heads (under tensor parallelism each rank takes its own heads: RotationSet.select_kv_heads)"
+                f"{source} hold one R per KV head for {self.kv_heads} KV heads but {model} has {kv_heads} KV heads "
+                "(under tensor parallelism each rank takes its own heads: RotationSet.select_kv_heads)"
             )
-        extra = sorted((set(self.key) | set(self.value)) - set(layer_ids))
-        if extra:
+        present, expected = sorted(set(self.key) | set(self.value)), sorted(layer_ids)
+        gaps = [(what, ids) for what, ids in (
+            ("missing", sorted(set(expected) - set(present))), ("extra", sorted(set(present) - set(expected))),
+            ("without R_K", sorted(set(self.value) - set(self.key))), ("without R_V", sorted(set(self.key) - set(self.value))),
+        ) if ids]  # fmt: skip
+        if gaps:
             raise ValueError(
-                f"rotations name layers {extra} that are not quantized full-attention layers of this model "
-                f"(those are {layer_ids[:8]}{'...' if len(layer_ids) > 8 else ''})"
+                f"{source} cover layers {format_layer_ids(present)} but the full-attention layers of {model} are "
+                f"{format_layer_ids(expected)} ({', '.join(f'{what} {format_layer_ids(ids)}' for what, ids in gaps)})"
             )
+
+    def check_fits(self, config: PretrainedConfig, source: str = "the rotations") -> None:
+        """:meth:`check_model` against the model of ``config`` (a model's or its text config's)."""
+        text = config.get_text_config(decoder=True)
+        name = str(getattr(config, "_name_or_path", "") or "") or "this model"
+        self.check_model(head_dim_of(text), full_attention_layer_ids(config), kv_heads_of(text), name, source)
+
+
+def format_layer_ids(ids: list[int]) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``"[0-3, 7]"``: readable for 36- or 92-layer models."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return "[" + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs) + "]"
 
 
 def own_kv_heads(rotations: RotationSet, model: PretrainedConfig | PreTrainedModel, kv_heads: int) -> RotationSet:

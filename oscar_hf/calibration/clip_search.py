@@ -17,10 +17,10 @@ import torch
 from transformers import PreTrainedModel
 
 from oscar_hf.core.quantize_jobs import roundtrip_rows
-from oscar_hf.rotations.calibration import LayerCovariances, observe_attention, rotations_from_covariances
-from oscar_hf.core.config import METHODS, OscarConfig
-from oscar_hf.core.rotation_set import RotationSet
-from oscar_hf.core.teacher_forcing import quantized_key_mask
+from oscar_hf.calibration.covariances import LayerCovariances, observe_attention, rotations_from_covariances
+from oscar_hf.config import METHODS, OscarConfig
+from oscar_hf.rotations.rotation_set import RotationSet
+from oscar_hf.calibration.teacher_forcing import quantized_key_mask
 
 CLIP_GRID = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80, 0.75)
 VARIANTS = ("UHP", "HP")
