@@ -333,8 +333,8 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--data-dir", type=Path,
-                        default=Path(os.environ.get("OSCAR_HF_DATA_DIR", REPO.parent / "shared" / "data")))
+    parser.add_argument("--data-dir", type=Path, default=os.environ.get("OSCAR_HF_DATA_DIR"),
+                        help="the evaluation data (default: $OSCAR_HF_DATA_DIR)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                         help="model dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
@@ -343,6 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, help="output stem (default eval/results/<config name>)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress and every needle answer")
     args = parser.parse_args(argv)
+    if args.data_dir is None:
+        parser.error("no evaluation data: pass --data-dir or set $OSCAR_HF_DATA_DIR")
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = json.loads(args.config.read_text())

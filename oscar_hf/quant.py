@@ -2,7 +2,7 @@
 
 A *row* is one token of one KV head, ``head_dim`` values. Each row is split into groups of
 ``group_size`` channels with one (scale, zero) pair per group, as in the reference
-(oscar-reference.md section 3.1):
+implementation (github.com/FutureMLS-Lab/OSCAR, its INT2 flush kernel):
 
     scale = max(max - min, 1e-8) / (2^bits - 1)
     zero  = -min / scale                      # a float zero-point, never rounded

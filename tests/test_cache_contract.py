@@ -1,4 +1,4 @@
-"""OscarCache inside ``generate``: the transformers Cache contract and its silent traps (peers.md sections 1 and 6)."""
+"""OscarCache inside ``generate``: the transformers Cache contract and its silent traps (transformers' ``cache_utils`` and ``generate``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ tiny random model with small windows, and checks every step against a reference 
 
 The reference (:class:`Expected`) keeps the exact K/V of every position, as transformers'
 DynamicCache and SDPA compute them, and its own account of where each position sits (sink, packed
-history, recent window: oscar-reference.md section 4). Each layer's attention is checked on its own:
+history, recent window, as the paper's cache layout). Each layer's attention is checked on its own:
 given the inputs the layer received in the cache's forward, a DynamicCache forward of the same
 attention module, whose past K/V are exact except at the positions in the history at attention time
 (there the rotate, quantize, dequantize, unrotate round trip of :mod:`oscar_hf.quant` in that

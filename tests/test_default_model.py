@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ from oscar_hf.core.models import load_model
 from tests.conftest import generate, tiny_model
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-DATA = data_dir(REPO.parent / "shared" / "data")
+DATA = data_dir()  # CI passes the data folder as $OSCAR_HF_DATA_DIR
 
 
 @pytest.fixture(scope="module")

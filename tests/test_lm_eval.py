@@ -23,6 +23,7 @@ from oscar_hf.provenance import provenance
 from oscar_hf import METHODS, OscarCache, bits_per_element  # noqa: E402
 from oscar_hf.cli.main import build_parser  # noqa: E402
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
+from oscar_hf.evaluation.data import data_dir  # noqa: E402
 from oscar_hf.evaluation.lm_eval_model import OscarLM, StopAfterThinking  # noqa: E402
 from oscar_hf.evaluation.task_eval import RunKey, run_path, run_tasks  # noqa: E402
 from oscar_hf.evaluation.tasks import available_tasks, write_task_configs  # noqa: E402
@@ -35,7 +36,7 @@ TINY_HEAD_DIM = TINY["head_dim"]
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = data_dir() or Path("$OSCAR_HF_DATA_DIR")  # CI passes the data folder there
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -266,7 +267,7 @@ def test_gpqa_letter_and_code_runner():
     assert not run_program("while True: pass\n", timeout_s=1)
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"local evaluation data not found at {SHARED_DATA}")
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs the evaluation data ($OSCAR_HF_DATA_DIR)")
 def test_bundled_tasks_render_against_local_data(tmp_path):
     specs = available_tasks()
     assert {"aime25", "gpqa_diamond", "math500", "gsm8k", "humaneval"} <= set(specs)

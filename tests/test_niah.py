@@ -41,8 +41,7 @@ from oscar_hf.evaluation.niah import (
 )
 from tests.conftest import tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = data_dir(REPO.parent / "shared" / "data")
+DATA = data_dir()  # CI passes the data folder as $OSCAR_HF_DATA_DIR
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -254,7 +253,7 @@ def test_cli_errors(tmp_path, model_dir, capsys, monkeypatch):
     with pytest.raises(SystemExit, match="is not a folder"):
         main(["eval", "niah", "--model", str(model_dir), "--data-dir", str(tmp_path / "missing")])
     monkeypatch.delenv("OSCAR_HF_DATA_DIR", raising=False)
-    monkeypatch.chdir(tmp_path)  # no ../shared/data from here
+    monkeypatch.chdir(tmp_path)  # no data folder around either
     with pytest.raises(SystemExit, match="no data directory"):
         main(["eval", "niah", "--model", str(model_dir)])
 

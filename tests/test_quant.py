@@ -1,4 +1,4 @@
-"""Property tests of the quantization math against its definition (oscar-reference.md sections 2 and 3)."""
+"""Property tests of the quantization math against its definition (the paper's clipping and INT2 format)."""
 
 from __future__ import annotations
 

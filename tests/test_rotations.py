@@ -1,4 +1,4 @@
-"""Rotations R = U·H·P exactly as the reference composes them (oscar-reference.md sections 1.3-1.6)."""
+"""Rotations R = U·H·P exactly as the reference composes them (``rotation/`` in github.com/FutureMLS-Lab/OSCAR)."""
 
 from __future__ import annotations
 

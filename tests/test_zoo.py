@@ -78,7 +78,7 @@ def official_layers(layer_ids, head_dim=HEAD_DIM, seed=0, str_keys=False, eigenv
 
 def write_official(directory: Path, layer_ids=(0, 1), head_dim=HEAD_DIM, str_keys=False, eigenvalues=True,
                    value_layer_ids=None) -> Path:
-    """A folder in the exact RotationZoo format (oscar-reference.md section 7.1)."""
+    """A folder in the exact RotationZoo format."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, objective, ids, seed in (
         (OFFICIAL_KEY_FILE, "qqt_r_h_pbr", layer_ids, 0),
@@ -594,7 +594,7 @@ def per_head_set(layer_ids=(0, 1), kv_heads: int = KV_HEADS) -> RotationSet:
 
 
 def write_official_per_head(directory: Path, layer_ids=(0, 1), kv_heads: int = KV_HEADS, which: str = "kv") -> Path:
-    """The reference's format 2 files (oscar-reference.md Appendix C), torch.save'd as it writes them."""
+    """The reference's format 2 files (per KV head), torch.save'd as it writes them."""
     directory.mkdir(parents=True, exist_ok=True)
     for kind, seed in (("k", 0), ("v", 500)):
         if kind not in which:

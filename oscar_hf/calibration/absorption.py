@@ -5,8 +5,8 @@ every attention output back, ``o_rot @ R_V^T``. Both products can be moved into 
 because nothing non-linear sits between ``v_proj``, attention and ``o_proj`` along the head dim:
 
 * ``v_proj``: each KV head's ``[D, hidden]`` row block ``W_v,h <- R_V^T · W_v,h`` and its bias
-  ``b_h <- b_h · R_V``, so ``v_proj`` emits ``v · R_V`` (as the reference does,
-  oscar-reference.md sections 5.1 and 9.1);
+  ``b_h <- b_h · R_V``, so ``v_proj`` emits ``v · R_V`` (as the reference implementation,
+  github.com/FutureMLS-Lab/OSCAR, applies R_V where V is written);
 * ``o_proj``: each query head's ``[hidden, D]`` column block ``W_o[:, h] <- W_o[:, h] · R_V``, so
   ``o_proj`` consumes rotated attention outputs directly (the reference keeps an explicit
   ``o · R_V^T`` instead).

@@ -3,7 +3,7 @@
 A private attention implementation sees the post-RoPE (and post q/k-norm) query and key and the raw
 value of every attention layer, adds them to running float64 sums and then runs ordinary SDPA, so
 the forward pass is unchanged and no activation is ever stored. The targets are exactly the
-reference's (oscar-reference.md section 1.2):
+reference's (``rotation/compute_kv_rotation.py`` in github.com/FutureMLS-Lab/OSCAR):
 
 * ``C_Q^(h) = Q_h^T Q_h / (n g)`` over the ``g`` query heads of KV head ``h`` (contiguous groups),
   ``C_Q`` = mean over KV heads, symmetrised; R_K is built from it (or, per KV head, from each C_Q^(h)).

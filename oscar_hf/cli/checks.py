@@ -138,10 +138,10 @@ def check_tasks(tasks: list[str], task_dirs: list[str], folder: Path | None) -> 
 
 
 def data_folder(given: str | None) -> Path | None:
-    """``--data-dir`` if given (a ValueError if it is not a folder), else ``$OSCAR_HF_DATA_DIR``, else ``../shared/data``."""
+    """``--data-dir`` if given (a ValueError if it is not a folder), else ``$OSCAR_HF_DATA_DIR``, else None."""
     from oscar_hf.evaluation.data import data_dir
 
     if given:
         check_folders([given], "--data-dir")
         return Path(given)
-    return data_dir(Path("../shared/data"))
+    return data_dir()

@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--haystack", choices=["essays", "gutenberg"], default="essays",
                       help="Paul Graham essays (niah_paul_graham_essays/) or Gutenberg books (gutenberg_books/)")
     niah.add_argument("--data-dir", help="folder holding the haystack folders, read in place "
-                                         "(default $OSCAR_HF_DATA_DIR, else ../shared/data)")
+                                         "(default $OSCAR_HF_DATA_DIR)")
     niah.add_argument("--max-new-tokens", type=checks.positive_int, default=12)
     niah.add_argument("--no-chat", action="store_true", help="plain prompt instead of the chat template")
     _add_report_options(niah, cmd_eval_niah, "eval/results/niah_default")
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     curve = evaluate.add_parser("kl-curve", help="teacher-forced KL from BF16 per method as a function of context length")
     _add_model_options(curve)
     curve.add_argument("--text", help="a UTF-8 text file, read in place (default: WikiText-2 test in the data dir)")
-    curve.add_argument("--data-dir", help="default $OSCAR_HF_DATA_DIR, else ../shared/data")
+    curve.add_argument("--data-dir", help="default $OSCAR_HF_DATA_DIR")
     curve.add_argument("--ctx", type=checks.positive_int, default=8192, help="window length: the curve runs up to it")
     curve.add_argument("--windows", type=checks.positive_int, default=2)
     curve.add_argument("--bucket", type=checks.positive_int, default=256, help="positions averaged per point")
@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks_out = commands.add_parser(
         "lm-eval-tasks", help="write the offline lm-eval tasks (oscar_gsm8k, ...) for local data, "
                               "for lm_eval --model oscar ... --include_path OUT")
-    tasks_out.add_argument("--data-dir", help="local data, read in place (default $OSCAR_HF_DATA_DIR, else ../shared/data)")
+    tasks_out.add_argument("--data-dir", help="local data, read in place (default $OSCAR_HF_DATA_DIR)")
     tasks_out.add_argument("--out", required=True, help="folder for the task YAMLs")
     tasks_out.add_argument("--task-dir", action="append", default=[], help="a folder of extra task YAMLs")
     tasks_out.set_defaults(handler=cmd_lm_eval_tasks)

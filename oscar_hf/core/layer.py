@@ -1,6 +1,6 @@
 """``OscarLayer``: one full-attention layer of an ``OscarCache`` in the rotated basis (K·R_K, V·R_V).
 
-Token lifecycle of one layer (positions in order, oscar-reference.md section 4):
+Token lifecycle of one layer (positions in order, as the paper's cache layout keeps them):
 
     [ sink: first real tokens ] [ packed history ] [ recent: last `recent`..`recent+block-1` tokens ]
 

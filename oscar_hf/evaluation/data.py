@@ -9,10 +9,10 @@ DATA_DIR_ENV = "OSCAR_HF_DATA_DIR"
 WIKITEXT2_TEST = "wikitext2_raw/wiki.test.raw"
 
 
-def data_dir(default: str | Path | None = None) -> Path | None:
-    """``$OSCAR_HF_DATA_DIR`` if set, else ``default`` (e.g. a checkout's ``../shared/data``); ``None`` if neither exists."""
-    candidate = os.environ.get(DATA_DIR_ENV) or default
-    if candidate is None:
+def data_dir() -> Path | None:
+    """``$OSCAR_HF_DATA_DIR`` if it names a folder, else ``None`` (commands then ask for ``--data-dir``)."""
+    candidate = os.environ.get(DATA_DIR_ENV)
+    if not candidate:
         return None
     path = Path(candidate).expanduser()
     return path if path.is_dir() else None

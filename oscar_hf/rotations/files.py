@@ -6,7 +6,7 @@ keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotati
 ``layers.{i}.value_eigenvalues`` (``[D]`` or ``[H_kv, D]``) and, when set, the per-layer clip ratios
 ``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` and history bit widths ``layers.{i}.key_bits`` /
 ``layers.{i}.value_bits`` (one element each; files without them load as sets without them). A rotation is applied as
-``x @ R`` exactly as stored (oscar-reference.md section 7.1). ``config.json`` records the format,
+``x @ R`` exactly as stored, as the RotationZoo's files are. ``config.json`` records the format,
 head_dim, ``kv_heads`` (per-head sets only), layer ids, description, ``base_bits`` (sets with per-layer
 bit widths: the K and V widths of the method they were allocated for; files without it hold
 allocations for 2-bit K and V) and whatever the caller adds (model, objective, data...).

@@ -3,7 +3,7 @@
 The RotationZoo (hub repo ``Zhongzhu/OSCAR-RotationZoo``) keeps torch-saved dicts in
 ``<Model>/<calibration tag>/{k_rotation_qqt_r_h_pbr.pt, v_rotation_sst_r_h_pbr.pt}`` (format 1, one R
 per layer) and, for some models, ``{k_rotation_perhead.pt, v_rotation_perhead.pt}`` beside them
-(format 2, ``source_grouping: "per_kv_head"``, one R per KV head, oscar-reference.md Appendix C).
+(format 2, ``source_grouping: "per_kv_head"``, one R per KV head, added by github.com/FutureMLS-Lab/OSCAR after the paper).
 Where a folder holds both, the per-head files are read unless ``per_head=False`` asks for the shared ones.
 """
 

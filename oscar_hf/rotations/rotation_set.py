@@ -2,9 +2,9 @@
 
 U are eigenvectors of an attention-aware covariance (ascending ``eigh`` order), H the normalised
 Sylvester Walsh-Hadamard matrix and P the eigenvalue-driven bit-reversal permutation, exactly as
-the reference builds them (oscar-reference.md sections 1.3-1.6). A layer's R is either shared by
+the reference builds them (``rotation/`` in github.com/FutureMLS-Lab/OSCAR). A layer's R is either shared by
 all of its heads (``[D, D]``, the paper's setting) or one per KV head (``[H_kv, D, D]``, the
-reference's later format, oscar-reference.md Appendix C); query head ``i`` uses the R of its KV head
+reference's later format 2); query head ``i`` uses the R of its KV head
 ``i // g`` (contiguous GQA groups of ``g`` query heads).
 """
 

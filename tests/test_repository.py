@@ -1,0 +1,41 @@
+"""Nothing of the machine a checkout was made on in what the repository ships: no absolute paths, no
+data folder beside the checkout as a default, no citation of notes the repository does not contain.
+Result files may record the output folder of the run they record, and CI's script names where CI
+keeps the data."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ABSOLUTE = re.compile(r"(?<![\w.$~])/(?:work|root|home|tmp|Users|mnt|opt)/")
+OUTSIDE = re.compile(r"\.\./shared\b|oscar-reference\.md|peers\.md")
+EXEMPT = ("eval/results/", ".ci/run")
+
+
+def leaks(path: str, text: str) -> list[str]:
+    """``path:line: text`` of every line that names a machine's path or an outside document."""
+    return [f"{path}:{number}: {line.strip()[:120]}" for number, line in enumerate(text.splitlines(), 1)
+            if ABSOLUTE.search(line) or OUTSIDE.search(line)]  # fmt: skip
+
+
+def test_tracked_files_name_no_machine_paths_or_outside_notes():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = []
+    for name in files:
+        path = ROOT / name
+        if name.startswith(EXEMPT) or not path.is_file() or path.suffix in {".png", ".pt", ".safetensors", ".gz"}:
+            continue
+        try:
+            found += leaks(name, path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            continue
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_a_leak():
+    assert leaks("a.py", 'DATA = "/work/shared/data"\nnotes = "see oscar-reference.md"\nok = "$HOME/x"') == [
+        'a.py:1: DATA = "/work/shared/data"', 'a.py:2: notes = "see oscar-reference.md"']
+    assert leaks("b.md", "python -m x --data-dir ../shared/data") and not leaks("c.md", "`oscar_hf/core/cache.py`")
