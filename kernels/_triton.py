@@ -136,7 +136,7 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 
     Triton's dispatch (binding, specialisation, cache key, checks of the kernel's globals, launch
     metadata) took ~130 us of host time per launch on the H200's host under cProfile, three launches
-    a layer: more than the kernels themselves at batch 1 (``eval/results/profile_decode.json``). Here
+    a layer: more than the kernels themselves at batch 1 (``kernels/measurements/profile_decode.json``). Here
     the binary is keyed by what Triton specialises on, kept at least as fine: each tensor's dtype and
     16-byte alignment, each integer's divisibility by 16, equality to 1 and width, other arguments
     (floats, flags, stride tuples) by value, and the keyword arguments (constexprs and launch options)

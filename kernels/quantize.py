@@ -261,7 +261,7 @@ def _quantize_job(
 def _block_rows(head_dim: int) -> int:
     # About 1K values per single-warp program: on an H200, 8 rows of 128 in one warp quantized a 32K
     # prefill layer 4x faster than 16 rows in 4 warps (no cross-warp reductions in the clip search;
-    # eval/results/quantize_kernel_tuning.md).
+    # kernels/measurements/quantize_kernel_tuning.md).
     return max(1, min(16, 1024 // head_dim))
 
 

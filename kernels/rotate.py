@@ -3,7 +3,7 @@
 An eager decode step rotates q and the new K by R_K and the new V by R_V, and maps the attention
 output back by R_V^T. As cuBLAS calls these four small products cost far more host time than GPU
 time (aten::mm ~60 us of host time each on the H200's host, against ~20 us for the model's own
-GEMMs: ``eval/results/profile_decode.json``), and two more copies put the new K/V into the recent
+GEMMs: ``kernels/measurements/profile_decode.json``), and two more copies put the new K/V into the recent
 window. :func:`rotate_rows` does q, K and V in one launch and writes each result where it belongs,
 the new K/V straight into the window's next row.
 

@@ -1,6 +1,6 @@
 """Nothing of the machine a checkout was made on in what the repository ships: no absolute paths, no
 data folder beside the checkout as a default, no citation of notes the repository does not contain.
-Result files may record the output folder of the run they record, and CI's script names where CI
+Result files (eval/results, kernels/measurements) may record the output folder of the run they record, and CI's script names where CI
 keeps the data."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ABSOLUTE = re.compile(r"(?<![\w.$~])/(?:work|root|home|tmp|Users|mnt|opt)/")
 OUTSIDE = re.compile(r"\.\./shared\b|oscar-reference\.md|peers\.md")
-EXEMPT = ("eval/results/", ".ci/run")
+EXEMPT = ("eval/results/", "kernels/measurements/", ".ci/run", "tests/test_repository.py")  # this file: the patterns
 
 
 def leaks(path: str, text: str) -> list[str]:
@@ -39,3 +39,13 @@ def test_the_check_sees_a_leak():
     assert leaks("a.py", 'DATA = "/work/shared/data"\nnotes = "see oscar-reference.md"\nok = "$HOME/x"') == [
         'a.py:1: DATA = "/work/shared/data"', 'a.py:2: notes = "see oscar-reference.md"']
     assert leaks("b.md", "python -m x --data-dir ../shared/data") and not leaks("c.md", "`oscar_hf/core/cache.py`")
+
+
+def test_every_package_of_the_library_is_installed():
+    """A wheel holds only the packages pyproject.toml lists: a new subpackage left out would install a
+    library that fails at import."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "oscar_hf").rglob("__init__.py")}
+    assert found | {"oscar_hf.kernels"} == listed

@@ -1,7 +1,7 @@
 """Same-call A/B of kernel switches read from the environment, timed by the kernel benchmark.
 
     python kernels/tools/ab_env.py --name NAME --variant "kept=" --variant "before=OSCAR_X=1" [--turns 3]
-                          [--context 100000] [--batches 1,8] [--note TEXT] [--out eval/results]
+                          [--context 100000] [--batches 1,8] [--note TEXT] [--out kernels/measurements]
 
 A switch compiled into a kernel cannot change inside one process (Triton checks the globals a kernel
 read), so each variant runs as its own process of ``eval/bench_gpu.py`` (``oscar_triton`` only, CUDA-graph

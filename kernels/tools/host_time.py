@@ -2,7 +2,7 @@
 
     python kernels/tools/host_time.py [--model qwen3-8b] [--context 100000] [--batch 1] [--iterations 300]
 
-Eager batch-1 decoding is bound by host time (``eval/results/profile_decode.json``), and cProfile
+Eager batch-1 decoding is bound by host time (``kernels/measurements/profile_decode.json``), and cProfile
 inflates Python-heavy code, so this times each piece without a profiler: ``--iterations`` calls in a
 row after a warm-up, one synchronisation at the end, wall time a call. Where a piece's GPU time is
 longer than its host time the number is the GPU time (``gpu_bound`` lists the pieces whose kernels

@@ -12,7 +12,7 @@ defaults on a GPU the history is the Gluon span's (``history_kernel``); ``--spli
 launches the span alone with its next tile staged in shared memory (``pipeline=True``). No
 timing here: timings come from ``kernels/tools/tune_decode.py`` and ``eval/bench_gpu.py``; Nsight Compute
 locks the clocks to base and reports cycles, occupancy and stall reasons
-(``eval/results/ncu_decode_*.txt``).
+(``kernels/measurements/ncu_decode_*.txt``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time the explicit-layout (Gluon) history span against the Triton decode kernel's stage 1 on a GPU.
 
-    python kernels/tools/time_gluon_history.py [--out eval/results] [--batches 1,8] [--programs-per-sm 16]
+    python kernels/tools/time_gluon_history.py [--out kernels/measurements] [--batches 1,8] [--programs-per-sm 16]
                                       [--dense-split-tokens 16,32] [--registers 128] [--pdl 1,0]
                                       [--merge-tiles 8192] [--merge-warps 4] [--settled 1,0] [--halves 1,0]
                                       [--one-metadata-array] [--alternating-rows] [--floors]
@@ -176,7 +176,7 @@ def numbers(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16
                         help="programs an SM for the span alone (default: as many as its registers fit)")

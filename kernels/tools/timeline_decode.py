@@ -1,7 +1,7 @@
 """Where a batch-1 decode call's time goes: a timeline of the Gluon history span's programs, the three
 kernels' windows, and the call's time against the tiles each program runs.
 
-    python kernels/tools/timeline_decode.py [--out eval/results] [--batches 1,8] [--tiles 1,2,4,6,8] [--context 100000]
+    python kernels/tools/timeline_decode.py [--out kernels/measurements] [--batches 1,8] [--tiles 1,2,4,6,8] [--context 100000]
 
 Qwen3-8B attention shape (the kernel benchmark's inputs, ``eval/configs/bench_kernel.json``), the
 whole call as the kernel benchmark times it (``decode_attention_triton``, settled history, CUDA-graph
@@ -246,7 +246,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     parser.add_argument("--batches", default="1")
     parser.add_argument("--tiles", default="1,2,4,6,8")
     parser.add_argument("--context", type=int, default=100_000, help="tokens of the programs' and kernels' views")

@@ -1,6 +1,6 @@
 """Sweep the decode-attention kernel's tile and split settings on a GPU; check each against the reference.
 
-    python kernels/tools/tune_decode.py [--context 100000] [--batches 1,8,32] [--out eval/results]
+    python kernels/tools/tune_decode.py [--context 100000] [--batches 1,8,32] [--out kernels/measurements]
 
 Qwen3-8B attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, INT2 K and V, one layer.
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, median), so they are the
@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     for axis, values in GRID.items():
         parser.add_argument(f"--{axis.replace('_', '-')}", default=values, help=f"comma-separated (default {values})")
     options = parser.parse_args()

@@ -1,6 +1,6 @@
 """Sweep the fused write kernel's tile settings on a GPU for a prefill's worth of K and V rows.
 
-    python kernels/tools/tune_quantize.py [--context 32768] [--out eval/results]
+    python kernels/tools/tune_quantize.py [--context 32768] [--out kernels/measurements]
 
 One layer of a Qwen3-4B/8B-shaped prefill (batch 1, 8 KV heads, head_dim 128, bf16): K and V rows
 quantized to INT2 in one launch (two jobs), as ``OscarLayer`` writes a prefill's middle part. Clip
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--blocks", type=_ints, default=(4, 8, 16, 32))
     parser.add_argument("--warps", type=_ints, default=(1, 2, 4, 8))
-    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     options = parser.parse_args()
     rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps)
     info = {**provenance(command_line()), "context": options.context,
