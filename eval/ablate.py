@@ -44,20 +44,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.model_info import head_dim_of  # noqa: E402
+from oscar_hf.calibration.clip_search import search_layers  # noqa: E402
 from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances  # noqa: E402
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
-from oscar_hf.calibration.clip_search import search_layers  # noqa: E402
+from oscar_hf.calibration.refine import refine_rotations  # noqa: E402
 from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
-from oscar_hf.evaluation.kl import evaluate_caches  # noqa: E402
-from oscar_hf.evaluation.report import tokens_label, write_outputs  # noqa: E402
-from oscar_hf.log import get_logger  # noqa: E402
 from oscar_hf.core.memory import bits_per_element  # noqa: E402
 from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
+from oscar_hf.evaluation.kl import evaluate_caches  # noqa: E402
 from oscar_hf.evaluation.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
 from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
+from oscar_hf.evaluation.report import tokens_label, write_outputs  # noqa: E402
+from oscar_hf.log import get_logger  # noqa: E402
+from oscar_hf.model_info import head_dim_of  # noqa: E402
 from oscar_hf.provenance import command_line, machine_line, provenance, provenance_line  # noqa: E402
-from oscar_hf.calibration.refine import refine_rotations  # noqa: E402
 from oscar_hf.rotations.resolve import resolve_rotations  # noqa: E402
 
 RESULTS = REPO / "eval" / "results"
@@ -104,8 +104,10 @@ def recipe_config(variant: dict) -> OscarConfig:
     """The variant's method with its ``overrides`` applied (nested dataclass fields as dicts, dtypes by name)."""
     unknown = sorted(set(variant) - VARIANT_KEYS)
     if unknown:
-        raise ValueError(f"variant {variant.get('label')!r}: unknown key(s) {unknown}; a variant takes "
-                         f"{sorted(VARIANT_KEYS)} (calibration options go in calibrate, cache fields in overrides)")
+        raise ValueError(
+            f"variant {variant.get('label')!r}: unknown key(s) {unknown}; a variant takes "
+            f"{sorted(VARIANT_KEYS)} (calibration options go in calibrate, cache fields in overrides)"
+        )
     method = variant["method"]
     if method not in METHODS:
         raise ValueError(f"variant {variant['label']!r}: unknown method {method!r}; choose from {sorted(METHODS)}")
@@ -158,7 +160,9 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         search = variant.get("clip_search")
         if search:
             if "calibrate" in variant:
-                raise ValueError(f"variant {label!r}: clip_search builds its own rotations; put its options in clip_search")
+                raise ValueError(
+                    f"variant {label!r}: clip_search builds its own rotations; put its options in clip_search"
+                )
             options = search if isinstance(search, dict) else {}
             longest = sorted(batches, key=lambda b: -b.shape[1])[:2]
             rotations, _ = search_layers(model, longest, covariances, config=config, **options)
@@ -174,10 +178,12 @@ def memory_table(caches: dict[str, OscarCache], lengths: list[int], head_dim: in
     """Bits per element of every recipe at each length (this model's head_dim) and at 128K for head_dim 128."""
     long_key = f"{LONG_CONTEXT}@hd{LONG_HEAD_DIM}"
     return {
-        label: {**{str(n): round(bits_per_element(cache.oscar_config, n, head_dim), 4) for n in lengths},
-                long_key: round(bits_per_element(cache.oscar_config, LONG_CONTEXT, LONG_HEAD_DIM), 4)}
+        label: {
+            **{str(n): round(bits_per_element(cache.oscar_config, n, head_dim), 4) for n in lengths},
+            long_key: round(bits_per_element(cache.oscar_config, LONG_CONTEXT, LONG_HEAD_DIM), 4),
+        }
         for label, cache in caches.items()
-    }  # fmt: skip
+    }
 
 
 # ------------------------------------------------------------------------------------ evaluations
@@ -209,10 +215,15 @@ def needle_scores(model, tokenizer, data_dir: Path, settings: dict, caches: dict
     check_lengths(settings["lengths"], model_context(model), settings["max_new_tokens"])
     haystack = Haystack(tokenizer, read_haystack(haystack_files(data_dir, settings["haystack"])))
     seeds = range(settings["seed"], settings["seed"] + settings["needles"])
-    prompts = [build_prompt(tokenizer, haystack, n, d, s, settings["chat"])
-               for n in settings["lengths"] for s in seeds for d in settings["depths"]]  # fmt: skip
-    trials, seconds = score_prompts(model, tokenizer, prompts, caches, settings["max_new_tokens"],
-                                    settings["batch_size"])  # fmt: skip
+    prompts = [
+        build_prompt(tokenizer, haystack, n, d, s, settings["chat"])
+        for n in settings["lengths"]
+        for s in seeds
+        for d in settings["depths"]
+    ]
+    trials, seconds = score_prompts(
+        model, tokenizer, prompts, caches, settings["max_new_tokens"], settings["batch_size"]
+    )
     return {"summary": needle_summary(trials), "seconds": seconds, "trials": [t.to_dict() for t in trials]}
 
 
@@ -236,11 +247,13 @@ def to_markdown(result: dict) -> str:
         rows.append(_row(cells))
     parts = [result["description"], "\n".join(rows)]
     if texts:
-        parts.append("KL in nats from BF16 and perplexity, teacher-forced with token-by-token decoding, over positions "
-                     f"after sink + recent; windows per context: {dict((str(c), w) for c, w in result['kl_windows'])}.")
+        parts.append(
+            "KL in nats from BF16 and perplexity, teacher-forced with token-by-token decoding, over positions "
+            f"after sink + recent; windows per context: {dict((str(c), w) for c, w in result['kl_windows'])}."
+        )
     if result.get("needles"):
         parts += _needle_markdown(result)
-    meta = (f"{provenance_line(result)}, {result['seconds']} s; model {result['model']} in {result['dtype']} on {result['device']}.")
+    meta = f"{provenance_line(result)}, {result['seconds']} s; model {result['model']} in {result['dtype']} on {result['device']}."
     return "\n\n".join(parts + [meta]) + "\n"
 
 
@@ -255,8 +268,13 @@ def _row(cells: list[str]) -> str:
 def _needle_markdown(result: dict) -> list[str]:
     settings, needles = result["needle_settings"], result["needles"]
     lengths = [str(n) for n in settings["lengths"]]
-    head = (["recipe"] + [f"EM {tokens_label(int(n))}" for n in lengths] + ["EM all"]
-            + [f"log p {tokens_label(int(n))}" for n in lengths] + ["passes / trial", "s / trial"])  # fmt: skip
+    head = (
+        ["recipe"]
+        + [f"EM {tokens_label(int(n))}" for n in lengths]
+        + ["EM all"]
+        + [f"log p {tokens_label(int(n))}" for n in lengths]
+        + ["passes / trial", "s / trial"]
+    )
     rows = [_row(head), _row(["---"] * len(head))]
     passes = {label: 0.0 for label in result["variants"]}
     for trial in needles["trials"]:
@@ -264,22 +282,29 @@ def _needle_markdown(result: dict) -> list[str]:
     for label in result["variants"]:
         summary, seconds = needles["summary"][label], needles["seconds"][label]
         per_trial = sum(seconds.values()) / summary["all"]["trials"]
-        rows.append(_row([label] + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
-                         + [f"{summary['all']['exact_match']:.2f}"]
-                         + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
-                         + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]))
+        rows.append(
+            _row(
+                [label]
+                + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
+                + [f"{summary['all']['exact_match']:.2f}"]
+                + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
+                + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]
+            )
+        )
     depths = [f"{d:g}" for d in settings["depths"]]
     depth_rows = [_row(["recipe", "length"] + [f"{d}%" for d in depths]), _row(["---"] * (len(depths) + 2))]
     for label in result["variants"]:
         for n in lengths:
             cells = needles["summary"][label]["by_depth"][n]
             depth_rows.append(_row([label, tokens_label(int(n))] + [f"{cells[d]:.2f}" for d in depths]))
-    note = (f"Needle in a haystack ({settings['haystack']}), {settings['needles']} needle(s) x {len(depths)} depths per "
-            "length, teacher-forced under the real schedule (prompt prefilled in one chunk, answer decoded against "
-            "the quantized cache): EM is the exact match of the greedy answer "
-            f"(max {settings['max_new_tokens']} new tokens), log p the summed log-probability of the number's "
-            "tokens (nats); a trial takes one pass with the prompt, and one "
-            "pass of the answer's rows per greedy detour (passes / trial counts both).")
+    note = (
+        f"Needle in a haystack ({settings['haystack']}), {settings['needles']} needle(s) x {len(depths)} depths per "
+        "length, teacher-forced under the real schedule (prompt prefilled in one chunk, answer decoded against "
+        "the quantized cache): EM is the exact match of the greedy answer "
+        f"(max {settings['max_new_tokens']} new tokens), log p the summed log-probability of the number's "
+        "tokens (nats); a trial takes one pass with the prompt, and one "
+        "pass of the answer's rows per greedy detour (passes / trial counts both)."
+    )
     return [note, "\n".join(rows), "Exact match per needle depth (% of the haystack):", "\n".join(depth_rows)]
 
 
@@ -297,12 +322,18 @@ def plot(result: dict, path: Path) -> None:
     if result["scores"]:
         ax = axes.pop(0)
         series = [(t, c) for t in result["scores"] for c in result["scores"][t]]
-        quantized = [label for label in labels if any(result["scores"][t][c][label]["kl_from_none"] > 0 for t, c in series)]
+        quantized = [
+            label for label in labels if any(result["scores"][t][c][label]["kl_from_none"] > 0 for t, c in series)
+        ]
         height = 0.8 / len(series)
         for i, (t, c) in enumerate(series):
             values = [result["scores"][t][c][label]["kl_from_none"] for label in quantized]
-            ax.barh([y + i * height for y in range(len(quantized))], values, height=height,
-                    label=f"{t} {tokens_label(int(c))}")  # fmt: skip
+            ax.barh(
+                [y + i * height for y in range(len(quantized))],
+                values,
+                height=height,
+                label=f"{t} {tokens_label(int(c))}",
+            )
         ax.set_yticks([y + height * (len(series) - 1) / 2 for y in range(len(quantized))], quantized)
         ax.invert_yaxis()
         ax.set_xscale("log")
@@ -311,17 +342,24 @@ def plot(result: dict, path: Path) -> None:
     if result.get("needles"):
         lengths = [str(n) for n in result["needle_settings"]["lengths"]]
         summary = result["needles"]["summary"]
-        for ax, key, name in zip(axes, ("exact_match", "answer_logprob"), ("needle exact match", "answer log p (nats)")):
+        for ax, key, name in zip(
+            axes, ("exact_match", "answer_logprob"), ("needle exact match", "answer log p (nats)")
+        ):
             for label in labels:
-                ax.plot(range(len(lengths)), [summary[label]["by_length"][n][key] for n in lengths], marker="o", label=label)
+                ax.plot(
+                    range(len(lengths)), [summary[label]["by_length"][n][key] for n in lengths], marker="o", label=label
+                )
             ax.set_xticks(range(len(lengths)), [tokens_label(int(n)) for n in lengths])
             ax.set_xlabel("prompt length (tokens)")
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)
         axes[0].set_ylim(-0.05, 1.05)
         axes[0].legend(fontsize=7)
-    fig.suptitle(f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
-                 f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}", fontsize=8)
+    fig.suptitle(
+        f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
+        f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -333,11 +371,19 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--data-dir", type=Path, default=os.environ.get("OSCAR_HF_DATA_DIR"),
-                        help="the evaluation data (default: $OSCAR_HF_DATA_DIR)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("OSCAR_HF_DATA_DIR"),
+        help="the evaluation data (default: $OSCAR_HF_DATA_DIR)",
+    )
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                        help="model dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="auto",
+        help="model dtype (auto: bfloat16 on CUDA, float32 elsewhere)",
+    )
     parser.add_argument("--model", help="override the config's model (a name or directory)")
     parser.add_argument("--batch-size", type=int, help="override needles.batch_size (rows per teacher-forced pass)")
     parser.add_argument("--out", type=Path, help="output stem (default eval/results/<config name>)")
@@ -359,12 +405,19 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = sorted({c for c, _ in kl_windows} | set(needles["lengths"] if needles else []))
     head_dim = head_dim_of(model)
     result = {
-        "config": str(args.config), "description": config["description"], "model": args.model or config["model"],
-        "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
+        "config": str(args.config),
+        "description": config["description"],
+        "model": args.model or config["model"],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
         **provenance(command_line(argv=argv)),
-        "kl_windows": kl_windows, "eval_texts": config.get("eval_texts", {}), "needle_settings": needles,
-        "calibrations": config.get("calibrations", {}), "recipes": config["variants"],
-        "variants": list(caches), "bits_per_element": memory_table(caches, lengths, head_dim),
+        "kl_windows": kl_windows,
+        "eval_texts": config.get("eval_texts", {}),
+        "needle_settings": needles,
+        "calibrations": config.get("calibrations", {}),
+        "recipes": config["variants"],
+        "variants": list(caches),
+        "bits_per_element": memory_table(caches, lengths, head_dim),
     }
     result["scores"] = kl_scores(model, tokenizer, args.data_dir, config, caches)
     result["needles"] = needle_scores(model, tokenizer, args.data_dir, needles, caches) if needles else None

@@ -40,7 +40,11 @@ import torch
 
 from benchmarks import REPO, RESULTS, e2e, graph, kernel, memory, multigpu
 from benchmarks.config import apply_sets, deep_merge
-from oscar_hf.provenance import command_line, provenance, provenance_line  # this checkout's: benchmarks put it first on sys.path
+from oscar_hf.provenance import (
+    command_line,
+    provenance,
+    provenance_line,
+)  # this checkout's: benchmarks put it first on sys.path
 
 BENCHMARKS = {
     "kernel": kernel.BENCHMARK,
@@ -67,10 +71,14 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
     with torch.no_grad():
         cases = bench.run(config)
     result = {
-        "name": name, "benchmark": config["benchmark"], "description": config.get("description", ""),
+        "name": name,
+        "benchmark": config["benchmark"],
+        "description": config.get("description", ""),
         **provenance(command),
-        "seconds": round(time.perf_counter() - started, 1), "config": config, "cases": cases,
-    }  # fmt: skip
+        "seconds": round(time.perf_counter() - started, 1),
+        "config": config,
+        "cases": cases,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / name
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n")
@@ -91,8 +99,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", help="output file name (default: the config's name, else its file stem)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=JSON",
-                        help="override a config field, e.g. --set batches=[1] --set decode.repeats=5")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override a config field, e.g. --set batches=[1] --set decode.repeats=5",
+    )
     args = parser.parse_args(argv)
     config = apply_sets(json.loads(args.config.read_text()), args.sets)
     command = command_line(f"python {Path(__file__).relative_to(REPO).as_posix()}", argv)

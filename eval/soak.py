@@ -51,8 +51,16 @@ from oscar_hf.provenance import command_line, provenance, provenance_line  # noq
 from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
 
 WINDOWS = dict(sink=4, recent=8, block=2)
-MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=65536)  # fmt: skip
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=65536,
+)
 BATCH, PROMPT = 2, 24
 MODES = {"eager": False, "frozen": True}  # OscarCache(decode_graphs=...)
 MIN_ROWS = 64  # a buffer's first allocation (oscar_hf.core.storage)
@@ -116,8 +124,9 @@ def newest_history_rows(layer, count: int) -> list[torch.Tensor]:
 def roundtrip(rows: torch.Tensor, spec, metadata_dtype: torch.dtype) -> torch.Tensor:
     """What rotated ``rows`` become in a history of format ``spec``, by the quantizer itself."""
     group = spec.group_of(rows.shape[-1])
-    packed = quantize(rows, spec.bits, group, symmetric=spec.symmetric, clip_ratio=spec.clip_ratio,
-                      metadata_dtype=metadata_dtype)  # fmt: skip
+    packed = quantize(
+        rows, spec.bits, group, symmetric=spec.symmetric, clip_ratio=spec.clip_ratio, metadata_dtype=metadata_dtype
+    )
     return dequantize(packed, spec.bits, group, rows.dtype)
 
 
@@ -190,9 +199,14 @@ class Soak:
         next_check, last_check = self.check_every, 0
         for step in range(1, steps + 1):
             first = cache.layers[0]
-            probing = step >= next_check and self.quantized and tiers(first)[2] + 1 >= WINDOWS["recent"] + WINDOWS["block"]
-            before = (tiers(first)[1], [oldest_window_rows(layer, WINDOWS["block"]) for layer in cache.layers]) \
-                if probing else None  # fmt: skip
+            probing = (
+                step >= next_check and self.quantized and tiers(first)[2] + 1 >= WINDOWS["recent"] + WINDOWS["block"]
+            )
+            before = (
+                (tiers(first)[1], [oldest_window_rows(layer, WINDOWS["block"]) for layer in cache.layers])
+                if probing
+                else None
+            )
             clock = time.perf_counter()
             token = self.step(token)
             times[step - 1] = time.perf_counter() - clock
@@ -220,7 +234,9 @@ class Soak:
                 want = roundtrip(rows, spec, layer.config.metadata_dtype)
                 if not torch.equal(got, want):
                     error = (got - want).abs().max().item()
-                    self.run.fail(step, f"layer {index} {name}: demoted rows read back {error:.3g} off their round trip")
+                    self.run.fail(
+                        step, f"layer {index} {name}: demoted rows read back {error:.3g} off their round trip"
+                    )
 
     def check(self, step: int, step_ms: float) -> None:
         run, cache, fail = self.run, self.cache, self.run.fail
@@ -244,8 +260,21 @@ class Soak:
         history_bytes, other_bytes = (sum(column) for column in zip(*(tensor_bytes(layer) for layer in layers)))
         gc.collect()
         objects = len(gc.get_objects()) - len(run.samples)
-        sample = Sample(step, length, sink, history, window, max(history_rows), max(window_rows), history_bytes,
-                        other_bytes, tracemalloc.get_traced_memory()[0], objects, cache.static is not None, step_ms)  # fmt: skip
+        sample = Sample(
+            step,
+            length,
+            sink,
+            history,
+            window,
+            max(history_rows),
+            max(window_rows),
+            history_bytes,
+            other_bytes,
+            tracemalloc.get_traced_memory()[0],
+            objects,
+            cache.static is not None,
+            step_ms,
+        )
         self.check_storage(sample, history_rows, window_rows)
         run.samples.append(sample)
 
@@ -260,12 +289,16 @@ class Soak:
         if not self.run.samples:
             return
         first, previous = self.run.samples[0], self.run.samples[-1]
-        grown_rows = (sample.history_rows_allocated if self.quantized else sample.window_rows_allocated,
-                      previous.history_rows_allocated if self.quantized else previous.window_rows_allocated)  # fmt: skip
+        grown_rows = (
+            sample.history_rows_allocated if self.quantized else sample.window_rows_allocated,
+            previous.history_rows_allocated if self.quantized else previous.window_rows_allocated,
+        )
         if grown_rows[0] > grown_rows[1] and need + WINDOWS["block"] <= grown_rows[1]:
             fail(step, f"storage grew from {grown_rows[1]} to {grown_rows[0]} rows though {need} fitted")
-        if self.quantized and (sample.window_rows_allocated, sample.other_bytes) != (first.window_rows_allocated,
-                                                                                    first.other_bytes):  # fmt: skip
+        if self.quantized and (sample.window_rows_allocated, sample.other_bytes) != (
+            first.window_rows_allocated,
+            first.other_bytes,
+        ):
             fail(step, f"sink and window storage changed: {first.other_bytes} -> {sample.other_bytes} bytes")
         objects = sample.python_objects - first.python_objects
         if objects > PYTHON_OBJECT_SLACK:
@@ -298,30 +331,40 @@ def write(out: Path, record: dict, runs: list[Run]) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    result = {**record, "windows": WINDOWS, "model": MODEL, "batch": BATCH, "prompt": PROMPT,
-              "runs": [asdict(run) for run in runs]}  # fmt: skip
+    result = {
+        **record,
+        "windows": WINDOWS,
+        "model": MODEL,
+        "batch": BATCH,
+        "prompt": PROMPT,
+        "runs": [asdict(run) for run in runs],
+    }
     (out / "soak.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Soak: {record['steps']} decode steps per method and mode\n",
-             f"Tiny random Llama ({MODEL['num_hidden_layers']} layers, {MODEL['num_key_value_heads']} KV heads of "
-             f"{MODEL['head_dim']} dims), batch {BATCH}, a {PROMPT}-token prompt, sink {WINDOWS['sink']}, recent "
-             f"{WINDOWS['recent']}, block {WINDOWS['block']}; checks (lengths, tiers, bounded buffers, flat memory, "
-             "recall of demoted rows) at the first demotion after every "
-             f"{record['check_every']} steps. Bytes are the cache's allocated tensors, all layers; growth is "
-             "from the first check to the last. `none` keeps every token in BF16, so it never freezes.\n",
-             "| method | mode | frozen | checks | probes | final length | history rows (allocated) | window rows "
-             "(allocated) | history MiB | sink+window KiB | Python objects / heap KiB growth | step ms first / last "
-             "| s | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Soak: {record['steps']} decode steps per method and mode\n",
+        f"Tiny random Llama ({MODEL['num_hidden_layers']} layers, {MODEL['num_key_value_heads']} KV heads of "
+        f"{MODEL['head_dim']} dims), batch {BATCH}, a {PROMPT}-token prompt, sink {WINDOWS['sink']}, recent "
+        f"{WINDOWS['recent']}, block {WINDOWS['block']}; checks (lengths, tiers, bounded buffers, flat memory, "
+        "recall of demoted rows) at the first demotion after every "
+        f"{record['check_every']} steps. Bytes are the cache's allocated tensors, all layers; growth is "
+        "from the first check to the last. `none` keeps every token in BF16, so it never freezes.\n",
+        "| method | mode | frozen | checks | probes | final length | history rows (allocated) | window rows "
+        "(allocated) | history MiB | sink+window KiB | Python objects / heap KiB growth | step ms first / last "
+        "| s | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         first, last = run.samples[0], run.samples[-1]
         heap = (last.python_heap_bytes - first.python_heap_bytes) / 1024
         result_text = "pass" if not run.failures else f"**{len(run.failures)} failed**: {run.failures[0]}"
         objects = last.python_objects - first.python_objects
-        lines.append(f"| {run.method} | {run.mode} | {'yes' if last.frozen else 'no'} | {len(run.samples)} | "
-                     f"{run.probes} | {last.length} | {last.history} ({last.history_rows_allocated}) | {last.window} "
-                     f"({last.window_rows_allocated}) | {last.history_bytes / 2**20:.2f} | {last.other_bytes / 1024:.1f} | "
-                     f"{objects:+d} / {heap:+.1f} | "
-                     f"{first.step_ms:.2f} / {last.step_ms:.2f} | {run.seconds:.0f} | {result_text} |")  # fmt: skip
+        lines.append(
+            f"| {run.method} | {run.mode} | {'yes' if last.frozen else 'no'} | {len(run.samples)} | "
+            f"{run.probes} | {last.length} | {last.history} ({last.history_rows_allocated}) | {last.window} "
+            f"({last.window_rows_allocated}) | {last.history_bytes / 2**20:.2f} | {last.other_bytes / 1024:.1f} | "
+            f"{objects:+d} / {heap:+.1f} | "
+            f"{first.step_ms:.2f} / {last.step_ms:.2f} | {run.seconds:.0f} | {result_text} |"
+        )
     lines.append(f"\n{provenance_line(record)}.\n")
     (out / "soak.md").write_text("\n".join(lines))
     figure, (memory, timing) = plt.subplots(1, 2, figsize=(12, 4.5))

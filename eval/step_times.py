@@ -31,8 +31,12 @@ from benchmarks.caches import attention_for, fill_cache, make_cache, model_for  
 from benchmarks.cases import free_memory, median_round  # noqa: E402
 from benchmarks.decoding import generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
-    add_model_arguments, build_model, input_device, random_rotations, random_tokens,
-)  # fmt: skip
+    add_model_arguments,
+    build_model,
+    input_device,
+    random_rotations,
+    random_tokens,
+)
 from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from oscar_hf.provenance import command_line, provenance, provenance_line  # noqa: E402
 
@@ -60,8 +64,13 @@ def step_ms(model, cache_name: str, batch: int, context: int, new_tokens: int, r
         fill_cache(cache, model, batch, context, 65536)
         clock = StepClock(input_device(model))
         start = time.perf_counter()
-        generate(model, cache, random_tokens(model, batch, context + 1), new_tokens,
-                 logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+        generate(
+            model,
+            cache,
+            random_tokens(model, batch, context + 1),
+            new_tokens,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     stamps = [start, *clock.stamps]
     del cache
     free_memory()
@@ -70,8 +79,12 @@ def step_ms(model, cache_name: str, batch: int, context: int, new_tokens: int, r
 
 def summary(times: list[float]) -> dict:
     steady = statistics.median(times[FIRST_STEPS:])
-    return {"first_steps_ms": times[:FIRST_STEPS], "steady_step_ms": steady,
-            "one_time_ms": sum(times[:FIRST_STEPS]) - FIRST_STEPS * steady, "steps_ms": times}  # fmt: skip
+    return {
+        "first_steps_ms": times[:FIRST_STEPS],
+        "steady_step_ms": steady,
+        "one_time_ms": sum(times[:FIRST_STEPS]) - FIRST_STEPS * steady,
+        "steps_ms": times,
+    }
 
 
 def write(out: Path, result: dict) -> None:
@@ -82,26 +95,34 @@ def write(out: Path, result: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_times.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, batch "
-             f"{result['batch']}, {result['new_tokens']} new tokens, every step synchronised. The first call "
-             f"of each cache in the process (compiling, capturing), then {result['rounds']} rounds of later calls "
-             "with the caches in turn, each on a fresh cache; the round of median steady step shown. One-time "
-             "cost: the first steps' excess over the steady step.\n",
-             "| cache | first call: one-time cost ms | later call: first steps ms | later call: one-time cost ms "
-             "| steady step ms | steady step ms, each round |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, batch "
+        f"{result['batch']}, {result['new_tokens']} new tokens, every step synchronised. The first call "
+        f"of each cache in the process (compiling, capturing), then {result['rounds']} rounds of later calls "
+        "with the caches in turn, each on a fresh cache; the round of median steady step shown. One-time "
+        "cost: the first steps' excess over the steady step.\n",
+        "| cache | first call: one-time cost ms | later call: first steps ms | later call: one-time cost ms "
+        "| steady step ms | steady step ms, each round |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in result["caches"].items():
         first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
         each = " / ".join(f"{t:.1f}" for t in row["steady_step_ms_rounds"])
-        lines.append(f"| {name} | {row['first_call']['one_time_ms']:.1f} | {first} | {row['one_time_ms']:.1f} "
-                     f"| {row['steady_step_ms']:.2f} | {each} |")
+        lines.append(
+            f"| {name} | {row['first_call']['one_time_ms']:.1f} | {first} | {row['one_time_ms']:.1f} "
+            f"| {row['steady_step_ms']:.2f} | {each} |"
+        )
     lines.append(f"\n{provenance_line(result)}.\n")
     (out / "step_times.md").write_text("\n".join(lines))
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, row in result["caches"].items():
         axis.plot(range(1, len(row["steps_ms"]) + 1), row["steps_ms"], label=name)
-    axis.set(xlabel="decode step", ylabel="ms", yscale="log", title=f"{result['model']}, {result['context']} "
-             f"tokens, batch {result['batch']}")  # fmt: skip
+    axis.set(
+        xlabel="decode step",
+        ylabel="ms",
+        yscale="log",
+        title=f"{result['model']}, {result['context']} tokens, batch {result['batch']}",
+    )
     axis.legend()
     figure.tight_layout()
     figure.savefig(out / "step_times.png", dpi=120)
@@ -130,9 +151,18 @@ def main() -> None:
         caches[cache_name]["first_call"] = first
     for cache_name, row in caches.items():
         print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
-    write(args.out, {**provenance(command_line()), "model": name,
-                     "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
-                     "rounds": args.rounds, "caches": caches})  # fmt: skip
+    write(
+        args.out,
+        {
+            **provenance(command_line()),
+            "model": name,
+            "context": args.context,
+            "batch": args.batch,
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+            "caches": caches,
+        },
+    )
 
 
 if __name__ == "__main__":

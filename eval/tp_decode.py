@@ -45,12 +45,15 @@ from benchmarks.cases import free_memory  # noqa: E402
 from benchmarks.config import deep_merge  # noqa: E402
 from benchmarks.decoding import decode_case, generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
-    DTYPES, model_spec, random_rotations, random_tokens, save_random_model,
-)  # fmt: skip
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of  # noqa: E402
+    DTYPES,
+    model_spec,
+    random_rotations,
+    random_tokens,
+    save_random_model,
+)
 from benchmarks.multigpu import DEFAULTS  # noqa: E402
-
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of  # noqa: E402
 from oscar_hf.provenance import command_line, provenance  # noqa: E402
 
 
@@ -88,7 +91,7 @@ def greedy(model, cache_name: str, prompt: torch.Tensor, new_tokens: int, rotati
     """Greedy tokens after ``prompt`` (generate prefills it), and the cache it filled."""
     model.set_attn_implementation(attention_for(cache_name))
     cache = make_cache(cache_name, model, prompt.shape[1] + new_tokens + 8, rotations)
-    tokens = generate(model, cache, prompt, new_tokens)[:, prompt.shape[1]:]
+    tokens = generate(model, cache, prompt, new_tokens)[:, prompt.shape[1] :]
     return tokens.tolist(), cache
 
 
@@ -119,6 +122,7 @@ def gather(value, world: int) -> list:
 
 def first_mismatch(a: list[list[int]], b: list[list[int]]) -> int | None:
     """Index of the first decoding step at which two batches of token lists differ (None: identical)."""
+
     def column(rows: list[list[int]], step: int) -> list[int | None]:
         return [row[step] if step < len(row) else None for row in rows]
 
@@ -181,10 +185,15 @@ def main() -> None:
         identical = all(t == tokens for t in gather(tokens, world))
         row = {"cache": cache_name, "tokens": tokens, "identical_across_ranks": identical}
         if heads:
-            row.update(heads_per_rank=sorted(set(heads)), frozen_on_every_rank=frozen,
-                       heads_per_rank_ok=set(heads) == {text.num_key_value_heads // world})  # fmt: skip
+            row.update(
+                heads_per_rank=sorted(set(heads)),
+                frozen_on_every_rank=frozen,
+                heads_per_rank_ok=set(heads) == {text.num_key_value_heads // world},
+            )
         if heads and rotations.per_head:
-            row["own_head_rotations_on_every_rank"] = all(gather(own_head_rotations(cache, rotations, rank, world), world))
+            row["own_head_rotations_on_every_rank"] = all(
+                gather(own_head_rotations(cache, rotations, rank, world), world)
+            )
         del cache
         free_memory()
         row.update(decode_case(model, cache_name, prefill_fill(model, prompt), prompt, config, rotations))
@@ -202,12 +211,21 @@ def main() -> None:
 
     if rank == 0:
         result = {
-            **provenance(command_line(f"torchrun --standalone --nproc_per_node {world} "
-                                      f"{Path(__file__).relative_to(REPO).as_posix()}")),
-            "seconds": round(time.perf_counter() - started, 1), "world_size": world, "model": name,
-            "model_spec": spec, "context": context, "batch": batch, "new_tokens": new_tokens, "config": config,
+            **provenance(
+                command_line(
+                    f"torchrun --standalone --nproc_per_node {world} {Path(__file__).relative_to(REPO).as_posix()}"
+                )
+            ),
+            "seconds": round(time.perf_counter() - started, 1),
+            "world_size": world,
+            "model": name,
+            "model_spec": spec,
+            "context": context,
+            "batch": batch,
+            "new_tokens": new_tokens,
+            "config": config,
             "rows": rows,
-        }  # fmt: skip
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
         shutil.rmtree(path, ignore_errors=True)

@@ -169,8 +169,19 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     grid = (*grid, 1, 1)
     stream = triton.runtime.driver.active.get_current_stream(device)
     # no launch metadata and no hooks: none is observed (checked above)
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *trailing)  # fmt: skip
+    compiled.run(
+        grid[0],
+        grid[1],
+        grid[2],
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *trailing,
+    )
 
 
 def _observed(hook) -> bool:
@@ -191,15 +202,25 @@ def _argument_traits(args: tuple) -> tuple:
     host (a layer's strides change only when its buffers grow); :func:`_keyable` decides at a miss
     whether such a key may be kept. One expression: this runs for every launch of a decode step.
     """
-    return tuple([(arg.dtype, arg.data_ptr() % 16 == 0) if type(arg) is _Tensor
-                  else (arg % 16 == 0, arg == 1, arg in _I32, arg >= 2**63) if type(arg) is int
-                  else arg for arg in args])  # fmt: skip
+    return tuple(
+        [
+            (arg.dtype, arg.data_ptr() % 16 == 0)
+            if type(arg) is _Tensor
+            else (arg % 16 == 0, arg == 1, arg in _I32, arg >= 2**63)
+            if type(arg) is int
+            else arg
+            for arg in args
+        ]
+    )
 
 
 def _keyable(args: tuple) -> bool:
     """Whether every argument keyed by value is a float, flag, None or tuple of ints (strides)."""
-    return all(type(arg) in (_Tensor, int, float, bool, type(None))
-               or (type(arg) is tuple and all(type(value) is int for value in arg)) for arg in args)  # fmt: skip
+    return all(
+        type(arg) in (_Tensor, int, float, bool, type(None))
+        or (type(arg) is tuple and all(type(value) is int for value in arg))
+        for arg in args
+    )
 
 
 def cdiv(numerator: int, denominator: int) -> int:

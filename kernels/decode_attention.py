@@ -31,6 +31,7 @@ from oscar_hf.quant import QuantizedRows, check_bits, dequantize
 from ._triton import define_op, is_power_of_two, op_or_launcher, runs_triton
 from .decode_launch import decode_attention_triton
 
+
 @dataclass(frozen=True)
 class DecodeTiers:
     """What one decode step attends over, in the rotated basis: ``[sink | history | recent | new]``.
@@ -66,18 +67,48 @@ class DecodeTiers:
     lengths: torch.Tensor | None = None
 
     @classmethod
-    def from_flat(cls, tensors, k_bits: int, v_bits: int, key_mask: torch.Tensor | None = None,
-                  lengths: torch.Tensor | None = None) -> "DecodeTiers":  # fmt: skip
+    def from_flat(
+        cls,
+        tensors,
+        k_bits: int,
+        v_bits: int,
+        key_mask: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> "DecodeTiers":
         """The tiers from tensors in the kernels' argument order (:meth:`flat`)."""
         sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v = tensors
-        return cls(sink_k, sink_v, QuantizedRows(k_codes, k_scale, k_zero), QuantizedRows(v_codes, v_scale, v_zero),
-                   recent_k, recent_v, new_k, new_v, k_bits, v_bits, key_mask, lengths)  # fmt: skip
+        return cls(
+            sink_k,
+            sink_v,
+            QuantizedRows(k_codes, k_scale, k_zero),
+            QuantizedRows(v_codes, v_scale, v_zero),
+            recent_k,
+            recent_v,
+            new_k,
+            new_v,
+            k_bits,
+            v_bits,
+            key_mask,
+            lengths,
+        )
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """The tensors in the kernels' argument order (``torch.ops.oscar.decode_attention`` after ``q``)."""
         k, v = self.history_k, self.history_v
-        return (self.sink_k, self.sink_v, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
-                self.recent_k, self.recent_v, self.new_k, self.new_v)  # fmt: skip
+        return (
+            self.sink_k,
+            self.sink_v,
+            k.codes,
+            k.scale,
+            k.zero,
+            v.codes,
+            v.scale,
+            v.zero,
+            self.recent_k,
+            self.recent_v,
+            self.new_k,
+            self.new_v,
+        )
 
 
 # -------------------------------------------------------------------------------- torch reference
@@ -115,8 +146,9 @@ def decode_attention_reference(q: torch.Tensor, tiers: DecodeTiers, *, sm_scale:
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
-def _unroll_static(lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v,
-                   key_mask):  # fmt: skip
+def _unroll_static(
+    lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v, new_k, new_v, key_mask
+):
     """Static-decoding tiers as plain ones: the new rows stored in the ring's newest slots, then the first
     ``lengths[0]`` history rows, the ring's other valid rows in order from its start, and the sink mask
     extended with True for every other key."""
@@ -133,7 +165,6 @@ def _unroll_static(lengths, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, 
         rest = torch.ones(key_mask.shape[0], history + rows + n_new, dtype=torch.bool, device=key_mask.device)
         key_mask = torch.cat([key_mask.bool(), rest], dim=1)
     return (*packed, *recent, key_mask)
-
 
 
 # ------------------------------------------------------------------------------------ custom op
@@ -167,10 +198,30 @@ def _decode_attention_op(
     # Looked up through this module (see quantize._quantize_pack_op): a re-import reaches the new launcher.
     launch = sys.modules[__name__].decode_attention_triton
     return launch(
-        q, sink_k, sink_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, recent_k, recent_v,
-        new_k, new_v, key_mask, k_bits, v_bits, sm_scale, num_splits, block_n, num_warps, num_stages, lengths,
+        q,
+        sink_k,
+        sink_v,
+        k_codes,
+        k_scale,
+        k_zero,
+        v_codes,
+        v_scale,
+        v_zero,
+        recent_k,
+        recent_v,
+        new_k,
+        new_v,
+        key_mask,
+        k_bits,
+        v_bits,
+        sm_scale,
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+        lengths,
         history_settled,
-    )  # fmt: skip
+    )
 
 
 def _decode_attention_fake(q, *args):
@@ -192,13 +243,21 @@ def _check_inputs(q, dense, k_codes, k_scale, v_codes, v_scale, key_mask, k_bits
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
     for rows in dense:
         if rows.shape[:2] != (batch, kv_heads) or rows.shape[-1] != head_dim or rows.dtype != q.dtype:
-            raise ValueError(f"dense rows {tuple(rows.shape)} {rows.dtype} do not match [{batch}, {kv_heads}, *, "
-                             f"{head_dim}] {q.dtype}: q must be in the dtype of the windows")  # fmt: skip
+            raise ValueError(
+                f"dense rows {tuple(rows.shape)} {rows.dtype} do not match [{batch}, {kv_heads}, *, "
+                f"{head_dim}] {q.dtype}: q must be in the dtype of the windows"
+            )
     for name, codes, scale, bits in (("key", k_codes, k_scale, k_bits), ("value", v_codes, v_scale, v_bits)):
-        if (codes.shape[:3] != (batch, kv_heads, k_codes.shape[2]) or codes.shape[-1] * 8 != head_dim * bits
-                or scale.shape[:3] != codes.shape[:3] or head_dim % scale.shape[-1]):  # fmt: skip
-            raise ValueError(f"{name} history codes {tuple(codes.shape)} / scale {tuple(scale.shape)} do not fit "
-                             f"{bits}-bit rows of {head_dim} dims")  # fmt: skip
+        if (
+            codes.shape[:3] != (batch, kv_heads, k_codes.shape[2])
+            or codes.shape[-1] * 8 != head_dim * bits
+            or scale.shape[:3] != codes.shape[:3]
+            or head_dim % scale.shape[-1]
+        ):
+            raise ValueError(
+                f"{name} history codes {tuple(codes.shape)} / scale {tuple(scale.shape)} do not fit "
+                f"{bits}-bit rows of {head_dim} dims"
+            )
     masked = dense[0].shape[2]  # static decoding: the sink only
     if lengths is None:
         masked += k_codes.shape[2] + dense[2].shape[2] + dense[4].shape[2]
@@ -214,7 +273,9 @@ def column_blocks(bits: int) -> int:
     return 2 if bits == 4 else 4
 
 
-def kernel_supports_decode(head_dim: int, k_bits: int = 2, v_bits: int = 2, k_groups: int = 1, v_groups: int = 1) -> bool:
+def kernel_supports_decode(
+    head_dim: int, k_bits: int = 2, v_bits: int = 2, k_groups: int = 1, v_groups: int = 1
+) -> bool:
     """Tiles are column blocks of ``D / column_blocks(bits)`` dims: a power of two, at least 16 for
     ``tl.dot``, and each within one quantization group (``groups`` per row, at most that many blocks)."""
     blocks = (column_blocks(k_bits), column_blocks(v_bits))
@@ -260,4 +321,3 @@ def decode_attention(
         return decode_attention_reference(q, tiers, sm_scale=scale)
     launch = op_or_launcher(torch.ops.oscar.decode_attention, decode_attention_triton)
     return launch(q, *flat, key_mask, k_bits, v_bits, scale, num_splits, 0, 0, 0, lengths, history_settled)
-

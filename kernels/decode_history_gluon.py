@@ -23,10 +23,24 @@ from .gluon_span_variant import PRODUCTION, SpanVariant
 
 
 def history_into(
-    q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
-    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, partial_m: torch.Tensor, partial_l: torch.Tensor,
-    partial_acc: torch.Tensor, splits: int, chunk: int, lengths: torch.Tensor | None = None,
-    pipeline: bool | None = None, launch_dependents: bool = False, early: bool = False, *,
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    sm_scale: float,
+    partial_m: torch.Tensor,
+    partial_l: torch.Tensor,
+    partial_acc: torch.Tensor,
+    splits: int,
+    chunk: int,
+    lengths: torch.Tensor | None = None,
+    pipeline: bool | None = None,
+    launch_dependents: bool = False,
+    early: bool = False,
+    *,
     variant: SpanVariant = PRODUCTION,
 ) -> None:
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
@@ -61,23 +75,48 @@ def history_into(
     if pipeline is None:
         pipeline = aligned
     elif pipeline and not aligned:
-        raise ValueError("pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
-                         "16-row aligned (storage.ROW_ALIGNMENT)")
+        raise ValueError(
+            "pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
+            "16-row aligned (storage.ROW_ALIGNMENT)"
+        )
     if early and pipeline:  # a copy made here is the kernel just before the span: its rows are not settled
         originals = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero)
         early = all(a.data_ptr() == b.data_ptr() for a, b in zip((words_k, words_v, *meta), originals))
     else:
         early = False
-    launch_kernel(history_kernel, (batch, kv_heads, splits),
-        q, q.stride(0), words_k, *words_k.stride()[:2], words_v, *words_v.stride()[:2], *meta,
-        *strides[0], k_codes.shape[2], chunk, partial_m, partial_l, partial_acc, partial_m.shape[-1],
-        sm_scale * LOG2E, q if lengths is None else lengths,  # unread without RING
+    launch_kernel(
+        history_kernel,
+        (batch, kv_heads, splits),
+        q,
+        q.stride(0),
+        words_k,
+        *words_k.stride()[:2],
+        words_v,
+        *words_v.stride()[:2],
+        *meta,
+        *strides[0],
+        k_codes.shape[2],
+        chunk,
+        partial_m,
+        partial_l,
+        partial_acc,
+        partial_m.shape[-1],
+        sm_scale * LOG2E,
+        q if lengths is None else lengths,  # unread without RING
         q if variant.timeline is None else variant.timeline,  # unread untimed
-        GROUP=group, V_UNPACK=value_unpack_asm(), RING=lengths is not None, PIPELINE=pipeline,
-        LAUNCH_DEPENDENTS=launch_dependents, EARLY=early, PACK=halves(group, variant.two_halves),
-        TIMED=variant.timeline is not None, ROW_WORDS=words_k.stride(2),
-        num_warps=1, maxnreg=variant.registers, launch_pdl=early,
-    )  # fmt: skip
+        GROUP=group,
+        V_UNPACK=value_unpack_asm(),
+        RING=lengths is not None,
+        PIPELINE=pipeline,
+        LAUNCH_DEPENDENTS=launch_dependents,
+        EARLY=early,
+        PACK=halves(group, variant.two_halves),
+        TIMED=variant.timeline is not None,
+        ROW_WORDS=words_k.stride(2),
+        num_warps=1,
+        maxnreg=variant.registers,
+        launch_pdl=early,
+    )
 
 
 def _code_words(codes: torch.Tensor) -> torch.Tensor:
@@ -104,8 +143,17 @@ def staging_aligned(metadata: list[torch.Tensor]) -> bool:
 
 
 def history_partials(
-    q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, v_codes: torch.Tensor,
-    v_scale: torch.Tensor, v_zero: torch.Tensor, sm_scale: float, splits: int, pipeline: bool = False, *,
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    sm_scale: float,
+    splits: int,
+    pipeline: bool = False,
+    *,
     variant: SpanVariant = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The span over the whole packed history in ``splits`` chunks: ``(m, l, acc)`` per (batch, query
@@ -114,8 +162,23 @@ def history_partials(
     splits, chunk = split_rows(k_codes.shape[2], splits, 64)
     m = torch.empty(batch, q_heads, splits, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(batch, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, m, l, acc, splits, chunk,
-                 pipeline=pipeline, variant=variant)  # fmt: skip
+    history_into(
+        q,
+        k_codes,
+        k_scale,
+        k_zero,
+        v_codes,
+        v_scale,
+        v_zero,
+        sm_scale,
+        m,
+        l,
+        acc,
+        splits,
+        chunk,
+        pipeline=pipeline,
+        variant=variant,
+    )
     return m, l, acc
 
 

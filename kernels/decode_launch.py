@@ -18,8 +18,15 @@ import torch
 from oscar_hf.log import get_logger
 
 from ._triton import (
-    INTERPRET, LOG2E, cdiv, launch_kernel, next_power_of_two, programmatic_launch, split_rows, triton,
-)  # fmt: skip
+    INTERPRET,
+    LOG2E,
+    cdiv,
+    launch_kernel,
+    next_power_of_two,
+    programmatic_launch,
+    split_rows,
+    triton,
+)
 from .decode_stages import _decode_stage1_kernel, _decode_stage2_kernel
 from .decode_unpack import CODE_MAGIC, shift_free_blocks, unpack_asm
 from .gluon_span_variant import PRODUCTION, SpanVariant
@@ -87,7 +94,12 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _splits(
-    length: int, requested: int, programs_per_split: int, device: torch.device, block_n: int, programs_per_sm: int,
+    length: int,
+    requested: int,
+    programs_per_split: int,
+    device: torch.device,
+    block_n: int,
+    programs_per_sm: int,
     cap: int | None,
 ) -> tuple[int, int]:
     """``(splits, chunk)`` for a history of ``length`` rows; ``chunk`` is a multiple of ``block_n``.
@@ -163,11 +175,13 @@ def decode_attention_triton(
     programs_per_split = batch * kv_heads * head_blocks
     num_warps = num_warps or _WARPS
     if gluon:  # the explicit-layout span fills the history slots: one-warp programs of 64 keys, all heads
-        hist_splits, chunk_hist = _splits(n_hist, 0, batch * kv_heads, q.device, 64, span_variant.programs_per_sm(),
-                                          None)  # fmt: skip
+        hist_splits, chunk_hist = _splits(
+            n_hist, 0, batch * kv_heads, q.device, 64, span_variant.programs_per_sm(), None
+        )
     else:
-        hist_splits, chunk_hist = _splits(n_hist, num_splits, programs_per_split, q.device, block_n,
-                                          _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS)  # fmt: skip
+        hist_splits, chunk_hist = _splits(
+            n_hist, num_splits, programs_per_split, q.device, block_n, _PROGRAMS_PER_SM.get(num_warps, 1), _MAX_SPLITS
+        )
     n_slots = hist_splits + 3 * dense_splits
 
     partial_m, partial_l, partial_acc = _partials(batch, q_heads, n_slots, head_dim, q.device, reuse=lengths is None)
@@ -185,35 +199,105 @@ def decode_attention_triton(
     if gluon:
         from .decode_history_gluon import history_into  # Gluon is optional: imported once it has loaded
 
-        history_into(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sm_scale, partial_m, partial_l,
-                     partial_acc, hist_splits, chunk_hist, lengths, launch_dependents=overlap,
-                     early=overlap and history_settled, variant=span_variant)  # fmt: skip
-    launch_kernel(_decode_stage1_kernel, (batch, kv_heads * head_blocks, n_slots - first_slot),
+        history_into(
+            q,
+            k_codes,
+            k_scale,
+            k_zero,
+            v_codes,
+            v_scale,
+            v_zero,
+            sm_scale,
+            partial_m,
+            partial_l,
+            partial_acc,
+            hist_splits,
+            chunk_hist,
+            lengths,
+            launch_dependents=overlap,
+            early=overlap and history_settled,
+            variant=span_variant,
+        )
+    launch_kernel(
+        _decode_stage1_kernel,
+        (batch, kv_heads * head_blocks, n_slots - first_slot),
         *t(q),
-        *t(sink_k), *t(sink_v), n_sink, _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
-        *t(recent_k), *t(recent_v), n_recent, _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
-        *t(new_k), *t(new_v), n_new, _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
-        *t(k_codes), *t(k_scale), *t(k_zero), *t(v_codes), *t(v_scale), *t(v_zero), n_hist, chunk_hist,
-        mask, mask.stride(0), partial_m, partial_l, partial_acc, sm_scale * LOG2E, hist_splits, dense_splits, n_slots,
-        first_slot, q if lengths is None else lengths,  # unread without RING
-        GROUP=group, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=_DENSE_BLOCK_N, D=head_dim,
-        K_BITS=k_bits, K_GROUPS=k_scale.shape[-1], V_BITS=v_bits, V_GROUPS=v_scale.shape[-1],
-        MAGIC=magic, OFFSET=offset, K_FREE=shift_free_blocks(k_bits, q.dtype), V_FREE=shift_free_blocks(v_bits, q.dtype),
+        *t(sink_k),
+        *t(sink_v),
+        n_sink,
+        _dense_chunk(n_sink, dense_splits, _DENSE_BLOCK_N),
+        *t(recent_k),
+        *t(recent_v),
+        n_recent,
+        _dense_chunk(n_recent, dense_splits, _DENSE_BLOCK_N),
+        *t(new_k),
+        *t(new_v),
+        n_new,
+        _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
+        *t(k_codes),
+        *t(k_scale),
+        *t(k_zero),
+        *t(v_codes),
+        *t(v_scale),
+        *t(v_zero),
+        n_hist,
+        chunk_hist,
+        mask,
+        mask.stride(0),
+        partial_m,
+        partial_l,
+        partial_acc,
+        sm_scale * LOG2E,
+        hist_splits,
+        dense_splits,
+        n_slots,
+        first_slot,
+        q if lengths is None else lengths,  # unread without RING
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        DENSE_BLOCK_N=_DENSE_BLOCK_N,
+        D=head_dim,
+        K_BITS=k_bits,
+        K_GROUPS=k_scale.shape[-1],
+        V_BITS=v_bits,
+        V_GROUPS=v_scale.shape[-1],
+        MAGIC=magic,
+        OFFSET=offset,
+        K_FREE=shift_free_blocks(k_bits, q.dtype),
+        V_FREE=shift_free_blocks(v_bits, q.dtype),
         K_UNPACK="" if INTERPRET else unpack_asm(k_bits, q.dtype),
         V_UNPACK="" if INTERPRET else unpack_asm(v_bits, q.dtype),
-        HAS_MASK=key_mask is not None, RING=lengths is not None, INTERPRETED=INTERPRET, AFTER_SPAN=overlap,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=overlap,
-    )  # fmt: skip
+        HAS_MASK=key_mask is not None,
+        RING=lengths is not None,
+        INTERPRETED=INTERPRET,
+        AFTER_SPAN=overlap,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=overlap,
+    )
     # Blocks of dims spread the merge over more programs than one a head (kernels/DESIGN.md);
     # narrower beyond 256 slots, so that a program's tile stays within merge_tile floats.
     slots = next_power_of_two(n_slots)
     block_d = min(head_dim, _MERGE_BLOCK_D, max(1, launch_variant.merge_tile // slots))
     merge = launch_variant.merge_kernel or _decode_stage2_kernel
-    launch_kernel(merge, (batch, q_heads, head_dim // block_d),
-        partial_m, partial_l, partial_acc, *t(out), n_slots,
-        D=head_dim, BLOCK_D=block_d, SLOTS=slots, INTERPRETED=INTERPRET, DEPENDENT=overlap,
-        num_warps=launch_variant.merge_warps, launch_pdl=overlap,
-    )  # fmt: skip
+    launch_kernel(
+        merge,
+        (batch, q_heads, head_dim // block_d),
+        partial_m,
+        partial_l,
+        partial_acc,
+        *t(out),
+        n_slots,
+        D=head_dim,
+        BLOCK_D=block_d,
+        SLOTS=slots,
+        INTERPRETED=INTERPRET,
+        DEPENDENT=overlap,
+        num_warps=launch_variant.merge_warps,
+        launch_pdl=overlap,
+    )
     return out
 
 
@@ -260,11 +344,17 @@ def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) ->
     if choice not in (None, *HISTORY_KERNELS):
         raise ValueError(f"OSCAR_DECODE_HISTORY={choice!r}: expected one of {HISTORY_KERNELS}")
     covered = (
-        choice != "triton" and q.is_cuda and not INTERPRET
-        and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and (k_bits, v_bits) == (2, 2)
-        and k_scale.shape[-1] == v_scale.shape[-1] == 1 and q.shape[1] // k_codes.shape[1] <= 8
-        and not tuned and k_codes.shape[2] > 0
-    )  # fmt: skip
+        choice != "triton"
+        and q.is_cuda
+        and not INTERPRET
+        and q.dtype == torch.bfloat16
+        and q.shape[-1] == 128
+        and (k_bits, v_bits) == (2, 2)
+        and k_scale.shape[-1] == v_scale.shape[-1] == 1
+        and q.shape[1] // k_codes.shape[1] <= 8
+        and not tuned
+        and k_codes.shape[2] > 0
+    )
     if not covered:
         return False
     reason = _gluon_unavailable()
@@ -293,4 +383,3 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int,
         tensor = tensor.contiguous()
         strides = tensor.stride()
     return tensor, strides[:-1]
-

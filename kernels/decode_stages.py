@@ -24,9 +24,30 @@ from .decode_unpack import load_code_blocks, part_factor
 
 @triton.jit
 def _attend(
-    q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, score_scale,
-    K_PARTS: tl.constexpr, V_PARTS: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    q0,
+    q1,
+    q2,
+    q3,
+    k0,
+    k1,
+    k2,
+    k3,
+    v0,
+    v1,
+    v2,
+    v3,
+    valid,
+    m_i,
+    l_i,
+    a0,
+    a1,
+    a2,
+    a3,
+    score_scale,
+    K_PARTS: tl.constexpr,
+    V_PARTS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """One online-softmax step of ``BLOCK_H`` query heads over a ``BLOCK_N``-row K/V tile.
 
     Tiles come as column blocks (``q_j``, ``k_j``: dims ``[j*D/K_PARTS, (j+1)*D/K_PARTS)``; ``v_j`` and
@@ -67,7 +88,6 @@ def _load_parts(BASE, stride_n, rows, valid, D: tl.constexpr, PARTS: tl.constexp
     else:
         x2, x3 = x0, x1
     return x0, x1, x2, x3
-
 
 
 @triton.jit
@@ -111,9 +131,31 @@ def _affine(dots, q_sum, bias, score_scale, scales, zeros, GROUP: tl.constexpr, 
 
 @triton.jit
 def _packed_scores(
-    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, scales, zeros,
-    D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    q0,
+    q1,
+    q2,
+    q3,
+    q_sum,
+    s0,
+    s1,
+    s2,
+    s3,
+    b0,
+    b1,
+    b2,
+    b3,
+    k0,
+    k1,
+    k2,
+    k3,
+    score_scale,
+    scales,
+    zeros,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """``q·k`` over packed keys without dequantizing them (the tile stays codes, see :func:`_affine`).
 
     Per-row metadata makes dequantization affine, so it moves from the ``N x D`` key tile to the
@@ -143,8 +185,9 @@ def _packed_scores(
 
 
 @triton.jit
-def _value_weights(p, scales, zeros, GROUP: tl.constexpr, GROUPS: tl.constexpr, DTYPE: tl.constexpr,
-                   INTERPRETED: tl.constexpr):  # fmt: skip
+def _value_weights(
+    p, scales, zeros, GROUP: tl.constexpr, GROUPS: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr
+):
     """``w = p * scale`` as the dot operand, and per head ``sum(w)`` and ``sum(w * zero)``.
 
     ``sum_n w_n (c_n - zero_n) = (w·(OFFSET + f c) - OFFSET sum(w)) / f - sum(w * zero)`` for a column
@@ -165,13 +208,53 @@ def _divided(q, J: tl.constexpr, BITS: tl.constexpr, FREE: tl.constexpr):
 
 @triton.jit
 def _packed_span(
-    q0, q1, q2, q3, q_sum, s0, s1, s2, s3, m_i, l_i, a0, a1, a2, a3,
-    KC, kc_n, KS, ks_n, KZ, kz_n, VC, vc_n, VS, vs_n, VZ, vz_n, start, end, MASK, position, score_scale,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr,
-    V_BITS: tl.constexpr, V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-    K_FREE: tl.constexpr, V_FREE: tl.constexpr, K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr,
-    HAS_MASK: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    q0,
+    q1,
+    q2,
+    q3,
+    q_sum,
+    s0,
+    s1,
+    s2,
+    s3,
+    m_i,
+    l_i,
+    a0,
+    a1,
+    a2,
+    a3,
+    KC,
+    kc_n,
+    KS,
+    ks_n,
+    KZ,
+    kz_n,
+    VC,
+    vc_n,
+    VS,
+    vs_n,
+    VZ,
+    vz_n,
+    start,
+    end,
+    MASK,
+    position,
+    score_scale,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_GROUPS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_GROUPS: tl.constexpr,
+    MAGIC: tl.constexpr,
+    OFFSET: tl.constexpr,
+    K_FREE: tl.constexpr,
+    V_FREE: tl.constexpr,
+    K_UNPACK: tl.constexpr,
+    V_UNPACK: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Attend over packed history rows ``[start, end)`` of one KV head; codes are never dequantized."""
     V_PARTS: tl.constexpr = 4 - 2 * (V_BITS // 4)
     dtype = q0.dtype
@@ -193,22 +276,48 @@ def _packed_span(
         ahead = _metadata(KS, ks_n, KZ, kz_n, K_GROUPS, VS, vs_n, VZ, vz_n, V_GROUPS, rows + BLOCK_N, end)
         k0, k1, k2, k3 = load_code_blocks(KC, kc_n, rows, valid, D, K_BITS, dtype, MAGIC, K_FREE, K_UNPACK)
         scores = _packed_scores(
-            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, b0, b1, b2, b3, k0, k1, k2, k3, score_scale, k_scales, k_zeros,
-            D, K_BITS, K_GROUPS, INTERPRETED,
-        )  # fmt: skip
+            q0,
+            q1,
+            q2,
+            q3,
+            q_sum,
+            s0,
+            s1,
+            s2,
+            s3,
+            b0,
+            b1,
+            b2,
+            b3,
+            k0,
+            k1,
+            k2,
+            k3,
+            score_scale,
+            k_scales,
+            k_zeros,
+            D,
+            K_BITS,
+            K_GROUPS,
+            INTERPRETED,
+        )
         m_i, l_i, alpha, p = _online_softmax(scores, valid, m_i, l_i)
         v0, v1, v2, v3 = load_code_blocks(VC, vc_n, rows, valid, D, V_BITS, dtype, MAGIC, V_FREE, V_UNPACK)
-        w0, sw0, sz0 = _value_weights(p, v_scales, v_zeros, _group_of(0, D, V_BITS, V_GROUPS), V_GROUPS, dtype,
-                                      INTERPRETED)  # fmt: skip
+        w0, sw0, sz0 = _value_weights(
+            p, v_scales, v_zeros, _group_of(0, D, V_BITS, V_GROUPS), V_GROUPS, dtype, INTERPRETED
+        )
         w1, sw1, sz1, w2, sw2, sz2, w3, sw3, sz3 = w0, sw0, sz0, w0, sw0, sz0, w0, sw0, sz0
         if V_GROUPS > 1:
-            w1, sw1, sz1 = _value_weights(p, v_scales, v_zeros, _group_of(1, D, V_BITS, V_GROUPS), V_GROUPS, dtype,
-                                          INTERPRETED)  # fmt: skip
+            w1, sw1, sz1 = _value_weights(
+                p, v_scales, v_zeros, _group_of(1, D, V_BITS, V_GROUPS), V_GROUPS, dtype, INTERPRETED
+            )
             if V_PARTS == 4:
-                w2, sw2, sz2 = _value_weights(p, v_scales, v_zeros, _group_of(2, D, V_BITS, V_GROUPS), V_GROUPS,
-                                              dtype, INTERPRETED)  # fmt: skip
-                w3, sw3, sz3 = _value_weights(p, v_scales, v_zeros, _group_of(3, D, V_BITS, V_GROUPS), V_GROUPS,
-                                              dtype, INTERPRETED)  # fmt: skip
+                w2, sw2, sz2 = _value_weights(
+                    p, v_scales, v_zeros, _group_of(2, D, V_BITS, V_GROUPS), V_GROUPS, dtype, INTERPRETED
+                )
+                w3, sw3, sz3 = _value_weights(
+                    p, v_scales, v_zeros, _group_of(3, D, V_BITS, V_GROUPS), V_GROUPS, dtype, INTERPRETED
+                )
         k_scales, k_zeros, v_scales, v_zeros = ahead
         a0 = a0 * alpha[:, None] + dot(w0, v0, INTERPRETED)
         a1 = a1 * alpha[:, None] + dot(w1, v1, INTERPRETED)
@@ -242,11 +351,36 @@ def _online_softmax(scores, valid, m_i, l_i):
 
 @triton.jit
 def _dense_span(
-    q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, K, k_stride_n, V, v_stride_n, start, end, MASK, position, score_scale,
-    ring_start, ring_rows, ring_size,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, K_PARTS: tl.constexpr, V_PARTS: tl.constexpr,
-    HAS_MASK: tl.constexpr, RING: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    q0,
+    q1,
+    q2,
+    q3,
+    m_i,
+    l_i,
+    a0,
+    a1,
+    a2,
+    a3,
+    K,
+    k_stride_n,
+    V,
+    v_stride_n,
+    start,
+    end,
+    MASK,
+    position,
+    score_scale,
+    ring_start,
+    ring_rows,
+    ring_size,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_PARTS: tl.constexpr,
+    V_PARTS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    RING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Attend over dense rows ``[start, end)`` of one KV head (K/V point at that head's row 0).
 
     With ``RING`` the rows are a ring buffer of ``ring_size`` rows of which the ``ring_rows`` from
@@ -260,15 +394,49 @@ def _dense_span(
         k0, k1, k2, k3 = _load_parts(K, k_stride_n, rows, valid, D, K_PARTS)
         v0, v1, v2, v3 = _load_parts(V, v_stride_n, rows, valid, D, V_PARTS)
         m_i, l_i, a0, a1, a2, a3 = _attend(
-            q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, m_i, l_i, a0, a1, a2, a3, score_scale,
-            K_PARTS, V_PARTS, INTERPRETED,
-        )  # fmt: skip
+            q0,
+            q1,
+            q2,
+            q3,
+            k0,
+            k1,
+            k2,
+            k3,
+            v0,
+            v1,
+            v2,
+            v3,
+            valid,
+            m_i,
+            l_i,
+            a0,
+            a1,
+            a2,
+            a3,
+            score_scale,
+            K_PARTS,
+            V_PARTS,
+            INTERPRETED,
+        )
     return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit
-def _store_new_rows(NK, nk_stride_n, NV, nv_stride_n, RK, rk_stride_n, RV, rv_stride_n, start, end, first_slot,
-                    ring_size, D: tl.constexpr):  # fmt: skip
+def _store_new_rows(
+    NK,
+    nk_stride_n,
+    NV,
+    nv_stride_n,
+    RK,
+    rk_stride_n,
+    RV,
+    rv_stride_n,
+    start,
+    end,
+    first_slot,
+    ring_size,
+    D: tl.constexpr,
+):
     """Static decoding: new rows ``[start, end)`` of one KV head into its ring, row r at slot
     ``(first_slot + r) % ring_size`` (the launch that attends them also stores them)."""
     dims = tl.arange(0, D)
@@ -278,25 +446,77 @@ def _store_new_rows(NK, nk_stride_n, NV, nv_stride_n, RK, rk_stride_n, RV, rv_st
         tl.store(RV + slot * rv_stride_n + dims, tl.load(NV + row * nv_stride_n + dims))
 
 
-
 # ---------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, q_st,
-    SK, sk_st, SV, sv_st, n_sink, chunk_sink,
-    RK, rk_st, RV, rv_st, n_recent, chunk_recent,
-    NK, nk_st, NV, nv_st, n_new, chunk_new,
-    KC, kc_st, KS, ks_st, KZ, kz_st, VC, vc_st, VS, vs_st, VZ, vz_st, n_hist, chunk_hist,
-    MASK, mask_stride_b, PM, PL, PACC, score_scale, hist_splits, dense_splits, n_slots, first_slot, LENGTHS,
-    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    q_st,
+    SK,
+    sk_st,
+    SV,
+    sv_st,
+    n_sink,
+    chunk_sink,
+    RK,
+    rk_st,
+    RV,
+    rv_st,
+    n_recent,
+    chunk_recent,
+    NK,
+    nk_st,
+    NV,
+    nv_st,
+    n_new,
+    chunk_new,
+    KC,
+    kc_st,
+    KS,
+    ks_st,
+    KZ,
+    kz_st,
+    VC,
+    vc_st,
+    VS,
+    vs_st,
+    VZ,
+    vz_st,
+    n_hist,
+    chunk_hist,
+    MASK,
+    mask_stride_b,
+    PM,
+    PL,
+    PACC,
+    score_scale,
+    hist_splits,
+    dense_splits,
+    n_slots,
+    first_slot,
+    LENGTHS,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DENSE_BLOCK_N: tl.constexpr,
-    D: tl.constexpr, K_BITS: tl.constexpr, K_GROUPS: tl.constexpr, V_BITS: tl.constexpr,
-    V_GROUPS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, K_FREE: tl.constexpr, V_FREE: tl.constexpr,
-    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, HAS_MASK: tl.constexpr, RING: tl.constexpr,
-    INTERPRETED: tl.constexpr, AFTER_SPAN: tl.constexpr,
-):  # fmt: skip
+    D: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_GROUPS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_GROUPS: tl.constexpr,
+    MAGIC: tl.constexpr,
+    OFFSET: tl.constexpr,
+    K_FREE: tl.constexpr,
+    V_FREE: tl.constexpr,
+    K_UNPACK: tl.constexpr,
+    V_UNPACK: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    RING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    AFTER_SPAN: tl.constexpr,
+):
     if AFTER_SPAN:
         # Launched while the Gluon span still runs (programmatic dependent launch), on slots it does not
         # touch. The merge may launch as soon as every program here has started: it waits for this grid,
@@ -342,46 +562,171 @@ def _decode_stage1_kernel(
         else:
             q_sum = s0 + s1
         m_i, l_i, a0, a1, a2, a3 = _packed_span(
-            q0, q1, q2, q3, q_sum, s0, s1, s2, s3, m_i, l_i, a0, a1, a2, a3,
-            KC + b * kc_st[0] + kv_head * kc_st[1], kc_st[2], KS + b * ks_st[0] + kv_head * ks_st[1], ks_st[2],
-            KZ + b * kz_st[0] + kv_head * kz_st[1], kz_st[2], VC + b * vc_st[0] + kv_head * vc_st[1], vc_st[2],
-            VS + b * vs_st[0] + kv_head * vs_st[1], vs_st[2], VZ + b * vz_st[0] + kv_head * vz_st[1], vz_st[2],
-            start, tl.minimum(start + chunk_hist, n_hist), MASK, n_sink, score_scale,
-            D, BLOCK_N, K_BITS, K_GROUPS, V_BITS, V_GROUPS, MAGIC, OFFSET, K_FREE, V_FREE, K_UNPACK, V_UNPACK, TIER_MASK,
+            q0,
+            q1,
+            q2,
+            q3,
+            q_sum,
+            s0,
+            s1,
+            s2,
+            s3,
+            m_i,
+            l_i,
+            a0,
+            a1,
+            a2,
+            a3,
+            KC + b * kc_st[0] + kv_head * kc_st[1],
+            kc_st[2],
+            KS + b * ks_st[0] + kv_head * ks_st[1],
+            ks_st[2],
+            KZ + b * kz_st[0] + kv_head * kz_st[1],
+            kz_st[2],
+            VC + b * vc_st[0] + kv_head * vc_st[1],
+            vc_st[2],
+            VS + b * vs_st[0] + kv_head * vs_st[1],
+            vs_st[2],
+            VZ + b * vz_st[0] + kv_head * vz_st[1],
+            vz_st[2],
+            start,
+            tl.minimum(start + chunk_hist, n_hist),
+            MASK,
+            n_sink,
+            score_scale,
+            D,
+            BLOCK_N,
+            K_BITS,
+            K_GROUPS,
+            V_BITS,
+            V_GROUPS,
+            MAGIC,
+            OFFSET,
+            K_FREE,
+            V_FREE,
+            K_UNPACK,
+            V_UNPACK,
+            TIER_MASK,
             INTERPRETED,
-        )  # fmt: skip
+        )
     else:
         tier = (slot - hist_splits) // dense_splits
         split = (slot - hist_splits) % dense_splits
         if tier == 0:
             start = split * chunk_sink
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
-                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, SK + b * sk_st[0] + kv_head * sk_st[1], sk_st[2],
-                SV + b * sv_st[0] + kv_head * sv_st[1], sv_st[2], start, tl.minimum(start + chunk_sink, n_sink),
-                MASK, 0, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, HAS_MASK, False, INTERPRETED,
-            )  # fmt: skip
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                a0,
+                a1,
+                a2,
+                a3,
+                SK + b * sk_st[0] + kv_head * sk_st[1],
+                sk_st[2],
+                SV + b * sv_st[0] + kv_head * sv_st[1],
+                sv_st[2],
+                start,
+                tl.minimum(start + chunk_sink, n_sink),
+                MASK,
+                0,
+                score_scale,
+                0,
+                0,
+                1,
+                D,
+                DENSE_BLOCK_N,
+                K_PARTS,
+                V_PARTS,
+                HAS_MASK,
+                False,
+                INTERPRETED,
+            )
         elif tier == 1:
             start = split * chunk_recent
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
-                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2],
-                RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2], start, tl.minimum(start + chunk_recent, n_recent),
-                MASK, n_sink + n_hist, score_scale, ring_start, ring_rows, n_recent, D, DENSE_BLOCK_N, K_PARTS, V_PARTS,
-                TIER_MASK, RING, INTERPRETED,
-            )  # fmt: skip
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                a0,
+                a1,
+                a2,
+                a3,
+                RK + b * rk_st[0] + kv_head * rk_st[1],
+                rk_st[2],
+                RV + b * rv_st[0] + kv_head * rv_st[1],
+                rv_st[2],
+                start,
+                tl.minimum(start + chunk_recent, n_recent),
+                MASK,
+                n_sink + n_hist,
+                score_scale,
+                ring_start,
+                ring_rows,
+                n_recent,
+                D,
+                DENSE_BLOCK_N,
+                K_PARTS,
+                V_PARTS,
+                TIER_MASK,
+                RING,
+                INTERPRETED,
+            )
         else:
             start = split * chunk_new
             if RING and tl.program_id(1) % HEAD_BLOCKS == 0:
                 _store_new_rows(
-                    NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2], NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2],
-                    RK + b * rk_st[0] + kv_head * rk_st[1], rk_st[2], RV + b * rv_st[0] + kv_head * rv_st[1], rv_st[2],
-                    start, tl.minimum(start + chunk_new, n_new), ring_start + ring_rows, n_recent, D,
-                )  # fmt: skip
+                    NK + b * nk_st[0] + kv_head * nk_st[1],
+                    nk_st[2],
+                    NV + b * nv_st[0] + kv_head * nv_st[1],
+                    nv_st[2],
+                    RK + b * rk_st[0] + kv_head * rk_st[1],
+                    rk_st[2],
+                    RV + b * rv_st[0] + kv_head * rv_st[1],
+                    rv_st[2],
+                    start,
+                    tl.minimum(start + chunk_new, n_new),
+                    ring_start + ring_rows,
+                    n_recent,
+                    D,
+                )
             m_i, l_i, a0, a1, a2, a3 = _dense_span(
-                q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, NK + b * nk_st[0] + kv_head * nk_st[1], nk_st[2],
-                NV + b * nv_st[0] + kv_head * nv_st[1], nv_st[2], start, tl.minimum(start + chunk_new, n_new),
-                MASK, n_sink + n_hist + n_recent, score_scale, 0, 0, 1, D, DENSE_BLOCK_N, K_PARTS, V_PARTS, TIER_MASK, False,
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                a0,
+                a1,
+                a2,
+                a3,
+                NK + b * nk_st[0] + kv_head * nk_st[1],
+                nk_st[2],
+                NV + b * nv_st[0] + kv_head * nv_st[1],
+                nv_st[2],
+                start,
+                tl.minimum(start + chunk_new, n_new),
+                MASK,
+                n_sink + n_hist + n_recent,
+                score_scale,
+                0,
+                0,
+                1,
+                D,
+                DENSE_BLOCK_N,
+                K_PARTS,
+                V_PARTS,
+                TIER_MASK,
+                False,
                 INTERPRETED,
-            )  # fmt: skip
+            )
 
     out = (b * (tl.num_programs(1) // HEAD_BLOCKS * GROUP) + heads) * n_slots + slot
     tl.store(PM + out, m_i, mask=head_ok)
@@ -399,10 +744,18 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    PM, PL, PACC, O, o_st, n_slots,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
+    PM,
+    PL,
+    PACC,
+    O,
+    o_st,
+    n_slots,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     DEPENDENT: tl.constexpr,
-):  # fmt: skip
+):
     """Merge the slots of one (batch, query head, block of dims): exact softmax over all tiers and splits.
     ``DEPENDENT``: launched before stage 1 has finished (programmatic dependent launch); waits for it."""
     if DEPENDENT:
@@ -423,4 +776,3 @@ def _decode_stage2_kernel(
     total = tl.sum(weight * l, axis=0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)  # all masked -> 0
     tl.store(O + b * o_st[0] + head * o_st[1] + dims, to_dtype(out, O.dtype.element_ty, INTERPRETED))
-

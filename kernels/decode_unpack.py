@@ -52,8 +52,7 @@ def _as_dtype(codes, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr,
-                FREE: tl.constexpr):  # fmt: skip
+def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr):
     """Column block ``J`` of packed bytes (``int16``) as ``DTYPE`` values ``OFFSET + factor * code``, exactly.
 
     Bits ``J*BITS..`` of byte ``c`` are dim ``J*D/k + c`` (k = 8/BITS codes per byte). For 16-bit
@@ -73,8 +72,9 @@ def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, M
 
 
 @triton.jit
-def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr,
-                 UNPACK: tl.constexpr):  # fmt: skip
+def _code_blocks(
+    raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr, UNPACK: tl.constexpr
+):
     """All column blocks of a packed ``uint8`` tile (blocks 2-3 repeat 0-1 for 4-bit codes).
 
     With ``UNPACK`` (PTX from :func:`unpack_asm`: compiled 16-bit kernels) the 4 bytes a thread holds
@@ -84,11 +84,13 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
     PARTS: tl.constexpr = 8 // BITS
     if UNPACK != "":
         if PARTS == 4:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r", [raw],
-                                                       dtype=(DTYPE.value,) * 4, is_pure=True, pack=4)  # fmt: skip
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r", [raw], dtype=(DTYPE.value,) * 4, is_pure=True, pack=4
+            )
         else:
-            c0, c1 = tl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,r", [raw], dtype=(DTYPE.value,) * 2, is_pure=True,
-                                               pack=4)  # fmt: skip
+            c0, c1 = tl.inline_asm_elementwise(
+                UNPACK, "=r,=r,=r,=r,r", [raw], dtype=(DTYPE.value,) * 2, is_pure=True, pack=4
+            )
             c2, c3 = c0, c1
     else:
         raw = raw.to(tl.int16)
@@ -100,8 +102,18 @@ def _code_blocks(raw, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constex
 
 
 @triton.jit
-def load_code_blocks(C, c_n, rows, valid, D: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr,
-                      MAGIC: tl.constexpr, FREE: tl.constexpr, UNPACK: tl.constexpr):  # fmt: skip
+def load_code_blocks(
+    C,
+    c_n,
+    rows,
+    valid,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    DTYPE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    FREE: tl.constexpr,
+    UNPACK: tl.constexpr,
+):
     """The column blocks of packed rows ``rows`` of one head (``C`` its row 0), as :func:`_code_blocks`."""
     if BITS == 1:
         # Block j's two halves are bits 2j and 2j + 1 of the plane's bytes: a [N, D/4] tile of them, as
@@ -167,7 +179,6 @@ def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr)
     return _as_dtype(codes, DTYPE, MAGIC)
 
 
-
 # ----------------------------------------------------------------------------- host side
 
 
@@ -211,4 +222,3 @@ def unpack_asm(bits: int, dtype: torch.dtype) -> str:
                 lines.append(f"shr.b32 t, {word}, {j * bits};")
             lines.append(f"lop3.b32 ${2 * j + half}, {source}, {mask}, {magic2}, 0xEA;")
     return "{ " + " ".join(lines).replace("$IN", f"${2 * (8 // bits)}") + " }"
-

@@ -40,12 +40,39 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_span_layouts import (
-    COPY_K, COPY_V, HEAD_COLS, K_STAGES, META, META_COPY, META_PAIRS, META_STAGES, MMA, V_STAGES, WORDS_K, WORDS_V,
-    D, as_columns, broadcast_heads, by_half, head_halves, head_total, key_rows, lane_sum,
-)  # fmt: skip
+    COPY_K,
+    COPY_V,
+    HEAD_COLS,
+    K_STAGES,
+    META,
+    META_COPY,
+    META_PAIRS,
+    META_STAGES,
+    MMA,
+    V_STAGES,
+    WORDS_K,
+    WORDS_V,
+    D,
+    as_columns,
+    broadcast_heads,
+    by_half,
+    head_halves,
+    head_total,
+    key_rows,
+    lane_sum,
+)
 from .gluon_span_operands import (
-    OFFSET, half_columns, k_operands, narrow, q_int8, unpack_k, unpack_v, v_operands, weights_operand, widen,
-)  # fmt: skip
+    OFFSET,
+    half_columns,
+    k_operands,
+    narrow,
+    q_int8,
+    unpack_k,
+    unpack_v,
+    v_operands,
+    weights_operand,
+    widen,
+)
 
 # Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later versions async_load and barrier.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -76,8 +103,12 @@ def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASK
         raw_k = gl.load(KC + k_offsets, mask=(k_rows < n)[:, None], other=0)
         raw_v = gl.load(VC + v_offsets, mask=(v_rows < n)[:, None], other=0)
         ok = rows < n
-        meta = (gl.load(KS + rows, mask=ok, other=0.0), gl.load(KZ + rows, mask=ok, other=0.0),
-                gl.load(VS + rows, mask=ok, other=0.0), gl.load(VZ + rows, mask=ok, other=0.0))  # fmt: skip
+        meta = (
+            gl.load(KS + rows, mask=ok, other=0.0),
+            gl.load(KZ + rows, mask=ok, other=0.0),
+            gl.load(VS + rows, mask=ok, other=0.0),
+            gl.load(VZ + rows, mask=ok, other=0.0),
+        )
     else:
         raw_k, raw_v = gl.load(KC + k_offsets), gl.load(VC + v_offsets)
         meta = (gl.load(KS + rows), gl.load(KZ + rows), gl.load(VS + rows), gl.load(VZ + rows))
@@ -88,12 +119,14 @@ def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASK
 def _stage_buffers(KS):
     """Two stages of a tile's K and V words and of its four metadata vectors, in shared memory."""
     meta = KS.dtype.element_ty
-    return (gl.allocate_shared_memory(gl.int32, [2, 64, 8], K_STAGES),
-            gl.allocate_shared_memory(gl.int32, [2, 64, 8], V_STAGES),
-            gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-            gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-            gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-            gl.allocate_shared_memory(meta, [2, 64], META_STAGES))  # fmt: skip
+    return (
+        gl.allocate_shared_memory(gl.int32, [2, 64, 8], K_STAGES),
+        gl.allocate_shared_memory(gl.int32, [2, 64, 8], V_STAGES),
+        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
+    )
 
 
 @gluon.jit
@@ -117,16 +150,21 @@ def _staged_tile(buffers, stage, PACK: gl.constexpr):
     """A copied tile read back from ``stage`` in the layouts :func:`_load_tile` gives."""
     k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
     layout: gl.constexpr = META_PAIRS if PACK == 2 else META
-    meta = (ks_buf.index(stage).load(layout), kz_buf.index(stage).load(layout), vs_buf.index(stage).load(layout),
-            vz_buf.index(stage).load(layout))  # fmt: skip
+    meta = (
+        ks_buf.index(stage).load(layout),
+        kz_buf.index(stage).load(layout),
+        vs_buf.index(stage).load(layout),
+        vz_buf.index(stage).load(layout),
+    )
     return k_buf.index(stage).load(WORDS_K), v_buf.index(stage).load(WORDS_V), meta
 
 
 @gluon.jit
 def _launch_dependents():
     """Let the next kernel in the stream, if launched programmatically, start now."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
 
 
 @gluon.jit
@@ -152,8 +190,9 @@ def placement(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 @gluon.jit
 def _clock(after):
     """The SM's cycle counter, read once ``after`` (a scalar) is computed."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,f", [after], dtype=gl.int64, is_pure=False,
-                                     pack=1)  # fmt: skip
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64; // $1", "=l,f", [after], dtype=gl.int64, is_pure=False, pack=1
+    )
 
 
 # Special registers as int64, for _special: the SM's cycle counter, the global timer (ns), the SM and the warp slot.
@@ -171,12 +210,39 @@ def _special(READ: gl.constexpr):
 
 @gluon.jit
 def history_kernel(
-    Q, q_b, KW, kw_b, kw_h, VW, vw_b, vw_h, KS, KZ, VS, VZ, meta_b, meta_h,
-    n_hist, chunk, PM, PL, PACC, n_slots, score_scale, LENGTHS, TIMES,
-    GROUP: gl.constexpr, V_UNPACK: gl.constexpr, RING: gl.constexpr, PIPELINE: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr,
+    Q,
+    q_b,
+    KW,
+    kw_b,
+    kw_h,
+    VW,
+    vw_b,
+    vw_h,
+    KS,
+    KZ,
+    VS,
+    VZ,
+    meta_b,
+    meta_h,
+    n_hist,
+    chunk,
+    PM,
+    PL,
+    PACC,
+    n_slots,
+    score_scale,
+    LENGTHS,
+    TIMES,
+    GROUP: gl.constexpr,
+    V_UNPACK: gl.constexpr,
+    RING: gl.constexpr,
+    PIPELINE: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,
+    EARLY: gl.constexpr,
+    PACK: gl.constexpr,
+    TIMED: gl.constexpr,
     ROW_WORDS: gl.constexpr,
-):  # fmt: skip
+):
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
@@ -211,12 +277,30 @@ def history_kernel(
         gl.store(TIMES, _special(SM_ID) + (_special(WARP_SLOT) << 16) + (tiles << 32))
     head0 = b * (gl.num_programs(1) * GROUP) + kv_head * GROUP
     _history_span(
-        Q + b * q_b + kv_head * GROUP * D, KW + b * kw_b + kv_head * kw_h, VW + b * vw_b + kv_head * vw_h,
-        KS + b * meta_b + kv_head * meta_h, KZ + b * meta_b + kv_head * meta_h,
-        VS + b * meta_b + kv_head * meta_h, VZ + b * meta_b + kv_head * meta_h, start, end,
-        PM + head0 * n_slots + split, PL + head0 * n_slots + split, PACC + (head0 * n_slots + split) * D, n_slots,
-        score_scale, TIMES, GROUP, V_UNPACK, PIPELINE, LAUNCH_DEPENDENTS, EARLY, PACK, TIMED, ROW_WORDS,
-    )  # fmt: skip
+        Q + b * q_b + kv_head * GROUP * D,
+        KW + b * kw_b + kv_head * kw_h,
+        VW + b * vw_b + kv_head * vw_h,
+        KS + b * meta_b + kv_head * meta_h,
+        KZ + b * meta_b + kv_head * meta_h,
+        VS + b * meta_b + kv_head * meta_h,
+        VZ + b * meta_b + kv_head * meta_h,
+        start,
+        end,
+        PM + head0 * n_slots + split,
+        PL + head0 * n_slots + split,
+        PACC + (head0 * n_slots + split) * D,
+        n_slots,
+        score_scale,
+        TIMES,
+        GROUP,
+        V_UNPACK,
+        PIPELINE,
+        LAUNCH_DEPENDENTS,
+        EARLY,
+        PACK,
+        TIMED,
+        ROW_WORDS,
+    )
     if TIMED:
         gl.store(TIMES + 7, _special(CLOCK))
         gl.store(TIMES + 2, _special(GLOBAL_TIME))
@@ -224,10 +308,30 @@ def history_kernel(
 
 @gluon.jit
 def _history_span(
-    Q, KC, VC, KS, KZ, VS, VZ, start, end, PM, PL, PACC, head_stride, score_scale, TIMES,
-    GROUP: gl.constexpr, V_UNPACK: gl.constexpr, PIPELINE: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr,
-    EARLY: gl.constexpr, PACK: gl.constexpr, TIMED: gl.constexpr, ROW_WORDS: gl.constexpr,
-):  # fmt: skip
+    Q,
+    KC,
+    VC,
+    KS,
+    KZ,
+    VS,
+    VZ,
+    start,
+    end,
+    PM,
+    PL,
+    PACC,
+    head_stride,
+    score_scale,
+    TIMES,
+    GROUP: gl.constexpr,
+    V_UNPACK: gl.constexpr,
+    PIPELINE: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,
+    EARLY: gl.constexpr,
+    PACK: gl.constexpr,
+    TIMED: gl.constexpr,
+    ROW_WORDS: gl.constexpr,
+):
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
     fixed point (:func:`.gluon_span_operands.q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and
@@ -264,8 +368,9 @@ def _history_span(
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
-            state = _tile_step(state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False,
-                               PACK)
+            state = _tile_step(
+                state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False, PACK
+            )
     else:
         for block in range(start, whole_end, 64):
             tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS, False, PACK)
@@ -276,8 +381,22 @@ def _history_span(
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     if TIMED:
         gl.store(TIMES + 6, _clock(gl.max(m_i, axis=0)))
-    _store_partials(PM, PL, PACC, head_stride, m_i, head_total(l_part), head_total(w_part), head_total(wz_part),
-                    acc0, acc1, acc2, acc3, GROUP, PACK)  # fmt: skip
+    _store_partials(
+        PM,
+        PL,
+        PACC,
+        head_stride,
+        m_i,
+        head_total(l_part),
+        head_total(w_part),
+        head_total(wz_part),
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        GROUP,
+        PACK,
+    )
 
 
 @gluon.jit
@@ -306,8 +425,9 @@ def _block_dots(codes, q_hi, q_lo, hi, lo, PACK: gl.constexpr):
 
 
 @gluon.jit
-def _tile_step(state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr,
-               PACK: gl.constexpr):  # fmt: skip
+def _tile_step(
+    state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr, PACK: gl.constexpr
+):
     """The online softmax over one 64-key tile, as ``[64 // PACK rows, PACK halves, heads]``: ``state``
     (m, three lane-partial sums, four accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
@@ -361,12 +481,17 @@ def _rescaled(acc, alpha, PACK: gl.constexpr):
 
 
 @gluon.jit
-def _store_partials(PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, acc1, acc2, acc3,
-                    GROUP: gl.constexpr, PACK: gl.constexpr):  # fmt: skip
+def _store_partials(
+    PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, acc1, acc2, acc3, GROUP: gl.constexpr, PACK: gl.constexpr
+):
     """m, l and ``acc[h, dim] = acc_j[m, h] / f_j - sum(w * zero) - OFFSET / f_j * sum(w)`` (``f_j`` the
     block's code factor; dim ``32j + 4*(m % 8) + m // 8``; ``acc_j`` summed over its halves)."""
-    acc0, acc1, acc2, acc3 = _over_halves(acc0, PACK), _over_halves(acc1, PACK), _over_halves(acc2, PACK), \
-        _over_halves(acc3, PACK)  # fmt: skip
+    acc0, acc1, acc2, acc3 = (
+        _over_halves(acc0, PACK),
+        _over_halves(acc1, PACK),
+        _over_halves(acc2, PACK),
+        _over_halves(acc3, PACK),
+    )
     heads = gl.arange(0, 8 // PACK, layout=m_i.type.layout)
     gl.store(PM + heads * head_stride, m_i, mask=heads < GROUP)
     gl.store(PL + heads * head_stride, gl.convert_layout(l_i, m_i.type.layout, assert_trivial=True), mask=heads < GROUP)

@@ -29,9 +29,11 @@ def _by_half_layout(rows: int, pack: int) -> gl.DistributedLinearLayout:
     half = [0, 1, 0] if pack == 2 else [0, 0, 4]  # what column bit 2 is: the half, or a head's bit
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1]] + [[r, 0, 0] for r in (8, 16, 32) if r < rows],
-        lane_bases=[[0, 0, 2], half, [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
+        lane_bases=[[0, 0, 2], half, [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[],
+        block_bases=[],
         shape=[rows, pack, 8 // pack],
-    )  # fmt: skip
+    )
 
 
 # A KV head with at most 4 query heads would leave 4 of the MMAs' 8 columns idle, and every
@@ -55,44 +57,64 @@ def halves(group: int, two_halves: bool = True) -> int:
 # K words [64 keys, 8 words]: lane 4g+t holds keys 8g..8g+7 (score rows g + 8i), words 2t, 2t+1.
 WORDS_K: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0]],
-    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
-)  # fmt: skip
+    lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[64, 8],
+)
 # V words [64 keys, 8 words]: lane 4g+t holds keys 16t..16t+15 and word g; consecutive registers
 # hold keys c and c + 8, the two keys a register of the value MMA's A operand pairs.
 WORDS_V: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[8, 0], [1, 0], [2, 0], [4, 0]],
-    lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[], shape=[64, 8],
-)  # fmt: skip
+    lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[64, 8],
+)
 # Per-key metadata [64]: lane 4g+t holds keys 8g..8g+7 (all t alike): one 16-byte load a vector;
 # with two halves, of those the 4 keys of its half t // 2: one 8-byte load.
 META: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
-)  # fmt: skip
+    reg_bases=[[1], [2], [4]],
+    lane_bases=[[0], [0], [8], [16], [32]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[64],
+)
 META_PAIRS: gl.constexpr = gl.DistributedLinearLayout(
-    reg_bases=[[1], [2]], lane_bases=[[0], [4], [8], [16], [32]], warp_bases=[], block_bases=[], shape=[64],
-)  # fmt: skip
+    reg_bases=[[1], [2]],
+    lane_bases=[[0], [4], [8], [16], [32]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[64],
+)
 # Shared-memory staging of the next tile (PIPELINE). Copies read whole rows an instruction: K, 8 bytes
 # a lane over 8 consecutive rows (256 bytes); V, 4 bytes a lane over rows k, k + 1, k + 8 and k + 9.
 # Copies in the read layouts would take a quarter or an eighth of each row an instruction, across 4
 # to 8 lines, and keep the L1's data pipe busy (kernels/DESIGN.md).
 COPY_K: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
-)  # fmt: skip
+    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[64, 8],
+)
 COPY_V: gl.constexpr = gl.DistributedLinearLayout(
     reg_bases=[[2, 0], [4, 0], [16, 0], [32, 0]],
-    lane_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]], warp_bases=[], block_bases=[], shape=[64, 8],
-)  # fmt: skip
+    lane_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
+    warp_bases=[],
+    block_bases=[],
+    shape=[64, 8],
+)
 # The stages, per stage: each thread's 16 K or V words of a tile (WORDS_K, WORDS_V) in 16-byte vectors,
 # the warp's vectors side by side, swizzled so that the copies' writes are conflict-free as well as
 # the reads: K's bank bit 4 is key bit 3 ^ key bit 1 (offset bit 7 is keys 2 + 8), V's bank bits 3 and
 # 4 are word bits 1 and 2 ^ key bits 4 and 5. Each read instruction XORs bits fixed for it.
 K_STAGES: gl.constexpr = gl.SharedLinearLayout(
     offset_bases=[[0, 1], [1, 0], [0, 2], [0, 4], [8, 0], [16, 0], [32, 0], [10, 0], [4, 0]],
-)  # fmt: skip
+)
 V_STAGES: gl.constexpr = gl.SharedLinearLayout(
     offset_bases=[[8, 0], [1, 0], [0, 1], [0, 2], [0, 4], [2, 0], [4, 0], [16, 2], [32, 4]],
-)  # fmt: skip
+)
 META_STAGES: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 META_COPY: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0])
 

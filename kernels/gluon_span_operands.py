@@ -15,8 +15,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .gluon_span_layouts import (
-    A_OP, A_OP8, B_OP, B_OP8, D, HEAD_COLS, head_halves,
-)  # fmt: skip
+    A_OP,
+    A_OP8,
+    B_OP,
+    B_OP8,
+    HEAD_COLS,
+    D,
+    head_halves,
+)
 
 # movmatrix.trans on each 8x8 bf16 block of a [rows, 8] accumulator-shaped tensor (pack=2: a register
 # holds row g, columns 2t, 2t+1 of a block; afterwards, of the block's transpose).
@@ -77,7 +83,13 @@ def half_columns(operand, HALF: gl.constexpr):
     keep: gl.constexpr = "ne" if HALF else "eq"
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; and.b32 l, l, 16; setp." + keep.value + ".u32 p, l, 0; "
-        "selp.b32 $0, $1, 0, p; }", "=r,r", [operand], dtype=gl.bfloat16, is_pure=True, pack=2)  # fmt: skip
+        "selp.b32 $0, $1, 0, p; }",
+        "=r,r",
+        [operand],
+        dtype=gl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @functools.cache
@@ -152,10 +164,13 @@ def unpack_k(words):
     """Per column block j the int8 codes ``f_j * c`` ``[keys, bytes]`` (byte ``4w + b``) of K's ``[keys, words]``."""
     twice = gl.join(words, words)
     four = gl.reshape(gl.join(twice, twice), [64, 8, 4])
-    o = gl.inline_asm_elementwise(K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [four], dtype=(gl.int8,) * 4,
-                                  is_pure=True, pack=4)  # fmt: skip
-    return (gl.reshape(o[0], [64, 32]), gl.reshape(o[1], [64, 32]), gl.reshape(o[2], [64, 32]),
-            gl.reshape(o[3], [64, 32]))  # fmt: skip
+    o = gl.inline_asm_elementwise(K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [four], dtype=(gl.int8,) * 4, is_pure=True, pack=4)
+    return (
+        gl.reshape(o[0], [64, 32]),
+        gl.reshape(o[1], [64, 32]),
+        gl.reshape(o[2], [64, 32]),
+        gl.reshape(o[3], [64, 32]),
+    )
 
 
 @gluon.jit
@@ -196,8 +211,7 @@ def _q_halves(block, scale, FACTOR: gl.constexpr):
     summed over dims). The rounding adds ``ROUNDER`` on the float pipe: a conversion instruction runs on
     the quarter-rate unit, where the 16 programs of an SM would queue their prologues' 32 each."""
     bits = (block * (scale / FACTOR)[None, :] + ROUNDER).to(gl.int32, bitcast=True)
-    hi, lo = gl.inline_asm_elementwise(Q_BYTES, "=r,=r,r,r,r,r", [bits], dtype=(gl.int8, gl.int8), is_pure=True,
-                                       pack=4)  # fmt: skip
+    hi, lo = gl.inline_asm_elementwise(Q_BYTES, "=r,=r,r,r,r,r", [bits], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
     return hi, lo, (bits - ROUNDER_BITS) * int(FACTOR)
 
 
@@ -219,9 +233,12 @@ def q_int8(Q, GROUP: gl.constexpr, PACK: gl.constexpr):
     neg_q_sum = gl.convert_layout(-gl.sum(s0 + s1 + s2 + s3, axis=0).to(gl.float32), HEAD_COLS)
     unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
     # columns past GROUP hold 0 and a unit of 1e-30 / Q_RANGE: a half's sum and max are its heads'
-    return ((_halves_of(h0, PACK), _halves_of(h1, PACK), _halves_of(h2, PACK), _halves_of(h3, PACK)),
-            (_halves_of(l0, PACK), _halves_of(l1, PACK), _halves_of(l2, PACK), _halves_of(l3, PACK)),
-            gl.sum(head_halves(neg_q_sum, PACK), axis=0), gl.max(head_halves(unit, PACK), axis=0))  # fmt: skip
+    return (
+        (_halves_of(h0, PACK), _halves_of(h1, PACK), _halves_of(h2, PACK), _halves_of(h3, PACK)),
+        (_halves_of(l0, PACK), _halves_of(l1, PACK), _halves_of(l2, PACK), _halves_of(l3, PACK)),
+        gl.sum(head_halves(neg_q_sum, PACK), axis=0),
+        gl.max(head_halves(unit, PACK), axis=0),
+    )
 
 
 @gluon.jit
@@ -238,7 +255,10 @@ def _halves_of(operand, PACK: gl.constexpr):
 @gluon.jit
 def unpack_v(words, UNPACK: gl.constexpr):
     """Per column block j the ``[keys, bytes]`` codes of V's ``[keys, words]`` (``value_unpack_asm()``)."""
-    o = gl.inline_asm_elementwise(UNPACK, "=r," * 16 + "r,r", [words], dtype=(gl.bfloat16,) * 16, is_pure=True,
-                                  pack=2)  # fmt: skip
-    return (_bytes_of(o[0], o[1], o[2], o[3]), _bytes_of(o[4], o[5], o[6], o[7]),
-            _bytes_of(o[8], o[9], o[10], o[11]), _bytes_of(o[12], o[13], o[14], o[15]))  # fmt: skip
+    o = gl.inline_asm_elementwise(UNPACK, "=r," * 16 + "r,r", [words], dtype=(gl.bfloat16,) * 16, is_pure=True, pack=2)
+    return (
+        _bytes_of(o[0], o[1], o[2], o[3]),
+        _bytes_of(o[4], o[5], o[6], o[7]),
+        _bytes_of(o[8], o[9], o[10], o[11]),
+        _bytes_of(o[12], o[13], o[14], o[15]),
+    )

@@ -32,9 +32,18 @@ import torch
 from oscar_hf.quant import SCALE_FLOOR, SIGMA_STRETCH, QuantizedRows, check_bits, check_symmetric, clip_index, quantize
 
 from ._triton import (
-    HAS_TRITON, INTERPRET, cdiv, define_op, is_power_of_two, launch_kernel, op_or_launcher, runs_triton, tl, to_dtype,
+    HAS_TRITON,
+    INTERPRET,
+    cdiv,
+    define_op,
+    is_power_of_two,
+    launch_kernel,
+    op_or_launcher,
+    runs_triton,
+    tl,
+    to_dtype,
     triton,
-)  # fmt: skip
+)
 
 # ------------------------------------------------------------------------------------------ kernel
 
@@ -105,9 +114,15 @@ def _peel_order_statistic(magnitudes, above):
 
 @triton.jit
 def _quantize_tile(
-    x, clip_index, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    SYMMETRIC: tl.constexpr, RECIPROCAL: tl.constexpr,
-):  # fmt: skip
+    x,
+    clip_index,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+):
     """Float32 rows ``[BLOCK_N, D]`` -> (packed ``uint8 [BLOCK_N, D*BITS/8]`` as two planes, scale, zero ``[BLOCK_N, D/G]``).
 
     The planes are ``[BLOCK_N, D/4]`` low bits and ``[BLOCK_N, D/8]`` high bits for 3-bit codes; for
@@ -174,23 +189,58 @@ def _pack_plane(codes, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDTH: tl.constex
 
 @triton.jit
 def _quantize_pack_kernel(
-    X, CODES, SCALE, ZERO,
-    n_rows, stride_x, stride_codes, stride_meta,
-    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-    CLIP_INDEX: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+    X,
+    CODES,
+    SCALE,
+    ZERO,
+    n_rows,
+    stride_x,
+    stride_codes,
+    stride_meta,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rows < n_rows
     x = tl.load(X + rows[:, None] * stride_x + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-    packed, high, scale, zero = _quantize_tile(x.to(tl.float32), CLIP_INDEX, BLOCK_N, D, G, BITS, SYMMETRIC,
-                                               RECIPROCAL)  # fmt: skip
-    _store_tile(packed, high, scale, zero, CODES + rows[:, None] * stride_codes, SCALE + rows[:, None] * stride_meta,
-                ZERO + rows[:, None] * stride_meta, valid, D, G, BITS, INTERPRETED)  # fmt: skip
+    packed, high, scale, zero = _quantize_tile(x.to(tl.float32), CLIP_INDEX, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
+    _store_tile(
+        packed,
+        high,
+        scale,
+        zero,
+        CODES + rows[:, None] * stride_codes,
+        SCALE + rows[:, None] * stride_meta,
+        ZERO + rows[:, None] * stride_meta,
+        valid,
+        D,
+        G,
+        BITS,
+        INTERPRETED,
+    )
 
 
 @triton.jit
-def _store_tile(packed, high, scale, zero, CODES, SCALE, ZERO, valid, D: tl.constexpr, G: tl.constexpr,
-                BITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _store_tile(
+    packed,
+    high,
+    scale,
+    zero,
+    CODES,
+    SCALE,
+    ZERO,
+    valid,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Store a tile's codes (``high``: 3-bit codes' 1-bit plane, after the rest) and metadata;
     ``CODES``/``SCALE``/``ZERO`` point at each row's start ``[BLOCK_N, 1]``."""
     if BITS == 3:
@@ -205,17 +255,43 @@ def _store_tile(packed, high, scale, zero, CODES, SCALE, ZERO, valid, D: tl.cons
 
 # Columns of the int64 job table of _quantize_pack_many_kernel, one row per (source, destination) pair:
 # base addresses, and the batch / head / row strides of [B, H, n, *] views (in elements).
-_JOB_COLUMNS = ("src", "src_b", "src_h", "src_n", "codes", "codes_b", "codes_h", "codes_n",
-                "scale", "zero", "meta_b", "meta_h", "meta_n", "clip_index")  # fmt: skip
+_JOB_COLUMNS = (
+    "src",
+    "src_b",
+    "src_h",
+    "src_n",
+    "codes",
+    "codes_b",
+    "codes_h",
+    "codes_n",
+    "scale",
+    "zero",
+    "meta_b",
+    "meta_h",
+    "meta_n",
+    "clip_index",
+)
 
 
 @triton.jit
 def _quantize_pack_many_kernel(
-    JOBS, heads, rows_per_head, n_rows, WINDOW, JOB_WIDTH: tl.constexpr,
-    SRC_DTYPE: tl.constexpr, META_DTYPE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr, DEVICE_WINDOW: tl.constexpr,
+    JOBS,
+    heads,
+    rows_per_head,
+    n_rows,
+    WINDOW,
+    JOB_WIDTH: tl.constexpr,
+    SRC_DTYPE: tl.constexpr,
+    META_DTYPE: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    DEVICE_WINDOW: tl.constexpr,
     INTERPRETED: tl.constexpr,
-):  # fmt: skip
+):
     """Program ``(tile, job)``: quantize rows of job ``job``'s ``[B, H, n, D]`` source into its destination.
 
     All jobs share shape and format; addresses, strides and the clip index come from the job table,
@@ -229,19 +305,47 @@ def _quantize_pack_many_kernel(
     b, h, t = index // (heads * rows_per_head), (index // rows_per_head) % heads, index % rows_per_head
     if DEVICE_WINDOW:
         if tl.load(WINDOW) != 0:
-            _quantize_job(job, b, h, t + tl.load(WINDOW + 1), t + tl.load(WINDOW + 2), valid, SRC_DTYPE, META_DTYPE, D,
-                          G, BITS, SYMMETRIC, BLOCK_N, RECIPROCAL, INTERPRETED)  # fmt: skip
+            _quantize_job(
+                job,
+                b,
+                h,
+                t + tl.load(WINDOW + 1),
+                t + tl.load(WINDOW + 2),
+                valid,
+                SRC_DTYPE,
+                META_DTYPE,
+                D,
+                G,
+                BITS,
+                SYMMETRIC,
+                BLOCK_N,
+                RECIPROCAL,
+                INTERPRETED,
+            )
     else:
-        _quantize_job(job, b, h, t, t, valid, SRC_DTYPE, META_DTYPE, D, G, BITS, SYMMETRIC, BLOCK_N, RECIPROCAL,
-                      INTERPRETED)  # fmt: skip
+        _quantize_job(
+            job, b, h, t, t, valid, SRC_DTYPE, META_DTYPE, D, G, BITS, SYMMETRIC, BLOCK_N, RECIPROCAL, INTERPRETED
+        )
 
 
 @triton.jit
 def _quantize_job(
-    job, b, h, source_row, target_row, valid, SRC_DTYPE: tl.constexpr, META_DTYPE: tl.constexpr, D: tl.constexpr,
-    G: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr, RECIPROCAL: tl.constexpr,
+    job,
+    b,
+    h,
+    source_row,
+    target_row,
+    valid,
+    SRC_DTYPE: tl.constexpr,
+    META_DTYPE: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
     INTERPRETED: tl.constexpr,
-):  # fmt: skip
+):
     """Quantize rows ``(b, h, source_row)`` of a job's source into rows ``(b, h, target_row)`` of its destination."""
     src = tl.load(job).to(tl.pointer_type(SRC_DTYPE))
     offsets = b * tl.load(job + 1) + h * tl.load(job + 2) + source_row * tl.load(job + 3)
@@ -254,8 +358,20 @@ def _quantize_job(
     meta_rows = b * tl.load(job + 10) + h * tl.load(job + 11) + target_row * tl.load(job + 12)
     scale_base = tl.load(job + 8).to(tl.pointer_type(META_DTYPE))
     zero_base = tl.load(job + 9).to(tl.pointer_type(META_DTYPE))
-    _store_tile(packed, high, scale, zero, codes + codes_rows[:, None], scale_base + meta_rows[:, None],
-                zero_base + meta_rows[:, None], valid, D, G, BITS, INTERPRETED)  # fmt: skip
+    _store_tile(
+        packed,
+        high,
+        scale,
+        zero,
+        codes + codes_rows[:, None],
+        scale_base + meta_rows[:, None],
+        zero_base + meta_rows[:, None],
+        valid,
+        D,
+        G,
+        BITS,
+        INTERPRETED,
+    )
 
 
 def _block_rows(head_dim: int) -> int:
@@ -285,13 +401,28 @@ def quantize_pack_triton(
     if n_rows == 0:
         return codes, scale, zero
     block = _block_rows(head_dim)
-    launch_kernel(_quantize_pack_kernel, (cdiv(n_rows, block),),
-        rows, codes, scale, zero,
-        n_rows, rows.stride(0), codes.stride(0), scale.stride(0),
-        D=head_dim, G=group_size, BITS=bits, SYMMETRIC=symmetric,
-        CLIP_INDEX=clip_index(clip_ratio, head_dim) if clip_ratio > 0 else -1, BLOCK_N=block,
-        RECIPROCAL=rows.is_cuda and not INTERPRET, INTERPRETED=INTERPRET, num_warps=_NUM_WARPS, **_exact(bits),
-    )  # fmt: skip
+    launch_kernel(
+        _quantize_pack_kernel,
+        (cdiv(n_rows, block),),
+        rows,
+        codes,
+        scale,
+        zero,
+        n_rows,
+        rows.stride(0),
+        codes.stride(0),
+        scale.stride(0),
+        D=head_dim,
+        G=group_size,
+        BITS=bits,
+        SYMMETRIC=symmetric,
+        CLIP_INDEX=clip_index(clip_ratio, head_dim) if clip_ratio > 0 else -1,
+        BLOCK_N=block,
+        RECIPROCAL=rows.is_cuda and not INTERPRET,
+        INTERPRETED=INTERPRET,
+        num_warps=_NUM_WARPS,
+        **_exact(bits),
+    )
     return codes, scale, zero
 
 
@@ -327,17 +458,30 @@ def quantize_pack_many_triton(
     (``kernels/tools/tune_quantize.py``).
     """
     table = _job_table(sources, destinations, clip_ratios)
-    _launch_many(table, sources[0], sources[0].shape[2], bits, group_size, symmetric, metadata_dtype, None,
-                 block_rows, num_warps)  # fmt: skip
+    _launch_many(
+        table, sources[0], sources[0].shape[2], bits, group_size, symmetric, metadata_dtype, None, block_rows, num_warps
+    )
 
 
-def _job_table(sources: list[torch.Tensor], destinations: list[QuantizedRows], clip_ratios: list[float]) -> torch.Tensor:
+def _job_table(
+    sources: list[torch.Tensor], destinations: list[QuantizedRows], clip_ratios: list[float]
+) -> torch.Tensor:
     """The device table of :func:`_quantize_pack_many_kernel`: addresses, strides, clip index per job."""
     head_dim, jobs = sources[0].shape[-1], []
     for source, target, ratio in zip(sources, destinations, clip_ratios):
         clip = clip_index(ratio, head_dim) if ratio > 0 else -1
-        jobs.append([source.data_ptr(), *source.stride()[:3], target.codes.data_ptr(), *target.codes.stride()[:3],
-                     target.scale.data_ptr(), target.zero.data_ptr(), *target.scale.stride()[:3], clip])  # fmt: skip
+        jobs.append(
+            [
+                source.data_ptr(),
+                *source.stride()[:3],
+                target.codes.data_ptr(),
+                *target.codes.stride()[:3],
+                target.scale.data_ptr(),
+                target.zero.data_ptr(),
+                *target.scale.stride()[:3],
+                clip,
+            ]
+        )
     return torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
 
 
@@ -356,12 +500,28 @@ def _launch_many(
     batch, heads, _, head_dim = like.shape
     n_rows = batch * heads * rows_per_head
     block = block_rows or _block_rows(head_dim)
-    launch_kernel(_quantize_pack_many_kernel, (cdiv(n_rows, block), table.shape[0]),
-        table, heads, rows_per_head, n_rows, table if window is None else window, len(_JOB_COLUMNS),
-        SRC_DTYPE=_TL_DTYPES[like.dtype], META_DTYPE=_TL_DTYPES[metadata_dtype], D=head_dim, G=group_size,
-        BITS=bits, SYMMETRIC=symmetric, BLOCK_N=block, RECIPROCAL=like.is_cuda and not INTERPRET,
-        DEVICE_WINDOW=window is not None, INTERPRETED=INTERPRET, num_warps=num_warps or _NUM_WARPS, **_exact(bits),
-    )  # fmt: skip
+    launch_kernel(
+        _quantize_pack_many_kernel,
+        (cdiv(n_rows, block), table.shape[0]),
+        table,
+        heads,
+        rows_per_head,
+        n_rows,
+        table if window is None else window,
+        len(_JOB_COLUMNS),
+        SRC_DTYPE=_TL_DTYPES[like.dtype],
+        META_DTYPE=_TL_DTYPES[metadata_dtype],
+        D=head_dim,
+        G=group_size,
+        BITS=bits,
+        SYMMETRIC=symmetric,
+        BLOCK_N=block,
+        RECIPROCAL=like.is_cuda and not INTERPRET,
+        DEVICE_WINDOW=window is not None,
+        INTERPRETED=INTERPRET,
+        num_warps=num_warps or _NUM_WARPS,
+        **_exact(bits),
+    )
 
 
 def quantize_pack_many_reference(
@@ -482,18 +642,28 @@ def _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_d
     shape, head_dim = sources[0].shape, sources[0].shape[-1]
     for source, target in zip(sources, destinations):
         if source.shape != shape or source.dtype != sources[0].dtype or source.device != sources[0].device:
-            raise ValueError(f"all sources must share shape, dtype and device; got {tuple(source.shape)} "
-                             f"{source.dtype} and {tuple(shape)} {sources[0].dtype}")  # fmt: skip
-        if (target.codes.shape != (*shape[:3], head_dim * bits // 8) or target.scale.shape != (*shape[:3], head_dim // group_size)
-                or target.zero.shape != target.scale.shape or target.zero.stride() != target.scale.stride()
-                or target.scale.dtype != metadata_dtype):  # fmt: skip
-            raise ValueError(f"destination {tuple(target.codes.shape)} / {tuple(target.scale.shape)} does not fit "
-                             f"{bits}-bit rows of {tuple(shape)} with groups of {group_size}")  # fmt: skip
+            raise ValueError(
+                f"all sources must share shape, dtype and device; got {tuple(source.shape)} "
+                f"{source.dtype} and {tuple(shape)} {sources[0].dtype}"
+            )
+        if (
+            target.codes.shape != (*shape[:3], head_dim * bits // 8)
+            or target.scale.shape != (*shape[:3], head_dim // group_size)
+            or target.zero.shape != target.scale.shape
+            or target.zero.stride() != target.scale.stride()
+            or target.scale.dtype != metadata_dtype
+        ):
+            raise ValueError(
+                f"destination {tuple(target.codes.shape)} / {tuple(target.scale.shape)} does not fit "
+                f"{bits}-bit rows of {tuple(shape)} with groups of {group_size}"
+            )
     return True
 
 
 def _kernel_fits(sources: list[torch.Tensor], destinations: list[QuantizedRows], group_size: int) -> bool:
-    tensors = [t for source, target in zip(sources, destinations) for t in (source, target.codes, target.scale, target.zero)]
+    tensors = [
+        t for source, target in zip(sources, destinations) for t in (source, target.codes, target.scale, target.zero)
+    ]
     contiguous_rows = all(t.stride(-1) == 1 for t in tensors)
     return kernel_supports_quantize(sources[0].shape[-1], group_size) and contiguous_rows and sources[0].shape[2] > 0
 
@@ -527,10 +697,18 @@ class WindowQuantizer:
         clip_ratios: list[float],
         metadata_dtype: torch.dtype = torch.bfloat16,
     ):
-        _check_jobs([s[:, :, :count] for s in sources], [_rows_of(d, count) for d in destinations], bits, group_size,
-                    clip_ratios, metadata_dtype)  # fmt: skip
+        _check_jobs(
+            [s[:, :, :count] for s in sources],
+            [_rows_of(d, count) for d in destinations],
+            bits,
+            group_size,
+            clip_ratios,
+            metadata_dtype,
+        )
         if window.shape != (3,) or window.dtype != torch.int64 or window.device != sources[0].device:
-            raise ValueError(f"window must be int64 [3] on {sources[0].device}, got {tuple(window.shape)} {window.dtype}")
+            raise ValueError(
+                f"window must be int64 [3] on {sources[0].device}, got {tuple(window.shape)} {window.dtype}"
+            )
         self.sources, self.destinations, self.count, self.window = sources, destinations, count, window
         self.format = dict(bits=bits, group_size=group_size, symmetric=symmetric, metadata_dtype=metadata_dtype)
         self.clip_ratios = clip_ratios
@@ -540,15 +718,24 @@ class WindowQuantizer:
     def __call__(self) -> None:
         f = self.format
         if self.table is not None:
-            _launch_many(self.table, self.sources[0], self.count, f["bits"], f["group_size"], f["symmetric"],
-                         f["metadata_dtype"], self.window)  # fmt: skip
+            _launch_many(
+                self.table,
+                self.sources[0],
+                self.count,
+                f["bits"],
+                f["group_size"],
+                f["symmetric"],
+                f["metadata_dtype"],
+                self.window,
+            )
             return
         active, source_row, target_row = (int(v) for v in self.window.tolist())  # reference: a host sync
         if active:
             sources = [s[:, :, source_row : source_row + self.count] for s in self.sources]
             targets = [_rows_of(d, self.count, target_row) for d in self.destinations]
-            quantize_pack_many_reference(sources, targets, f["bits"], f["group_size"], f["symmetric"], self.clip_ratios,
-                                         f["metadata_dtype"])  # fmt: skip
+            quantize_pack_many_reference(
+                sources, targets, f["bits"], f["group_size"], f["symmetric"], self.clip_ratios, f["metadata_dtype"]
+            )
 
 
 def _rows_of(rows: QuantizedRows, count: int, start: int = 0) -> QuantizedRows:

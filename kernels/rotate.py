@@ -24,8 +24,17 @@ from collections.abc import Sequence
 import torch
 
 from ._triton import (
-    INTERPRET, cdiv, dot, is_power_of_two, launch_kernel, programmatic_launch, runs_triton, tl, to_dtype, triton,
-)  # fmt: skip
+    INTERPRET,
+    cdiv,
+    dot,
+    is_power_of_two,
+    launch_kernel,
+    programmatic_launch,
+    runs_triton,
+    tl,
+    to_dtype,
+    triton,
+)
 
 RotateJob = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, rotation [D, D] or [H_r, D, D], out)
 
@@ -35,8 +44,21 @@ _MAX_JOBS = 3
 
 
 @triton.jit
-def _rotate_block(X, x_strides, Y, y_strides, R, r_strides, shape, block, column, D: tl.constexpr,
-                  BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _rotate_block(
+    X,
+    x_strides,
+    Y,
+    y_strides,
+    R,
+    r_strides,
+    shape,
+    block,
+    column,
+    D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLUMNS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """``BLOCK_ROWS`` rows of one job, output dims ``column * BLOCK_COLUMNS ...``.
 
     ``shape`` = (group, rows, blocks): each rotation serves ``group`` consecutive heads, whose
@@ -59,12 +81,35 @@ def _rotate_block(X, x_strides, Y, y_strides, R, r_strides, shape, block, column
 
 @triton.jit
 def _rotate_kernel(
-    X0, x0_strides, Y0, y0_strides, R0, r0_strides, shape0, blocks0,
-    X1, x1_strides, Y1, y1_strides, R1, r1_strides, shape1, blocks1,
-    X2, x2_strides, Y2, y2_strides, R2, r2_strides, shape2,
-    D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, INTERPRETED: tl.constexpr,
+    X0,
+    x0_strides,
+    Y0,
+    y0_strides,
+    R0,
+    r0_strides,
+    shape0,
+    blocks0,
+    X1,
+    x1_strides,
+    Y1,
+    y1_strides,
+    R1,
+    r1_strides,
+    shape1,
+    blocks1,
+    X2,
+    x2_strides,
+    Y2,
+    y2_strides,
+    R2,
+    r2_strides,
+    shape2,
+    D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLUMNS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
-):  # fmt: skip
+):
     """Program ``(row block, column block)``; the row blocks of job 0 come first, then job 1's, then job 2's.
     ``LAUNCH_DEPENDENTS`` (Hopper): a next kernel launched programmatically (decode attention's history
     span) may start now; it waits for this grid before it reads what this one writes."""
@@ -72,14 +117,53 @@ def _rotate_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     block, column = tl.program_id(0), tl.program_id(1)
     if block < blocks0:
-        _rotate_block(X0, x0_strides, Y0, y0_strides, R0, r0_strides, shape0, block, column,
-                      D, BLOCK_ROWS, BLOCK_COLUMNS, INTERPRETED)  # fmt: skip
+        _rotate_block(
+            X0,
+            x0_strides,
+            Y0,
+            y0_strides,
+            R0,
+            r0_strides,
+            shape0,
+            block,
+            column,
+            D,
+            BLOCK_ROWS,
+            BLOCK_COLUMNS,
+            INTERPRETED,
+        )
     elif block < blocks0 + blocks1:
-        _rotate_block(X1, x1_strides, Y1, y1_strides, R1, r1_strides, shape1, block - blocks0, column,
-                      D, BLOCK_ROWS, BLOCK_COLUMNS, INTERPRETED)  # fmt: skip
+        _rotate_block(
+            X1,
+            x1_strides,
+            Y1,
+            y1_strides,
+            R1,
+            r1_strides,
+            shape1,
+            block - blocks0,
+            column,
+            D,
+            BLOCK_ROWS,
+            BLOCK_COLUMNS,
+            INTERPRETED,
+        )
     else:
-        _rotate_block(X2, x2_strides, Y2, y2_strides, R2, r2_strides, shape2, block - blocks0 - blocks1, column,
-                      D, BLOCK_ROWS, BLOCK_COLUMNS, INTERPRETED)  # fmt: skip
+        _rotate_block(
+            X2,
+            x2_strides,
+            Y2,
+            y2_strides,
+            R2,
+            r2_strides,
+            shape2,
+            block - blocks0 - blocks1,
+            column,
+            D,
+            BLOCK_ROWS,
+            BLOCK_COLUMNS,
+            INTERPRETED,
+        )
 
 
 def rotate_rows(jobs: Sequence[RotateJob]) -> None:
@@ -104,8 +188,16 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
         group = heads // rotations
         rotation_blocks = cdiv(batch * group, _BLOCK_ROWS)
         job_blocks = rotations * rotation_blocks
-        arguments += [rows, rows_strides[:2], out, out_strides[:2], rotation, rotation_strides,
-                      (group, batch * group, rotation_blocks), job_blocks]  # fmt: skip
+        arguments += [
+            rows,
+            rows_strides[:2],
+            out,
+            out_strides[:2],
+            rotation,
+            rotation_strides,
+            (group, batch * group, rotation_blocks),
+            job_blocks,
+        ]
         blocks += job_blocks
     head_dim = jobs[0][0].shape[-1]
     if not (runs_triton(jobs[0][0]) and is_power_of_two(head_dim) and head_dim >= 16):
@@ -115,9 +207,16 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
     arguments += unused * (_MAX_JOBS - len(jobs))
     del arguments[-1]  # the last job's block count is implied
     columns = min(head_dim, _BLOCK_COLUMNS)
-    launch_kernel(_rotate_kernel, (blocks, head_dim // columns), *arguments, D=head_dim, BLOCK_ROWS=_BLOCK_ROWS,
-                  BLOCK_COLUMNS=columns, INTERPRETED=INTERPRET,
-                  LAUNCH_DEPENDENTS=programmatic_launch(jobs[0][0].device))  # fmt: skip
+    launch_kernel(
+        _rotate_kernel,
+        (blocks, head_dim // columns),
+        *arguments,
+        D=head_dim,
+        BLOCK_ROWS=_BLOCK_ROWS,
+        BLOCK_COLUMNS=columns,
+        INTERPRETED=INTERPRET,
+        LAUNCH_DEPENDENTS=programmatic_launch(jobs[0][0].device),
+    )
 
 
 def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
@@ -131,15 +230,24 @@ def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
 
 def _check_job(rows: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor, rows_step: int, out_step: int) -> None:
     batch, heads, head_dim = rows.shape[0], rows.shape[1], rows.shape[-1]
-    if rows.numel() != batch * heads * head_dim or out.numel() != rows.numel() or out.shape[:2] != rows.shape[:2] \
-            or out.shape[-1] != head_dim:  # fmt: skip
-        raise ValueError(f"rows {tuple(rows.shape)} and out {tuple(out.shape)} must both be [B, H, D] or "
-                         "[B, H, 1, D] of the same B, H, D")  # fmt: skip
+    if (
+        rows.numel() != batch * heads * head_dim
+        or out.numel() != rows.numel()
+        or out.shape[:2] != rows.shape[:2]
+        or out.shape[-1] != head_dim
+    ):
+        raise ValueError(
+            f"rows {tuple(rows.shape)} and out {tuple(out.shape)} must both be [B, H, D] or "
+            "[B, H, 1, D] of the same B, H, D"
+        )
     shape_ok = rotation.shape[-2:] == (head_dim, head_dim) and (
-        rotation.ndim == 2 or (rotation.ndim == 3 and heads % rotation.shape[0] == 0))
+        rotation.ndim == 2 or (rotation.ndim == 3 and heads % rotation.shape[0] == 0)
+    )
     if not shape_ok or rotation.dtype != rows.dtype or rotation.device != rows.device:
-        raise ValueError(f"rotation {tuple(rotation.shape)} {rotation.dtype} on {rotation.device} does not "
-                         f"match rows of {heads} heads of {head_dim} dims, {rows.dtype} on {rows.device} (a rotation "
-                         "is [D, D] or [H_r, D, D] with H_r dividing the heads)")  # fmt: skip
+        raise ValueError(
+            f"rotation {tuple(rotation.shape)} {rotation.dtype} on {rotation.device} does not "
+            f"match rows of {heads} heads of {head_dim} dims, {rows.dtype} on {rows.device} (a rotation "
+            "is [D, D] or [H_r, D, D] with H_r dividing the heads)"
+        )
     if rows_step != 1 or out_step != 1 or out.dtype != rows.dtype:
         raise ValueError("rows and out need contiguous dims and one dtype")

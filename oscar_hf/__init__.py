@@ -10,24 +10,24 @@ importable from here::
 """
 
 from oscar_hf._version import __version__
+from oscar_hf.calibration.absorption import absorb_value_rotations
+from oscar_hf.calibration.covariances import calibrate
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
+from oscar_hf.config import METHODS, OscarConfig, TensorQuantConfig
 from oscar_hf.core import attention  # noqa: F401  (registers attn_implementation="oscar")
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.config import METHODS, OscarConfig, TensorQuantConfig
 from oscar_hf.core.graph_generate import generate
-from oscar_hf.core.step_replay import StaticDecoder
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import MemoryReport, bits_per_element
 from oscar_hf.core.models import load_model
-from oscar_hf.rotations.rotation_set import RotationSet
 from oscar_hf.core.step_guard import CacheBrokenError
-from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
-from oscar_hf.calibration.absorption import absorb_value_rotations
-from oscar_hf.calibration.covariances import calibrate
+from oscar_hf.core.step_replay import StaticDecoder
 from oscar_hf.rotations.files import save_rotations
 from oscar_hf.rotations.hub import load_rotations, push_rotations_to_hub
 from oscar_hf.rotations.official import convert_official, load_official
 from oscar_hf.rotations.resolve import resolve_rotations  # also installs OscarCache.from_zoo's reader
+from oscar_hf.rotations.rotation_set import RotationSet
 
 __all__ = [
     "CacheBrokenError",

@@ -43,12 +43,18 @@ class TensorQuantConfig:
     group_size: int | None = None
 
     def __post_init__(self) -> None:
-        _check_types("TensorQuantConfig", {
-            "bits": (self.bits, _is_count(self.bits)),
-            "symmetric": (self.symmetric, isinstance(self.symmetric, bool)),
-            "clip_ratio": (self.clip_ratio, isinstance(self.clip_ratio, (int, float)) and not isinstance(self.clip_ratio, bool)),
-            "group_size": (self.group_size, self.group_size is None or _is_count(self.group_size)),
-        })  # fmt: skip
+        _check_types(
+            "TensorQuantConfig",
+            {
+                "bits": (self.bits, _is_count(self.bits)),
+                "symmetric": (self.symmetric, isinstance(self.symmetric, bool)),
+                "clip_ratio": (
+                    self.clip_ratio,
+                    isinstance(self.clip_ratio, (int, float)) and not isinstance(self.clip_ratio, bool),
+                ),
+                "group_size": (self.group_size, self.group_size is None or _is_count(self.group_size)),
+            },
+        )
 
     def validate(self, name: str, head_dim: int) -> None:
         check_bits(self.bits)
@@ -98,12 +104,20 @@ class OscarConfig:
 
     def __post_init__(self) -> None:
         flags = ("check_finite", "layer_clip", "shared_rotations", "layer_bits", "allow_bits_change")
-        _check_types("OscarConfig", {
-            **{name: (getattr(self, name), _is_count(getattr(self, name))) for name in ("sink", "recent", "block")},
-            **{name: (getattr(self, name), isinstance(getattr(self, name), bool)) for name in flags},
-            **{name: (getattr(self, name), getattr(self, name) is None or isinstance(getattr(self, name), TensorQuantConfig))
-               for name in ("key", "value")},
-        })  # fmt: skip
+        _check_types(
+            "OscarConfig",
+            {
+                **{name: (getattr(self, name), _is_count(getattr(self, name))) for name in ("sink", "recent", "block")},
+                **{name: (getattr(self, name), isinstance(getattr(self, name), bool)) for name in flags},
+                **{
+                    name: (
+                        getattr(self, name),
+                        getattr(self, name) is None or isinstance(getattr(self, name), TensorQuantConfig),
+                    )
+                    for name in ("key", "value")
+                },
+            },
+        )
 
     @property
     def quantized(self) -> bool:
@@ -160,8 +174,7 @@ class OscarConfig:
     def takes_widths_for(self, base_bits: tuple[int, int]) -> bool:
         """Whether per-layer widths allocated against (K, V) widths ``base_bits`` fit this method:
         a calibrated method quantizing K and V at exactly those widths."""
-        return (self.quantized and self.rotation == "calibrated"
-                and (self.key.bits, self.value.bits) == tuple(base_bits))  # fmt: skip
+        return self.quantized and self.rotation == "calibrated" and (self.key.bits, self.value.bits) == tuple(base_bits)
 
     def with_overrides(self, **overrides) -> "OscarConfig":
         """A copy with some fields replaced (e.g. ``sink=4, recent=16`` for tests)."""
@@ -215,8 +228,13 @@ METHODS: dict[str, OscarConfig] = {
     ),
     # The paper's recipe, to reproduce its numbers: one U·H·P rotation per layer, fixed clips, 2 bits everywhere.
     "oscar-int2-paper": OscarConfig(
-        "oscar-int2-paper", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP),
-        "calibrated", layer_clip=False, layer_bits=False, shared_rotations=True,
+        "oscar-int2-paper",
+        TensorQuantConfig(2, clip_ratio=K_CLIP),
+        TensorQuantConfig(2, clip_ratio=V_CLIP),
+        "calibrated",
+        layer_clip=False,
+        layer_bits=False,
+        shared_rotations=True,
     ),
     "int4": OscarConfig("int4", TensorQuantConfig(4), TensorQuantConfig(4), "hadamard"),
     "oscar-k4v2": OscarConfig(
@@ -241,5 +259,7 @@ def resolve_method(method: str | OscarConfig, **overrides) -> OscarConfig:
         raise ValueError("OscarCache does not support offloading: its packed history is already ~7x smaller than BF16")
     unknown = sorted(set(overrides) - {f.name for f in fields(OscarConfig)})
     if unknown:
-        raise ValueError(f"unknown OscarCache option(s) {unknown}; OscarConfig fields are {[f.name for f in fields(OscarConfig)]}")
+        raise ValueError(
+            f"unknown OscarCache option(s) {unknown}; OscarConfig fields are {[f.name for f in fields(OscarConfig)]}"
+        )
     return config.with_overrides(**overrides) if overrides else config

@@ -64,8 +64,10 @@ def provenance(command: str) -> dict[str, Any]:
 def machine_line(machine: dict[str, Any]) -> str:
     """``machine_info()`` in one line: GPUs (or none), CPUs and library versions."""
     gpu = f"{machine['gpu_count']}x {machine['gpu']}" if machine["gpu"] else "no GPU"
-    return (f"{gpu}, {machine['cpu_count']} CPUs, torch {machine['torch']}, triton {machine['triton']}, "
-            f"transformers {machine['transformers']}")  # fmt: skip
+    return (
+        f"{gpu}, {machine['cpu_count']} CPUs, torch {machine['torch']}, triton {machine['triton']}, "
+        f"transformers {machine['transformers']}"
+    )
 
 
 def provenance_line(record: dict[str, Any]) -> str:

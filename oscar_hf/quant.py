@@ -56,8 +56,9 @@ def check_bits(bits: int) -> None:
 
 def check_symmetric(bits: int, symmetric: bool) -> None:
     if symmetric and bits == 1:
-        raise ValueError("1-bit rows take levels around their mean (mu +- 0.798 sigma); symmetric quantization "
-                         "needs 2 bits or more")
+        raise ValueError(
+            "1-bit rows take levels around their mean (mu +- 0.798 sigma); symmetric quantization needs 2 bits or more"
+        )
 
 
 def pack_unit(bits: int) -> int:

@@ -56,7 +56,9 @@ def saved_tiny_model(tmp_path):
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "text.txt"
-    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200)))
+    data.write_text(
+        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200))
+    )
     return model_dir, data
 
 

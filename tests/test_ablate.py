@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "eval"))
 
 import ablate  # noqa: E402
+
 from oscar_hf.config import METHODS  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 from tests.test_niah import VOCAB, byte_tokenizer, write_essays  # noqa: E402
@@ -21,9 +22,23 @@ SMALL = {"sink": 4, "recent": 16, "block": 4}
 
 
 def test_overrides_reach_nested_fields_and_dtypes():
-    config = ablate.recipe_config({"label": "x", "method": "oscar-int2", "overrides": {
-        "recent": 128, "key": {"group_size": 32}, "value": {"clip_ratio": 0.0}, "metadata_dtype": "float32"}})
-    assert config.recent == 128 and config.key.group_size == 32 and config.key.clip_ratio == METHODS["oscar-int2"].key.clip_ratio
+    config = ablate.recipe_config(
+        {
+            "label": "x",
+            "method": "oscar-int2",
+            "overrides": {
+                "recent": 128,
+                "key": {"group_size": 32},
+                "value": {"clip_ratio": 0.0},
+                "metadata_dtype": "float32",
+            },
+        }
+    )
+    assert (
+        config.recent == 128
+        and config.key.group_size == 32
+        and config.key.clip_ratio == METHODS["oscar-int2"].key.clip_ratio
+    )
     assert config.value.clip_ratio == 0.0 and config.value.bits == 2 and config.metadata_dtype == torch.float32
     with pytest.raises(ValueError, match="unknown OscarCache option"):
         ablate.recipe_config({"label": "x", "method": "int4", "overrides": {"recnet": 1}})
@@ -55,17 +70,30 @@ def run(tmp_path_factory):
     (data / "held_out.txt").write_text(" ".join(f"Line {k} of the held-out text." for k in range(200)))
     (data / "calibration.txt").write_text(" ".join(f"Calibration sentence {k}." for k in range(300)))
     config = {
-        "description": "tiny run", "model": str(model_dir), "context": [96, 128], "windows": [2, 1],
+        "description": "tiny run",
+        "model": str(model_dir),
+        "context": [96, 128],
+        "windows": [2, 1],
         "calibrations": {"text": {"files": ["calibration.txt"], "chars": [0, None], "tokens": 600, "seq_len": 200}},
         "eval_texts": {"held_out": {"file": "held_out.txt", "chars": [100, None]}},
         "needles": {"lengths": [480, 520], "depths": [0, 50], "needles": 1, "max_new_tokens": 4, "batch_size": 2},
         "variants": [
             {"label": "none", "method": "none", "overrides": SMALL},
             {"label": "naive G=8", "method": "naive-int2", "overrides": {**SMALL, "key": {"group_size": 8}}},
-            {"label": "calibrated HP", "method": "oscar-int2", "calibration": "text", "calibrate": {"factors": "HP"},
-             "overrides": SMALL},
-            {"label": "clip search", "method": "oscar-int2", "calibration": "text",
-             "clip_search": {"grid": [1.0, 0.9], "max_queries": 16}, "overrides": SMALL},
+            {
+                "label": "calibrated HP",
+                "method": "oscar-int2",
+                "calibration": "text",
+                "calibrate": {"factors": "HP"},
+                "overrides": SMALL,
+            },
+            {
+                "label": "clip search",
+                "method": "oscar-int2",
+                "calibration": "text",
+                "clip_search": {"grid": [1.0, 0.9], "max_queries": 16},
+                "overrides": SMALL,
+            },
         ],
     }
     path = root / "tiny.json"
@@ -97,6 +125,8 @@ def test_a_run_reports_memory_kl_and_needles_per_recipe(run):
 
 def test_bad_recipes_raise_clear_errors():
     with pytest.raises(ValueError, match="either rotations or calibration"):
-        ablate.variant_cache(None, {"label": "x", "method": "oscar-int2", "rotations": "default", "calibration": "a"}, {})
+        ablate.variant_cache(
+            None, {"label": "x", "method": "oscar-int2", "rotations": "default", "calibration": "a"}, {}
+        )
     with pytest.raises(ValueError, match="need a calibration"):
         ablate.variant_cache(None, {"label": "x", "method": "oscar-int2", "clip_search": True}, {})

@@ -22,6 +22,7 @@ EVAL = Path(__file__).resolve().parents[1] / "eval"
 sys.path.insert(0, str(EVAL))
 import tp_decode  # noqa: E402
 from bench_gpu import resolve_config, run_benchmark  # noqa: E402
+
 from benchmarks import REPO, multigpu  # noqa: E402
 from benchmarks.caches import attention_for, fill_cache, make_cache, model_for  # noqa: E402
 from benchmarks.cases import guarded, median_round  # noqa: E402
@@ -30,25 +31,46 @@ from benchmarks.decoding import generate  # noqa: E402
 from benchmarks.graph import graph_variant  # noqa: E402
 from benchmarks.memory import predict_max_batch  # noqa: E402
 from benchmarks.models import (  # noqa: E402
-    build_model, model_spec, random_rotations, random_tokens, save_random_model,
-)  # fmt: skip
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+    build_model,
+    model_spec,
+    random_rotations,
+    random_tokens,
+    save_random_model,
+)
 from benchmarks.multigpu import device_map_cases, placement_check, tensors_of, torchrun_command  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from oscar_hf.provenance import machine_info  # noqa: E402
 
 TINY_MODEL = {
-    "name": "tiny-qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
-}  # fmt: skip
+    "name": "tiny-qwen3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+}
 # Eight layers, so that device_map="auto" (balanced over the GPUs) spreads them over two.
-SMALL_MODEL = {**TINY_MODEL, "name": "small-qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
-               "num_hidden_layers": 8}  # fmt: skip
+SMALL_MODEL = {
+    **TINY_MODEL,
+    "name": "small-qwen3",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+}
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 TINY_DECODE = {"new_tokens": 3, "repeats": 1, "warmup_steps": 1, "steps": 2, "fill_chunk_rows": 256}
 TINY_KERNEL = {
-    "benchmark": "kernel", "device": "cpu", "shape": {"q_heads": 4, "kv_heads": 2, "head_dim": 64},
-    "contexts": [400], "batches": [1], "timing": {"cpu_warmup": 0, "cpu_repeats": 1},
-}  # fmt: skip
+    "benchmark": "kernel",
+    "device": "cpu",
+    "shape": {"q_heads": 4, "kv_heads": 2, "head_dim": 64},
+    "contexts": [400],
+    "batches": [1],
+    "timing": {"cpu_warmup": 0, "cpu_repeats": 1},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -98,8 +120,16 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
     config.parent.mkdir()
     config.write_text(json.dumps(TINY_KERNEL))
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, str(EVAL / "bench_gpu.py"), "--config", str(config), "--out", str(tmp_path),
-               "--set", 'methods=["sdpa_bf16", "oscar_triton"]']  # fmt: skip
+    command = [
+        sys.executable,
+        str(EVAL / "bench_gpu.py"),
+        "--config",
+        str(config),
+        "--out",
+        str(tmp_path),
+        "--set",
+        'methods=["sdpa_bf16", "oscar_triton"]',
+    ]
     process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     assert "| 400 | 1 | oscar_triton |" in process.stdout  # the summary table
@@ -112,12 +142,21 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
 
 def test_e2e_benchmark(tmp_path):
     config = {
-        "benchmark": "e2e", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
+        "benchmark": "e2e",
+        "device": "cpu",
+        "models": [TINY_MODEL],
+        "contexts": [400],
+        "batches": [1, 2],
         "decode": {**TINY_DECODE, "bandwidth_bytes_per_s": 1e11, "rounds": 2, "call_new_tokens": [2, 3]},
         "prefill": {"context": 384, "warmup": 0, "repeats": 1},
-        "short_generations": {"prompts": 2, "prompt_tokens": [20, 40], "new_tokens": 3, "caches": ["dynamic", "oscar-int2"],
-                              "second_round": ["oscar-int2"]},
-    }  # fmt: skip
+        "short_generations": {
+            "prompts": 2,
+            "prompt_tokens": [20, 40],
+            "new_tokens": 3,
+            "caches": ["dynamic", "oscar-int2"],
+            "second_round": ["oscar-int2"],
+        },
+    }
     config["caches"] = ["dynamic", "static", "oscar-int2", "oscar-int2+absorbed"]
     rows = _ok(_run(config, tmp_path, "e2e")["cases"])
     short = {r["cache"]: r for r in rows if r["part"] == "short"}
@@ -130,7 +169,9 @@ def test_e2e_benchmark(tmp_path):
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in caches}
     for row in decode:
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0
-        assert row["roofline_ms"] > 0 and row["step_over_roofline"] == pytest.approx(row["step_ms"] / row["roofline_ms"])
+        assert row["roofline_ms"] > 0 and row["step_over_roofline"] == pytest.approx(
+            row["step_ms"] / row["roofline_ms"]
+        )
         assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] in row["tokens_per_s_rounds"]
         assert all(row[f"call{n}_{which}_tokens_per_s"] > 0 for n in (2, 3) for which in ("first", "second"))
     oscar = next(r for r in decode if r["cache"] == "oscar-int2" and r["batch"] == 1)
@@ -142,11 +183,15 @@ def test_e2e_benchmark(tmp_path):
 def test_graph_benchmark(tmp_path):
     """The CUDA-graph benchmark's path on CPU: static steps run uncaptured, the profile has no kernels."""
     config = {
-        "benchmark": "graph", "device": "cpu", "models": [TINY_MODEL], "contexts": [400], "batches": [1, 2],
+        "benchmark": "graph",
+        "device": "cpu",
+        "models": [TINY_MODEL],
+        "contexts": [400],
+        "batches": [1, 2],
         "caches": ["dynamic", "oscar-int2", "oscar-int2+graph", "oscar-int2+absorbed+graph+fused"],
         "decode": {**TINY_DECODE, "compiled_new_tokens": [1, 2], "bandwidth_bytes_per_s": 1e11},
         "profile": {"model": "tiny-qwen3", "context": 400, "batch": 1, "profile_steps": 2, "profile_top": 3},
-    }  # fmt: skip
+    }
     rows = _ok(_run(config, tmp_path, "graph")["cases"])
     decode = [r for r in rows if r["part"] == "decode"]
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in config["caches"]}
@@ -163,7 +208,9 @@ def test_absorbed_case_folds_r_v_for_its_duration_only():
     before = {n: p.clone() for n, p in model.named_parameters()}
     with model_for(model, "oscar-int2+absorbed", rotations) as method:
         assert method == "oscar-int2"
-        assert not torch.equal(model.model.layers[0].self_attn.v_proj.weight, before["model.layers.0.self_attn.v_proj.weight"])
+        assert not torch.equal(
+            model.model.layers[0].self_attn.v_proj.weight, before["model.layers.0.self_attn.v_proj.weight"]
+        )
         assert make_cache(method, model, 64, rotations).values_prerotated
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not make_cache("oscar-int2", model, 64, rotations).values_prerotated
@@ -194,10 +241,12 @@ def test_generate_over_a_filled_cache_runs_only_the_new_tokens(cache_name):
 
 def test_memory_benchmark(tmp_path):
     config = {
-        "benchmark": "memory", "device": "cpu", "models": [TINY_MODEL],
+        "benchmark": "memory",
+        "device": "cpu",
+        "models": [TINY_MODEL],
         "report": {"context": 512, "fill_chunk_rows": 256},
         "max_batch": {"context": 400, "budget_bytes": 2_000_000, "warmup_steps": 0, "steps": 1, "fill_chunk_rows": 512},
-    }  # fmt: skip
+    }
     rows = _ok(_run(config, tmp_path, "memory")["cases"])
     report = {r["cache"]: r for r in rows if r["part"] == "report"}
     assert report["dynamic"]["bits_per_element"] == 16 and report["oscar-int2"]["kv_ratio_vs_bf16"] > 1
@@ -232,8 +281,9 @@ def test_sass_count_compiles_the_decode_kernel_for_sm90_without_a_gpu():
     """kernels/tools/sass_count.py: the history loop of the compiled kernel, counted from its SASS."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = EVAL.parent / "kernels" / "tools" / "sass_count.py"
-    out = subprocess.run([sys.executable, str(tool), "--warps", "1"], capture_output=True,
-                         text=True, env=env, timeout=600, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(tool), "--warps", "1"], capture_output=True, text=True, env=env, timeout=600, check=True
+    ).stdout
     per_key = float(out.split("= ")[1].split(" warp-instructions")[0])
     assert 10 < per_key < 100 and "HMMA" in out
 
@@ -252,10 +302,16 @@ def test_helpers():
     assert spec["hidden_size"] == 4096 and spec["num_hidden_layers"] == 2
     plain = {"compile": False, "fuse_projections": False}
     assert graph_variant("oscar-int2") == ("oscar-int2", False, plain)
-    assert graph_variant("oscar-int2+absorbed+graph+compile") == ("oscar-int2+absorbed", True,
-                                                                   {**plain, "compile": True})  # fmt: skip
+    assert graph_variant("oscar-int2+absorbed+graph+compile") == (
+        "oscar-int2+absorbed",
+        True,
+        {**plain, "compile": True},
+    )
     assert graph_variant("oscar-int2+graph+autotune+fused") == (
-        "oscar-int2", True, {"compile": "max-autotune-no-cudagraphs", "fuse_projections": True})
+        "oscar-int2",
+        True,
+        {"compile": "max-autotune-no-cudagraphs", "fuse_projections": True},
+    )
     assert graph_variant("oscar-int2+graph+fused") == ("oscar-int2", True, {**plain, "fuse_projections": True})
     with pytest.raises(ValueError, match="after '\\+graph'"):
         graph_variant("oscar-int2+graph+compiled")
@@ -287,12 +343,16 @@ def test_placement_check_finds_every_cache_tensor():
 
 def test_device_map_part_on_one_cpu(tmp_path, monkeypatch):
     """The device_map flow (save, from_pretrained(device_map="auto"), fill per layer device, placement check)."""
-    monkeypatch.setattr(multigpu, "save_random_model",
-                        lambda spec, path, device, dtype: save_random_model(spec, path, "cpu", dtype))
-    config = resolve_config({
-        "benchmark": "multigpu", "model": TINY_MODEL,
-        "device_map": {"context": 400, "batch": 1, **TINY_DECODE},
-    })  # fmt: skip
+    monkeypatch.setattr(
+        multigpu, "save_random_model", lambda spec, path, device, dtype: save_random_model(spec, path, "cpu", dtype)
+    )
+    config = resolve_config(
+        {
+            "benchmark": "multigpu",
+            "model": TINY_MODEL,
+            "device_map": {"context": 400, "batch": 1, **TINY_DECODE},
+        }
+    )
     rows = _ok(device_map_cases(config, gpus=1))
     assert [r["cache"] for r in rows] == ["dynamic", "oscar-int2"]
     # on a GPU machine device_map="auto" puts the tiny model on cuda:0 instead, which works the same
@@ -306,14 +366,27 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
     unsharded model's."""
     model = {**TINY_MODEL, "hidden_size": 128, "intermediate_size": 256}
     config = tmp_path / "tp.json"
-    config.write_text(json.dumps({"tensor_parallel": {
-        "model": model, "context": 400, "batch": 2, "new_tokens": 4, "repeats": 1, "warmup_steps": 1, "steps": 2,
-        "dtype": "float32", "caches": ["dynamic", "oscar-int2", "oscar-int2+frozen"], "per_head_rotations": per_head,
-    }}))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "tensor_parallel": {
+                    "model": model,
+                    "context": 400,
+                    "batch": 2,
+                    "new_tokens": 4,
+                    "repeats": 1,
+                    "warmup_steps": 1,
+                    "steps": 2,
+                    "dtype": "float32",
+                    "caches": ["dynamic", "oscar-int2", "oscar-int2+frozen"],
+                    "per_head_rotations": per_head,
+                }
+            }
+        )
+    )
     out = tmp_path / "tp_result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU even beside a GPU
-    process = subprocess.run(torchrun_command(2, config, out), env=env, capture_output=True, text=True,
-                             timeout=300)  # fmt: skip
+    process = subprocess.run(torchrun_command(2, config, out), env=env, capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["command"].startswith("torchrun --standalone --nproc_per_node 2")
@@ -353,13 +426,25 @@ def test_tp_decode_on_two_gpus(tmp_path):
     """tp_plan="auto" under torchrun, 2 ranks over NCCL: each rank caches half the KV heads, freezes its own
     cache (plain generate's per-layer graphs) and decodes the same tokens as the other rank."""
     config = tmp_path / "tp.json"
-    config.write_text(json.dumps({"tensor_parallel": {
-        "model": SMALL_MODEL, "context": 700, "batch": 2, "new_tokens": 8, "repeats": 1, "warmup_steps": 1, "steps": 2,
-        "dtype": "bfloat16", "caches": ["dynamic", "oscar-int2"],
-    }}))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "tensor_parallel": {
+                    "model": SMALL_MODEL,
+                    "context": 700,
+                    "batch": 2,
+                    "new_tokens": 8,
+                    "repeats": 1,
+                    "warmup_steps": 1,
+                    "steps": 2,
+                    "dtype": "bfloat16",
+                    "caches": ["dynamic", "oscar-int2"],
+                }
+            }
+        )
+    )
     out = tmp_path / "tp_result.json"
-    process = subprocess.run(torchrun_command(2, config, out), capture_output=True, text=True, timeout=600,
-                             cwd=REPO)  # fmt: skip
+    process = subprocess.run(torchrun_command(2, config, out), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert process.returncode == 0, process.stderr[-3000:]
     rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
     oscar = rows["oscar-int2"]
@@ -382,9 +467,24 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     slower, faster = ({**row, "steady_step_ms": row["steady_step_ms"] * factor} for factor in (3.0, 0.5))
     reported = median_round([slower, row, faster], "steady_step_ms", higher_is_faster=False)
     assert reported["steady_step_ms"] == row["steady_step_ms"]
-    assert reported["steady_step_ms_rounds"] == [slower["steady_step_ms"], row["steady_step_ms"], faster["steady_step_ms"]]
-    step_times.write(tmp_path, {"command": "x", "machine": machine_info(), "date": "d", "model": "tiny",
-                                "context": 300, "batch": 1, "new_tokens": 6, "rounds": 3,
-                                "caches": {"oscar-int2": {**reported, "first_call": faster}}})  # fmt: skip
+    assert reported["steady_step_ms_rounds"] == [
+        slower["steady_step_ms"],
+        row["steady_step_ms"],
+        faster["steady_step_ms"],
+    ]
+    step_times.write(
+        tmp_path,
+        {
+            "command": "x",
+            "machine": machine_info(),
+            "date": "d",
+            "model": "tiny",
+            "context": 300,
+            "batch": 1,
+            "new_tokens": 6,
+            "rounds": 3,
+            "caches": {"oscar-int2": {**reported, "first_call": faster}},
+        },
+    )
     assert f"| oscar-int2 | {faster['one_time_ms']:.1f} |" in (tmp_path / "step_times.md").read_text()
     assert (tmp_path / "step_times.png").stat().st_size > 0

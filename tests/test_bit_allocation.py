@@ -10,9 +10,9 @@ import torch
 
 from oscar_hf import OscarCache, RotationSet
 from oscar_hf.calibration.bit_allocation import allocate_bits
-from oscar_hf.config import METHODS, TensorQuantConfig
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
-from tests.conftest import tiny_model, saved_tiny_model
+from oscar_hf.config import METHODS, TensorQuantConfig
+from tests.conftest import saved_tiny_model, tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 SMALL_K3V2 = METHODS["oscar-k3v2"].with_overrides(sink=4, recent=8, block=2)
@@ -37,8 +37,10 @@ def test_the_allocation_follows_the_measured_kl_and_keeps_the_budget():
     # the scores are the KL of the evaluation code: one layer's 1-bit values measured again
     layer = scores.value_layers[0]
     probe = RotationSet(16, rotations.key, rotations.value, key_clip=rotations.key_clip, value_bits={layer: 1})
-    caches = {"base": OscarCache(model, SMALL, rotations=rotations),
-              "v1": OscarCache(model, SMALL, rotations=probe, allow_bits_change=True)}  # fmt: skip
+    caches = {
+        "base": OscarCache(model, SMALL, rotations=rotations),
+        "v1": OscarCache(model, SMALL, rotations=probe, allow_bits_change=True),
+    }
     stats, _ = position_stats_of_caches(model, torch.cat([b[0] for b in batches]), caches, 48, 2, progress=False)
     cost = float(stats["v1"][1, 12:].mean() - stats["base"][1, 12:].mean())
     assert cost == pytest.approx(scores.value_cost[layer], rel=1e-6, abs=1e-9)
@@ -59,10 +61,13 @@ def test_an_allocation_for_k3v2_trades_one_value_layer_per_key_layer():
     assert scores.to_dict()["base_bits"] == {"key": 3, "value": 2}
     # the K4 gain is measured against K3: one layer's 4-bit keys measured again at the k3v2 widths
     layer = scores.key_layers[0]
-    probe = RotationSet(16, rotations.key, rotations.value, value_clip=rotations.value_clip, key_bits={layer: 4},
-                        base_bits=(3, 2))  # fmt: skip
-    caches = {"base": OscarCache(model, SMALL_K3V2, rotations=rotations),
-              "k4": OscarCache(model, SMALL_K3V2, rotations=probe, allow_bits_change=True)}  # fmt: skip
+    probe = RotationSet(
+        16, rotations.key, rotations.value, value_clip=rotations.value_clip, key_bits={layer: 4}, base_bits=(3, 2)
+    )
+    caches = {
+        "base": OscarCache(model, SMALL_K3V2, rotations=rotations),
+        "k4": OscarCache(model, SMALL_K3V2, rotations=probe, allow_bits_change=True),
+    }
     stats, _ = position_stats_of_caches(model, torch.cat([b[0] for b in batches]), caches, 48, 2, progress=False)
     gain = float(stats["base"][1, 12:].mean() - stats["k4"][1, 12:].mean())
     assert gain == pytest.approx(scores.key_gain[layer], rel=1e-6, abs=1e-9)
@@ -102,8 +107,27 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
 
     model_dir, data = saved_tiny_model(tmp_path)
     out = tmp_path / "rotations"
-    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
-          "--clip-search", "--allocate-bits", "1", "--allocate-for", method, "--out", str(out), "--json"])  # fmt: skip
+    main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(data),
+            "--tokens",
+            "800",
+            "--seq-len",
+            "400",
+            "--clip-search",
+            "--allocate-bits",
+            "1",
+            "--allocate-for",
+            method,
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     allocation = summary["bit_allocation"]
     assert allocation["method"] == method and len(allocation["key_4bit_layers"]) == 1
@@ -113,11 +137,15 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
     assert summary["per_layer"][key_layer]["key_bits"] == 4
     assert {row["key_bits"] for row in summary["per_layer"] if row["layer"] != key_layer} <= {base.key.bits}
     rotations = load_rotations(out)
-    assert rotations.key_bits == {key_layer: 4} and rotations.value_bits == dict.fromkeys(allocation["value_1bit_layers"], 1)
+    assert rotations.key_bits == {key_layer: 4} and rotations.value_bits == dict.fromkeys(
+        allocation["value_1bit_layers"], 1
+    )
     assert rotations.base_bits == (base.key.bits, base.value.bits)
     assert len(rotations.key_clip) == 2
     stored = load_rotation_config(out)
-    assert stored["base_bits"] == stored["bit_allocation"]["base_bits"] == {"key": base.key.bits, "value": base.value.bits}
+    assert (
+        stored["base_bits"] == stored["bit_allocation"]["base_bits"] == {"key": base.key.bits, "value": base.value.bits}
+    )
     assert set(stored["bit_allocation"]["key_gain"]) == {"0", "1"}
     assert stored["bit_allocation"]["baseline_kl"] == allocation["baseline_kl"]
 
@@ -131,22 +159,51 @@ def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
 
     model_dir, data = saved_tiny_model(tmp_path)
     saved = RotationSet.hadamard(16, [0, 1])
-    saved = RotationSet(16, saved.key, saved.value, key_clip={0: 0.84, 1: 0.9}, value_clip={0: 0.88, 1: 0.92},
-                        key_bits={0: 4}, value_bits={1: 1, 0: 1})  # a 2-bit allocation, dropped
+    saved = RotationSet(
+        16,
+        saved.key,
+        saved.value,
+        key_clip={0: 0.84, 1: 0.9},
+        value_clip={0: 0.88, 1: 0.92},
+        key_bits={0: 4},
+        value_bits={1: 1, 0: 1},
+    )  # a 2-bit allocation, dropped
     save_rotations(saved, tmp_path / "saved", {"clip": "per-layer (clip search)", "command": "oscar-hf calibrate ..."})
     out = tmp_path / "k3v2"
-    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
-          "--from-rotations", str(tmp_path / "saved"), "--allocate-bits", "1", "--allocate-for", "oscar-k3v2",
-          "--out", str(out)])  # fmt: skip
+    main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(data),
+            "--tokens",
+            "800",
+            "--seq-len",
+            "400",
+            "--from-rotations",
+            str(tmp_path / "saved"),
+            "--allocate-bits",
+            "1",
+            "--allocate-for",
+            "oscar-k3v2",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "| widths" in printed and "C_Q" not in printed  # no covariances were collected
     allocated = load_rotations(out)
     assert allocated.base_bits == (3, 2) and len(allocated.key_bits) == 1 and len(allocated.value_bits) == 1
     for layer in (0, 1):
-        assert torch.equal(allocated.key[layer], saved.key[layer]) and torch.equal(allocated.value[layer], saved.value[layer])
+        assert torch.equal(allocated.key[layer], saved.key[layer]) and torch.equal(
+            allocated.value[layer], saved.value[layer]
+        )
     assert allocated.key_clip == saved.key_clip and allocated.value_clip == saved.value_clip
     stored = load_rotation_config(out)
-    assert stored["clip"] == "per-layer (clip search)" and stored["rotations_from"]["command"] == "oscar-hf calibrate ..."
+    assert (
+        stored["clip"] == "per-layer (clip search)" and stored["rotations_from"]["command"] == "oscar-hf calibrate ..."
+    )
     assert set(stored["rotations_from"]["files"]) == {"config.json", "rotations.safetensors"}
     assert "--from-rotations" in stored["command"]
 

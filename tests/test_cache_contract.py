@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet, TensorQuantConfig
 from oscar_hf.core.layer import OscarLayer
-from tests.conftest import forward, generate, tiny_model
+from tests.conftest import forward, generate
 
 SMALL = dict(sink=4, recent=8, block=2)
 
@@ -76,10 +76,20 @@ def test_none_beam_search_with_several_returned_sequences_is_token_identical(tin
 
 
 # ----------------------------------------------------------------- quantized methods in generate
-@pytest.mark.parametrize("method", ["naive-int2", "quarot-int2", "int4",
-                                    pytest.param(OscarConfig("k3v2", TensorQuantConfig(3, clip_ratio=0.96),
-                                                             TensorQuantConfig(2, clip_ratio=0.92), "hadamard"),
-                                                 id="k3v2")])  # fmt: skip
+@pytest.mark.parametrize(
+    "method",
+    [
+        "naive-int2",
+        "quarot-int2",
+        "int4",
+        pytest.param(
+            OscarConfig(
+                "k3v2", TensorQuantConfig(3, clip_ratio=0.96), TensorQuantConfig(2, clip_ratio=0.92), "hadamard"
+            ),
+            id="k3v2",
+        ),
+    ],
+)
 def test_quantized_methods_run_every_generate_feature(tiny, method):
     ids, mask = left_pad(prompts([9, 17, 30]))
     for kwargs in (
@@ -297,7 +307,10 @@ def test_no_history_sized_dense_tensor_outlives_a_step(tiny):
     dense = [
         t
         for t in gc.get_objects()
-        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() and t.dim() >= 3 and t.shape[-1] == 16
+        if type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.is_floating_point()
+        and t.dim() >= 3
+        and t.shape[-1] == 16
         and t.shape[-2] >= history
     ]
     assert dense == []
@@ -309,8 +322,15 @@ def test_sliding_window_layers_stay_bf16_and_work():
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=512,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=512,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     )
     model = Gemma3ForCausalLM(config).eval()

@@ -34,13 +34,20 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from transformers import DynamicCache
 
-from oscar_hf.core.compat import positive_crop_keeps_length
 from oscar_hf import METHODS, OscarCache, RotationSet, TensorQuantConfig, cache_keyword
-from oscar_hf.rotations.rotation_set import hadamard
+from oscar_hf.core.compat import positive_crop_keeps_length
 from oscar_hf.quant import dequantize, quantize
+from oscar_hf.rotations.rotation_set import hadamard
 from tests.conftest import TINY, forward, tiny_model
 
 WINDOWS = dict(sink=4, recent=8, block=2)
@@ -55,11 +62,21 @@ FROZEN_CAPACITY = MAX_TOKENS + 64  # start_static's capacity: never full within 
 TOLERANCE = dict(atol=1e-6, rtol=1e-5)
 
 PROFILES = {
-    "ci": settings(max_examples=20, stateful_step_count=25, deadline=None, database=None,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
-    "long": settings(max_examples=150, stateful_step_count=40, deadline=None, database=None,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
-}  # fmt: skip
+    "ci": settings(
+        max_examples=20,
+        stateful_step_count=25,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ),
+    "long": settings(
+        max_examples=150,
+        stateful_step_count=40,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    ),
+}
 PROFILE = PROFILES[os.environ.get("OSCAR_HF_STATEFUL_PROFILE", "ci")]
 
 
@@ -71,8 +88,11 @@ def spec(bits: int, clip: float = 0.0, symmetric: bool = False) -> TensorQuantCo
 # (OscarConfig docs): calibrated methods take the rotations' per-layer clip ratios where the method
 # clips at 2 bits, and oscar-int2 their per-layer bit widths (a changed width is not clipped).
 # :func:`random_rotations` stores: layer 0 K 4 bits and V 1 bit, layer 1 V 1 bit; clips for layer 1.
-_PLAIN = {"naive-int2": (spec(2, symmetric=True), spec(2, symmetric=True)),
-          "quarot-int2": (spec(2), spec(2)), "int4": (spec(4), spec(4))}  # fmt: skip
+_PLAIN = {
+    "naive-int2": (spec(2, symmetric=True), spec(2, symmetric=True)),
+    "quarot-int2": (spec(2), spec(2)),
+    "int4": (spec(4), spec(4)),
+}
 FORMATS: dict[str, list[tuple[TensorQuantConfig, TensorQuantConfig]] | None] = {
     "none": None,
     **{name: [formats] * len(LAYERS) for name, formats in _PLAIN.items()},
@@ -101,11 +121,21 @@ def random_rotations(per_head: bool) -> RotationSet:
         return torch.stack([orthogonal() for _ in range(KV_HEADS)]) if per_head else orthogonal()
 
     # oscar-int2's budget: (4 + 1) + (2 + 1) bits = 2 layers x (2 + 2)
-    return RotationSet(HEAD_DIM, {i: rotation() for i in LAYERS}, {i: rotation() for i in LAYERS}, "random",
-                       key_clip={1: 0.9}, value_clip={1: 0.85}, key_bits={0: 4}, value_bits={0: 1, 1: 1})  # fmt: skip
+    return RotationSet(
+        HEAD_DIM,
+        {i: rotation() for i in LAYERS},
+        {i: rotation() for i in LAYERS},
+        "random",
+        key_clip={1: 0.9},
+        value_clip={1: 0.85},
+        key_bits={0: 4},
+        value_bits={0: 1, 1: 1},
+    )
 
 
-def method_rotations(method: str, rotations: RotationSet, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def method_rotations(
+    method: str, rotations: RotationSet, layer: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """R_K and R_V of ``layer`` for ``method`` (None: the identity)."""
     kind = METHODS[method].rotation
     if kind == "identity":
@@ -124,8 +154,14 @@ def _rotate(states: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor
 def roundtrip(rotated: torch.Tensor, rotation: torch.Tensor | None, format: TensorQuantConfig) -> torch.Tensor:
     """What ``rotated`` states become in a history of ``format``, back in the model's basis."""
     group = format.group_of(HEAD_DIM)
-    codes = quantize(rotated, format.bits, group, symmetric=format.symmetric, clip_ratio=format.clip_ratio,
-                     metadata_dtype=torch.bfloat16)  # fmt: skip
+    codes = quantize(
+        rotated,
+        format.bits,
+        group,
+        symmetric=format.symmetric,
+        clip_ratio=format.clip_ratio,
+        metadata_dtype=torch.bfloat16,
+    )
     back = dequantize(codes, format.bits, group, torch.float32)
     return back if rotation is None else back @ rotation.mT
 
@@ -195,9 +231,13 @@ class Expected:
             torch.cat([values[:, :, :start], self.history_values[layer], values[:, :, stop:]], dim=2),
         )
 
-    def arrive(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rotated: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def arrive(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, rotated: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
         """Append a chunk's exact K/V and their rotated copies to ``layer``."""
-        for tensors, new in zip((self.keys, self.values, self.rotated_keys, self.rotated_values), (keys, values, *rotated)):
+        for tensors, new in zip(
+            (self.keys, self.values, self.rotated_keys, self.rotated_values), (keys, values, *rotated)
+        ):
             tensors[layer] = torch.cat([tensors[layer], new], dim=2)
 
     def demote(self, count: int, quantize_layer) -> None:
@@ -207,7 +247,9 @@ class Expected:
             return
         start, stop = self.sink + self.history, self.sink + self.history + count
         for layer in LAYERS:
-            rows = (t[layer][:, :, start:stop] for t in (self.keys, self.values, self.rotated_keys, self.rotated_values))
+            rows = (
+                t[layer][:, :, start:stop] for t in (self.keys, self.values, self.rotated_keys, self.rotated_values)
+            )
             k, v = quantize_layer(layer, *rows)
             self.history_keys[layer] = torch.cat([self.history_keys[layer], k], dim=2)
             self.history_values[layer] = torch.cat([self.history_values[layer], v], dim=2)
@@ -215,8 +257,14 @@ class Expected:
 
     def select(self, index: torch.Tensor) -> None:
         self.pads, self.ids = self.pads[index], self.ids[index]
-        for tensors in (self.keys, self.values, self.rotated_keys, self.rotated_values, self.history_keys,
-                        self.history_values):  # fmt: skip
+        for tensors in (
+            self.keys,
+            self.values,
+            self.rotated_keys,
+            self.rotated_values,
+            self.history_keys,
+            self.history_values,
+        ):
             tensors[:] = [t[index] for t in tensors]
 
     def crop(self, length: int) -> None:
@@ -272,8 +320,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.decode_graphs = data.draw(st.sampled_from([None, True]), label="decode_graphs")
         self.model, self.reference_model = models(arch)
         self.rotations = random_rotations(per_head)
-        self.cache = OscarCache(self.model, self.method, rotations=self.rotations, decode_graphs=self.decode_graphs,
-                                **WINDOWS)  # fmt: skip
+        self.cache = OscarCache(
+            self.model, self.method, rotations=self.rotations, decode_graphs=self.decode_graphs, **WINDOWS
+        )
         self.quantized = FORMATS[self.method] is not None
         self.expected: Expected | None = None  # None: the next prefill starts a new batch
         self.saved: tuple[OscarCache, Expected | None] | None = None
@@ -315,8 +364,12 @@ class CacheMachine(RuleBasedStateMachine):
             attention = self.reference_model.model.layers[layer].self_attn
             with torch.no_grad():
                 want, _ = attention(**{**inputs, cache_keyword(self.model): reference})
-            torch.testing.assert_close(got[real], want[real], **TOLERANCE,
-                                       msg=lambda m: f"{self.method}, layer {layer}, step of {new} at {start}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                got[real],
+                want[real],
+                **TOLERANCE,
+                msg=lambda m: f"{self.method}, layer {layer}, step of {new} at {start}: {m}",
+            )
         expected.ids = torch.cat([expected.ids, ids], dim=1)
         for layer in LAYERS:
             keys, values = reference.layers[layer].keys[:, :, start:], reference.layers[layer].values[:, :, start:]
@@ -325,13 +378,21 @@ class CacheMachine(RuleBasedStateMachine):
         expected.sink += to_sink
         expected.demote(quantize_new, self.quantize_layer)  # after attention: this step saw them exact
 
-    def quantize_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rotated_keys: torch.Tensor,
-                       rotated_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def quantize_layer(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rotated_keys: torch.Tensor,
+        rotated_values: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.exact_history:
             return keys, values
         key_format, value_format = FORMATS[self.method][layer]
         key_rotation, value_rotation = method_rotations(self.method, self.rotations, layer)
-        return roundtrip(rotated_keys, key_rotation, key_format), roundtrip(rotated_values, value_rotation, value_format)
+        return roundtrip(rotated_keys, key_rotation, key_format), roundtrip(
+            rotated_values, value_rotation, value_format
+        )
 
     def expect_freezing(self, new: int) -> None:
         """What the step does to the static layout: a longer chunk thaws it; with decode_graphs a
@@ -367,7 +428,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def reorder(self, data):
         batch = self.expected.pads.shape[0]
-        beams = torch.tensor(data.draw(st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch), label="beams"))
+        beams = torch.tensor(
+            data.draw(st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch), label="beams")
+        )
         self.thaw_for_good()
         self.cache.reorder_cache(beams)
         self.expected.select(beams)

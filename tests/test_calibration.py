@@ -21,10 +21,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar_hf.calibration import covariances as calibration
 from oscar_hf.calibration.covariances import CALIBRATION_ATTENTION, calibrate, collect_covariances
-from oscar_hf.rotations.rotation_set import RotationSet, check_orthogonal, rotation_from_covariance
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
 from oscar_hf.rotations.hub import load_rotations
 from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
+from oscar_hf.rotations.rotation_set import RotationSet, check_orthogonal, rotation_from_covariance
 
 VOCAB = 128
 HEAD_DIM = 16
@@ -92,7 +92,9 @@ def naive_targets(chunks: list[tuple[torch.Tensor, ...]], grouping: str = "conti
     return (c_q + c_q.T) / 2, (c_s + c_s.T) / 2
 
 
-def naive_per_head_targets(chunks: list[tuple[torch.Tensor, ...]], grouping: str = "contiguous") -> tuple[torch.Tensor, ...]:
+def naive_per_head_targets(
+    chunks: list[tuple[torch.Tensor, ...]], grouping: str = "contiguous"
+) -> tuple[torch.Tensor, ...]:
     """C_Q^(h), C_S^(h) and K_h^T K_h / n of each KV head, ``[H_kv, D, D]``, before pooling."""
     q = torch.cat([c[0].transpose(1, 2).reshape(-1, c[0].shape[1], c[0].shape[3]) for c in chunks]).double()
     k = torch.cat([c[1].transpose(1, 2).reshape(-1, c[1].shape[1], c[1].shape[3]) for c in chunks]).double()
@@ -324,9 +326,14 @@ def test_metadata_cannot_override_format_keys(tmp_path) -> None:
         save_rotations(random_rotation_set([0]), tmp_path, {"head_dim": 3})
 
 
-@pytest.mark.parametrize("name, composition", [(DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)"),
-                                               (DEFAULT_PAPER_ROTATIONS, "r_h_pbr"),
-                                               ("smollm2-135m-instruct-k3v2", "per-layer r_h_pbr or h_pbr (clip search)")])
+@pytest.mark.parametrize(
+    "name, composition",
+    [
+        (DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)"),
+        (DEFAULT_PAPER_ROTATIONS, "r_h_pbr"),
+        ("smollm2-135m-instruct-k3v2", "per-layer r_h_pbr or h_pbr (clip search)"),
+    ],
+)
 def test_bundled_default_rotations_load(name: str, composition: str) -> None:
     path = bundled_rotations_dir(name)
     assert path.parts[-4:] == ("oscar_hf", "assets", "rotations", name)

@@ -39,8 +39,14 @@ def test_text_files_are_documents_and_gutenberg_boilerplate_is_stripped(tmp_path
 
 
 def test_jsonl_prompts_plain_and_with_the_chat_template(tmp_path):
-    data = write_jsonl(tmp_path / "q.jsonl", [{"question": "2+2?"}, {"problem": "x=1?"}, {"messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    data = write_jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"question": "2+2?"},
+            {"problem": "x=1?"},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        ],
+    )
     plain = read_calibration_files([data], CharTokenizer())
     assert plain.prompts == ["2+2?", "x=1?", "<user>hi</user><assistant>hello</assistant>"]
     chat = read_calibration_files([data], CharTokenizer(), chat=True)

@@ -9,7 +9,6 @@ import pytest
 
 import oscar_hf.cli.main as cli
 from oscar_hf.cli.main import main
-
 from tests.conftest import tiny_model
 
 
@@ -33,6 +32,7 @@ def paths(tmp_path) -> dict[str, str]:
 def no_model(monkeypatch):
     def refuse(args):
         raise AssertionError("the model was loaded")
+
     monkeypatch.setattr(cli, "_load", refuse)
 
 
@@ -103,19 +103,46 @@ BEFORE_LOADING = [
     ([*TASKS, "--tasks", "gsm9k"], 1, "oscar-hf eval tasks: unknown task(s) ['gsm9k']"),
     ([*TASKS, "--tasks", "gsm8k"], 1, "oscar-hf eval tasks: task 'gsm8k': missing data file(s)"),
     ([*TASKS, "--task-dir", "{missing}"], 1, "oscar-hf eval tasks: --task-dir {missing} is not a folder"),
-    (["eval", "tasks", "--out", "{file}", "--tasks", "gsm8k"], 1, "oscar-hf eval tasks: --out {file}: {file} is a file"),
-    (["lm-eval-tasks", "--data-dir", "{folder}", "--out", "{file}"], 1, "oscar-hf lm-eval-tasks: --out {file}: {file} is a"),
-    (["lm-eval-tasks", "--data-dir", "{missing}", "--out", "{folder}"], 1, "oscar-hf lm-eval-tasks: --data-dir {missing} is "),
-    (["lm-eval-tasks", "--data-dir", "{folder}", "--out", "{folder}", "--task-dir", "{missing}"], 1,
-     "oscar-hf lm-eval-tasks: --task-dir {missing} is not a folder"),
+    (
+        ["eval", "tasks", "--out", "{file}", "--tasks", "gsm8k"],
+        1,
+        "oscar-hf eval tasks: --out {file}: {file} is a file",
+    ),
+    (
+        ["lm-eval-tasks", "--data-dir", "{folder}", "--out", "{file}"],
+        1,
+        "oscar-hf lm-eval-tasks: --out {file}: {file} is a",
+    ),
+    (
+        ["lm-eval-tasks", "--data-dir", "{missing}", "--out", "{folder}"],
+        1,
+        "oscar-hf lm-eval-tasks: --data-dir {missing} is ",
+    ),
+    (
+        ["lm-eval-tasks", "--data-dir", "{folder}", "--out", "{folder}", "--task-dir", "{missing}"],
+        1,
+        "oscar-hf lm-eval-tasks: --task-dir {missing} is not a folder",
+    ),
     ([*CALIBRATE, "--tokens", "0"], USAGE, "argument --tokens: must be at least 1, got 0"),
     ([*CALIBRATE, "--seq-len", "0"], USAGE, "argument --seq-len: must be at least 1, got 0"),
     ([*CALIBRATE, "--allocate-bits", "-1"], USAGE, "argument --allocate-bits: must be at least 0, got -1"),
     ([*CALIBRATE, "--tokens", "lots"], USAGE, "argument --tokens: not an integer: 'lots'"),
     (["calibrate", "--data", "{empty}", "--out", "{folder}"], 1, "oscar-hf calibrate: --data {empty} is empty"),
-    (["calibrate", "--data", "{empty}", "{blank}", "--out", "{folder}"], 1, "oscar-hf calibrate: --data {empty} is empty"),
-    (["calibrate", "--data", "{text}", "{blank}", "--out", "{folder}"], 1, "oscar-hf calibrate: --data {blank} is empty"),
-    (["calibrate", "--data", "{missing}", "--out", "{folder}"], 1, "oscar-hf calibrate: --data {missing} is not a file"),
+    (
+        ["calibrate", "--data", "{empty}", "{blank}", "--out", "{folder}"],
+        1,
+        "oscar-hf calibrate: --data {empty} is empty",
+    ),
+    (
+        ["calibrate", "--data", "{text}", "{blank}", "--out", "{folder}"],
+        1,
+        "oscar-hf calibrate: --data {blank} is empty",
+    ),
+    (
+        ["calibrate", "--data", "{missing}", "--out", "{folder}"],
+        1,
+        "oscar-hf calibrate: --data {missing} is not a file",
+    ),
     (["calibrate", "--data", "{text}", "--out", "{file}"], 1, "oscar-hf calibrate: --out {file}: {file} is a file"),
     (["memory", "--tokens", "-5"], USAGE, "argument --tokens: must be at least 1, got -5"),
     (["memory", "--tokens", "0"], USAGE, "argument --tokens: must be at least 1, got 0"),
@@ -147,13 +174,26 @@ def model_dir(tmp_path_factory):
 
 # Mistakes only the tokenizer or the model can show: refused in one line once it has loaded.
 AFTER_LOADING = [
-    (["eval", "kl", "--text", "{text}", "--ctx", "1024"], "oscar-hf eval kl: {text} has {tokens} tokens, fewer than --ctx 1024"),
-    (["eval", "kl", "--text", "{text}", "--ctx", "4096"], "oscar-hf eval kl: --ctx 4096 exceeds the model's context of 2048"),
-    (["memory", "--text", "{text}", "--tokens", "1000"], "oscar-hf memory: {text} has {tokens} tokens, fewer than 1000"),
-    (["calibrate", "--data", "{text}", "--out", "{folder}/rotations"],
-     "oscar-hf calibrate: --clip-search needs calibration rows longer than"),
-    (["calibrate", "--data", "{folder}/bad.jsonl", "--out", "{folder}/rotations"],
-     "oscar-hf calibrate: {folder}/bad.jsonl:1 is not valid JSON"),
+    (
+        ["eval", "kl", "--text", "{text}", "--ctx", "1024"],
+        "oscar-hf eval kl: {text} has {tokens} tokens, fewer than --ctx 1024",
+    ),
+    (
+        ["eval", "kl", "--text", "{text}", "--ctx", "4096"],
+        "oscar-hf eval kl: --ctx 4096 exceeds the model's context of 2048",
+    ),
+    (
+        ["memory", "--text", "{text}", "--tokens", "1000"],
+        "oscar-hf memory: {text} has {tokens} tokens, fewer than 1000",
+    ),
+    (
+        ["calibrate", "--data", "{text}", "--out", "{folder}/rotations"],
+        "oscar-hf calibrate: --clip-search needs calibration rows longer than",
+    ),
+    (
+        ["calibrate", "--data", "{folder}/bad.jsonl", "--out", "{folder}/rotations"],
+        "oscar-hf calibrate: {folder}/bad.jsonl:1 is not valid JSON",
+    ),
 ]
 
 
@@ -168,11 +208,18 @@ def test_mistakes_seen_with_the_model_fail_in_one_line(argv, message, paths, mod
     assert code == 1 and message.format(tokens=tokens, **paths) in line
 
 
-@pytest.mark.parametrize("name, argv", [
-    ("memory", ["memory"]),
-    ("eval kl", ["eval", "kl", "--text", "{text}"]),
-    ("calibrate", ["calibrate", "--data", "{text}", "--out", "{folder}/rotations"]),
-])
+@pytest.mark.parametrize(
+    "name, argv",
+    [
+        ("memory", ["memory"]),
+        ("eval kl", ["eval", "kl", "--text", "{text}"]),
+        ("calibrate", ["calibrate", "--data", "{text}", "--out", "{folder}/rotations"]),
+    ],
+)
 def test_a_model_that_does_not_exist_fails_in_one_line(name, argv, paths, capsys):
     code, line = _error([*[arg.format(**paths) for arg in argv], "--model", paths["missing"]], capsys)
-    assert code == 1 and line == f"oscar-hf {name}: --model {paths['missing']} is not a folder (give a model folder, a hub id or 'default')"
+    assert (
+        code == 1
+        and line
+        == f"oscar-hf {name}: --model {paths['missing']} is not a folder (give a model folder, a hub id or 'default')"
+    )

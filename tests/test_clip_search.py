@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache
-from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances
 from oscar_hf.calibration.clip_search import CLIP_GRID, search_layers
+from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances
 from oscar_hf.config import METHODS
-from tests.conftest import tiny_model, saved_tiny_model
+from tests.conftest import saved_tiny_model, tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 
@@ -74,10 +74,26 @@ def test_calibrate_command_on_the_default_model(tmp_path, capsys):
     from oscar_hf.rotations.hub import load_rotations
 
     data = tmp_path / "text.txt"
-    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
+    data.write_text(
+        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400))
+    )
     out = tmp_path / "rotations"
-    main(["calibrate", "--model", "default", "--data", str(data), "--tokens", "1200", "--seq-len", "600",
-          "--out", str(out), "--json"])  # the clip search is the default
+    main(
+        [
+            "calibrate",
+            "--model",
+            "default",
+            "--data",
+            str(data),
+            "--tokens",
+            "1200",
+            "--seq-len",
+            "600",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )  # the clip search is the default
     summary = json.loads(capsys.readouterr().out)
     assert summary["out"] == str(out) and summary["layers"] == 30 and summary["tokens"] == 1200
     assert len(summary["per_layer"]) == 30 and "key" in summary["per_layer"][0]
@@ -91,7 +107,9 @@ def test_calibrate_command_on_the_default_model(tmp_path, capsys):
 def test_per_head_search_picks_per_layer_variants_of_per_head_rotations(searched):
     model, covariances, _, _ = searched
     batches = [torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    rotations, choices = search_layers(model, batches, covariances, SMALL, max_queries=32, progress=False, per_head=True)
+    rotations, choices = search_layers(
+        model, batches, covariances, SMALL, max_queries=32, progress=False, per_head=True
+    )
     assert rotations.kv_heads == 2
     for layer_id, choice in choices.items():
         key = rotations_from_covariances(covariances, "qqt_sst", choice.key_factors, per_head=True).key[layer_id]
@@ -110,8 +128,24 @@ def test_calibrate_command_per_head(tmp_path, capsys):
 
     model_dir, data = saved_tiny_model(tmp_path)
     out = tmp_path / "rotations"
-    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400",
-          "--per-head", "--clip-search", "--out", str(out), "--json"])  # fmt: skip
+    main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(data),
+            "--tokens",
+            "800",
+            "--seq-len",
+            "400",
+            "--per-head",
+            "--clip-search",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["layers"] == 2 and "key" in summary["per_layer"][0]
     rotations = load_rotations(out)

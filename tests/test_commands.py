@@ -46,8 +46,14 @@ def run_without_triton(code: str, *args: str, cwd: Path) -> str:
     """Run ``code`` (with ``args`` as ``sys.argv[1:]``) in a new interpreter without Triton; its stdout."""
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("TRITON_INTERPRET", "OSCAR_KERNELS")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run([sys.executable, "-c", HIDE_TRITON + code + CHECK_NO_TRITON, *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", HIDE_TRITON + code + CHECK_NO_TRITON, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "Traceback" not in output, f"{' '.join(args)} failed:\n{output[-6000:]}"
     return result.stdout
@@ -66,8 +72,13 @@ def data(tmp_path_factory) -> Path:
     (folder / "niah_paul_graham_essays" / "guide.txt").write_text("\n\n".join([document] * 3), encoding="utf-8")
     (folder / "text.txt").write_text("\n\n".join([document] * 6), encoding="utf-8")
     (folder / "gsm8k").mkdir()
-    questions = [(f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
-                  f"Tom has {a} + {b} = {a + b} apples.\n#### {a + b}") for a, b in [(3, 4), (5, 2), (7, 1), (2, 9), (6, 6), (4, 8)]]
+    questions = [
+        (
+            f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
+            f"Tom has {a} + {b} = {a + b} apples.\n#### {a + b}",
+        )
+        for a, b in [(3, 4), (5, 2), (7, 1), (2, 9), (6, 6), (4, 8)]
+    ]
     rows = [json.dumps({"question": q, "answer": a}) + "\n" for q, a in questions]
     (folder / "gsm8k" / "train.jsonl").write_text("".join(rows[:5]))
     (folder / "gsm8k" / "test.jsonl").write_text("".join(rows[5:]))
@@ -90,33 +101,98 @@ def test_memory(tmp_path):
 
 def test_calibrate_then_evaluate_with_the_new_set(tmp_path, data):
     rotations = tmp_path / "rotations"
-    out = oscar_hf("calibrate", "--data", str(data / "text.txt"), "--tokens", "1024", "--seq-len", "512",
-                   "--out", str(rotations), cwd=tmp_path)
+    out = oscar_hf(
+        "calibrate",
+        "--data",
+        str(data / "text.txt"),
+        "--tokens",
+        "1024",
+        "--seq-len",
+        "512",
+        "--out",
+        str(rotations),
+        cwd=tmp_path,
+    )
     assert (rotations / "rotations.safetensors").is_file() and (rotations / "config.json").is_file(), out
-    out = oscar_hf("eval", "kl", "--rotations", str(rotations), "--text", str(data / "text.txt"), "--ctx", "512",
-                   "--windows", "1", "--methods", METHODS, "--json", cwd=tmp_path)
+    out = oscar_hf(
+        "eval",
+        "kl",
+        "--rotations",
+        str(rotations),
+        "--text",
+        str(data / "text.txt"),
+        "--ctx",
+        "512",
+        "--windows",
+        "1",
+        "--methods",
+        METHODS,
+        "--json",
+        cwd=tmp_path,
+    )
     scores = {s["method"]: s for s in json.loads(out)["scores"]}
     assert scores["none"]["kl_from_none"] == 0 and scores["oscar-int2"]["kl_from_none"] > 0
 
 
 def test_eval_kl(tmp_path, data):
-    out = oscar_hf("eval", "kl", "--text", str(data / "text.txt"), "--ctx", "512", "--windows", "1",
-                   "--methods", METHODS, cwd=tmp_path)
+    out = oscar_hf(
+        "eval",
+        "kl",
+        "--text",
+        str(data / "text.txt"),
+        "--ctx",
+        "512",
+        "--windows",
+        "1",
+        "--methods",
+        METHODS,
+        cwd=tmp_path,
+    )
     assert "| none |" in out and "| oscar-int2 |" in out
 
 
 def test_eval_kl_curve(tmp_path, data):
     stem = tmp_path / "curve"
-    out = oscar_hf("eval", "kl-curve", "--text", str(data / "text.txt"), "--ctx", "512", "--windows", "1",
-                   "--bucket", "128", "--methods", METHODS, "--out", str(stem), cwd=tmp_path)
+    out = oscar_hf(
+        "eval",
+        "kl-curve",
+        "--text",
+        str(data / "text.txt"),
+        "--ctx",
+        "512",
+        "--windows",
+        "1",
+        "--bucket",
+        "128",
+        "--methods",
+        METHODS,
+        "--out",
+        str(stem),
+        cwd=tmp_path,
+    )
     assert "oscar-int2" in out
     assert all(stem.with_suffix(suffix).stat().st_size > 0 for suffix in (".json", ".md", ".png"))
 
 
 def test_eval_niah(tmp_path, data):
     stem = tmp_path / "niah"
-    out = oscar_hf("eval", "niah", "--data-dir", str(data), "--lengths", "1024", "--depths", "50", "--needles", "1",
-                   "--methods", METHODS, "--out", str(stem), cwd=tmp_path)
+    out = oscar_hf(
+        "eval",
+        "niah",
+        "--data-dir",
+        str(data),
+        "--lengths",
+        "1024",
+        "--depths",
+        "50",
+        "--needles",
+        "1",
+        "--methods",
+        METHODS,
+        "--out",
+        str(stem),
+        cwd=tmp_path,
+    )
     assert "oscar-int2" in out
     result = json.loads(stem.with_suffix(".json").read_text())
     assert {t["method"] for t in result["trials"]} == {"none", "oscar-int2"}
@@ -124,11 +200,28 @@ def test_eval_niah(tmp_path, data):
 
 def test_eval_tasks(tmp_path, data):
     out_dir = tmp_path / "tasks"
-    out = oscar_hf("eval", "tasks", "--data-dir", str(data), "--tasks", "gsm8k", "--limit", "1", "--max-gen-toks",
-                   "8", "--methods", METHODS, "--out", str(out_dir), cwd=tmp_path)
+    out = oscar_hf(
+        "eval",
+        "tasks",
+        "--data-dir",
+        str(data),
+        "--tasks",
+        "gsm8k",
+        "--limit",
+        "1",
+        "--max-gen-toks",
+        "8",
+        "--methods",
+        METHODS,
+        "--out",
+        str(out_dir),
+        cwd=tmp_path,
+    )
     assert "| none |" in out and "| oscar-int2 |" in out
-    assert sorted(p.name for p in (out_dir / "runs").iterdir()) == ["none__gsm8k__seed0.json",
-                                                                     "oscar-int2__gsm8k__seed0.json"]
+    assert sorted(p.name for p in (out_dir / "runs").iterdir()) == [
+        "none__gsm8k__seed0.json",
+        "oscar-int2__gsm8k__seed0.json",
+    ]
 
 
 def test_lm_eval_tasks_and_the_lm_eval_command_it_prints(tmp_path, data):

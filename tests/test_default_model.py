@@ -9,11 +9,11 @@ import torch
 
 from oscar_hf import METHODS, OscarCache
 from oscar_hf.cli.main import _rotations_for, main
+from oscar_hf.core.memory import bits_per_element
+from oscar_hf.core.models import load_model
 from oscar_hf.evaluation.data import WIKITEXT2_TEST, data_dir
 from oscar_hf.evaluation.demo import PROJECTED_TOKENS, demo_prompt, first_difference, format_demo, run_demo, run_method
 from oscar_hf.evaluation.kl import evaluate_methods
-from oscar_hf.core.memory import bits_per_element
-from oscar_hf.core.models import load_model
 from tests.conftest import generate, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,9 @@ def smollm():
 
 
 def chat(tokenizer, text):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )
     return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
 
 
@@ -60,9 +62,12 @@ def test_kl_ranks_oscar_below_quarot_below_naive_on_wikitext(smollm):
     model, tokenizer, rotations = smollm
     text = (DATA / WIKITEXT2_TEST).read_text(encoding="utf-8")[:200_000]
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    scores = {s.method: s for s in evaluate_methods(
-        model, ids, ["naive-int2", "quarot-int2", "oscar-int2"], rotations, context=2048, windows=1, progress=False
-    )}
+    scores = {
+        s.method: s
+        for s in evaluate_methods(
+            model, ids, ["naive-int2", "quarot-int2", "oscar-int2"], rotations, context=2048, windows=1, progress=False
+        )
+    }
     assert scores["oscar-int2"].kl_from_none < scores["quarot-int2"].kl_from_none < scores["naive-int2"].kl_from_none
     assert scores["oscar-int2"].perplexity < scores["quarot-int2"].perplexity
 
@@ -70,8 +75,23 @@ def test_kl_ranks_oscar_below_quarot_below_naive_on_wikitext(smollm):
 def test_cli_eval_kl_json(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"Sentence number {i} is about the sea and the harbour." for i in range(120)))
-    main(["eval", "kl", "--model", "default", "--text", str(text), "--ctx", "512", "--windows", "2",
-          "--methods", "none,naive-int2", "--json"])
+    main(
+        [
+            "eval",
+            "kl",
+            "--model",
+            "default",
+            "--text",
+            str(text),
+            "--ctx",
+            "512",
+            "--windows",
+            "2",
+            "--methods",
+            "none,naive-int2",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert [s["method"] for s in result["scores"]] == ["none", "naive-int2"]
     assert result["scores"][0]["kl_from_none"] == 0 and result["scores"][1]["kl_from_none"] > 0
@@ -92,7 +112,8 @@ def test_cli_demo_json(capsys):
     assert all(row["bytes"]["none"] == row["tokens"] * 30 * 2 * 3 * 64 * 2 for row in rows)
     assert rows[0]["bytes"]["none"] / rows[0]["bytes"]["oscar-int2"] > 2.5
     assert rows[-1]["bytes"]["none"] / rows[-1]["bytes"]["oscar-int2"] == pytest.approx(
-        16 / bits_per_element(METHODS["oscar-int2"], 128 * 1024, 64), rel=1e-6)
+        16 / bits_per_element(METHODS["oscar-int2"], 128 * 1024, 64), rel=1e-6
+    )
 
 
 def test_demo_report_with_a_warm_up(smollm):
@@ -108,7 +129,11 @@ def test_demo_report_with_a_warm_up(smollm):
     same = first_difference(none.answer, int2.answer) is None
     assert none.answer in text and int2.answer in text
     assert ("Same answer as none: yes." if same else "Same answer as none: NO. Word") in text
-    assert "after a warm-up run of each cache" in text and "131,072 tokens (projected)" in text and "dequantizes the history" in text
+    assert (
+        "after a warm-up run of each cache" in text
+        and "131,072 tokens (projected)" in text
+        and "dequantizes the history" in text
+    )
     short = run_demo(model, tokenizer, ["quarot-int2"], None, max_new_tokens=1)
     assert short.warmup_seconds == {} and short.runs[1].decode_tokens_per_second is None
     assert "too few tokens to time decoding" in format_demo(short)
@@ -119,7 +144,7 @@ def test_from_zoo_with_the_default_model_id(smollm):
     cache = OscarCache.from_zoo("default", sink=4, recent=8)
     ids = chat(tokenizer, "What is the capital of France?")
     out = generate(model, ids, cache, max_new_tokens=12, min_new_tokens=1)
-    assert cache.layers[0].history_length > 10 and "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    assert cache.layers[0].history_length > 10 and "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
     model.set_attn_implementation("sdpa")
     try:
         with pytest.raises(RuntimeError, match="attn_implementation='oscar'"):

@@ -15,10 +15,13 @@ def test_first_difference_by_word():
     assert first_difference("a grey\ndog", "a  grey dog") is None  # spacing is not part of an answer
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--rotations", "{missing}"], "rotations: "),
-    (["--methods", "none,oscar-int2"], "oscar-int2 needs rotations calibrated for {missing}: pass --rotations DIR"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--rotations", "{missing}"], "rotations: "),
+        (["--methods", "none,oscar-int2"], "oscar-int2 needs rotations calibrated for {missing}: pass --rotations DIR"),
+    ],
+)
 def test_bad_options_fail_in_one_line_before_the_model_loads(tmp_path, options, message):
     missing = str(tmp_path / "missing")  # as --model too: loading it would fail with another error
     options = [option.format(missing=missing) for option in options]

@@ -39,7 +39,9 @@ def test_unsupported_bits():
         OscarCache(config(), OscarConfig(key=None, rotation="identity"))
 
 
-@pytest.mark.parametrize("field, message", [("sink", "sink must be a non-negative"), ("recent", "recent must be at least 1")])
+@pytest.mark.parametrize(
+    "field, message", [("sink", "sink must be a non-negative"), ("recent", "recent must be at least 1")]
+)
 def test_negative_windows(field, message):
     with pytest.raises(ValueError, match=message):
         OscarCache(config(), "naive-int2", **{field: -1})

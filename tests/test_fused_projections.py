@@ -5,7 +5,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_hf.core.fused_projections import StackedProjection, fused_projections, sibling_groups
-
 from tests.conftest import tiny_model
 
 

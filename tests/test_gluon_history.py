@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
 from oscar_hf.core.storage import RowBuffer
-
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
 from tests.test_kernels import TOLERANCE, _decode_inputs
 
 
@@ -39,6 +38,7 @@ def attend(q, *tensors, k_bits, v_bits, sm_scale=None, key_mask=None, lengths=No
     tiers = DecodeTiers.from_flat(tensors, k_bits, v_bits, key_mask, lengths)
     return decode_attention(q, tiers, sm_scale=sm_scale, history_settled=history_settled)
 
+
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels need a CUDA GPU")
 TOOLS = Path(__file__).resolve().parents[1] / "kernels" / "tools"
 
@@ -49,13 +49,21 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
     within 128 registers, no local memory, under 680 instructions a tile and 700 before the loop."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(TOOLS / "sass_count.py"), "--span"], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(TOOLS / "sass_count.py"), "--span"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = re.findall(r"ring=(\w+) pipeline=(\w+): REG:(\d+) STACK:\d+ LOCAL:(\d+); shared \d+ B; (\d+) instructions"
-                      r" per 64-key tile, (\d+) before the loop", done.stdout)  # fmt: skip
+    rows = re.findall(
+        r"ring=(\w+) pipeline=(\w+): REG:(\d+) STACK:\d+ LOCAL:(\d+); shared \d+ B; (\d+) instructions"
+        r" per 64-key tile, (\d+) before the loop",
+        done.stdout,
+    )
     assert [(ring, pipeline) for ring, pipeline, *_ in rows] == [
-        ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True")], done.stdout  # fmt: skip
+        ("False", "False"),
+        ("True", "False"),
+        ("False", "True"),
+        ("True", "True"),
+    ], done.stdout
     for _, _, registers, local, instructions, prologue in rows:
         assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 680, done.stdout
         assert int(prologue) < 700, done.stdout  # 496-640 (Triton 3.9), the first tile's copy included
@@ -119,18 +127,24 @@ def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
 
 
 @GPU
-@pytest.mark.parametrize("batch, q_heads, kv_heads, history, splits", [
-    (1, 32, 8, 4133, 16),  # Qwen3-8B attention shape, a partial last tile in the last split
-    (2, 8, 2, 1000, 3),  # GQA 4, several splits
-    (1, 8, 1, 64, 1),  # exactly one whole tile: no masked tile
-    (1, 8, 1, 40, 1),  # only a masked tile
-    (1, 4, 4, 256, 2),  # GQA 1, whole tiles only
-    (1, 6, 2, 700, 3),  # GQA 3: two halves of 32 keys a tile, a head idle in each
-    (3, 4, 2, 130, 2),  # GQA 2
-    (2, 16, 2, 300, 4),  # GQA 8: every column of the MMAs is a head (one half of 64 keys a tile)
-])  # fmt: skip
-@pytest.mark.parametrize("pipeline, stored", [(False, False), (False, True), (True, True)],
-                         ids=["direct", "direct-in-buffers", "staged-in-buffers"])  # fmt: skip
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, history, splits",
+    [
+        (1, 32, 8, 4133, 16),  # Qwen3-8B attention shape, a partial last tile in the last split
+        (2, 8, 2, 1000, 3),  # GQA 4, several splits
+        (1, 8, 1, 64, 1),  # exactly one whole tile: no masked tile
+        (1, 8, 1, 40, 1),  # only a masked tile
+        (1, 4, 4, 256, 2),  # GQA 1, whole tiles only
+        (1, 6, 2, 700, 3),  # GQA 3: two halves of 32 keys a tile, a head idle in each
+        (3, 4, 2, 130, 2),  # GQA 2
+        (2, 16, 2, 300, 4),  # GQA 8: every column of the MMAs is a head (one half of 64 keys a tile)
+    ],
+)
+@pytest.mark.parametrize(
+    "pipeline, stored",
+    [(False, False), (False, True), (True, True)],
+    ids=["direct", "direct-in-buffers", "staged-in-buffers"],
+)
 def test_history_span_matches_the_reference(batch, q_heads, kv_heads, history, splits, pipeline, stored):
     """``stored``: the history as a cache holds it, the first rows of buffers of aligned capacity (read
     in place; staging needs that alignment); otherwise plain tensors of ``history`` rows."""
@@ -157,10 +171,28 @@ def test_the_span_reads_key_and_value_rows_that_alternate_in_one_buffer(pipeline
     q, _, _, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, _, _, _, _ = [a.cuda() for a in args]
     metadata = [_in_buffer(t) for t in (k_scale, k_zero, v_scale, v_zero)]
     rows = _in_buffer(torch.cat([k_codes, v_codes], dim=-1))
-    separate = history_partials(q, _in_buffer(k_codes), metadata[0], metadata[1], _in_buffer(v_codes), *metadata[2:],
-                                sm_scale=0.088, splits=3, pipeline=pipeline)  # fmt: skip
-    alternating = history_partials(q, rows[..., :32], metadata[0], metadata[1], rows[..., 32:], *metadata[2:],
-                                   sm_scale=0.088, splits=3, pipeline=pipeline)  # fmt: skip
+    separate = history_partials(
+        q,
+        _in_buffer(k_codes),
+        metadata[0],
+        metadata[1],
+        _in_buffer(v_codes),
+        *metadata[2:],
+        sm_scale=0.088,
+        splits=3,
+        pipeline=pipeline,
+    )
+    alternating = history_partials(
+        q,
+        rows[..., :32],
+        metadata[0],
+        metadata[1],
+        rows[..., 32:],
+        *metadata[2:],
+        sm_scale=0.088,
+        splits=3,
+        pipeline=pipeline,
+    )
     for a, b in zip(alternating, separate):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -179,8 +211,9 @@ def test_a_timed_span_records_each_program_once_and_computes_the_same(pipeline):
     packed = [_in_buffer(t) for t in packed]
     untimed = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline)
     timeline = torch.zeros(2 * 2 * 3 + 1, int(TIMELINE_FIELDS), dtype=torch.int64, device="cuda")
-    timed = history_partials(q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline,
-                             variant=SpanVariant(timeline=timeline))  # fmt: skip
+    timed = history_partials(
+        q, *packed, sm_scale=0.088, splits=3, pipeline=pipeline, variant=SpanVariant(timeline=timeline)
+    )
     for a, b in zip(timed, untimed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     records = timeline.cpu()
@@ -230,8 +263,7 @@ def test_the_span_follows_scores_that_rise_or_fall_far(q_heads, rising):
     ramp = ramp if rising else ramp.flip(0)
     args[4] = (args[4].float() * ramp[None, None, :, None]).to(torch.bfloat16)  # K's scales
     # in float32: the bf16 reference itself is off by up to 0.11 at scores this large
-    want = reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=0.088,
-                                      **options)  # fmt: skip
+    want = reference(*[a.float() if a.is_floating_point() else a for a in args], sm_scale=0.088, **options)
     q, _, _, *packed, _, _, _, _ = args
     packed = [_in_buffer(t) for t in packed]  # staged, as in a cache
     got = merge_partials(*history_partials(q, *packed, sm_scale=0.088, splits=2, pipeline=True))
@@ -250,8 +282,8 @@ def test_a_cache_history_is_aligned_for_staging():
     """The span stages tiles (its default) only where each head's metadata rows start 16 bytes aligned:
     always for a cache's buffers (capacities of whole ROW_ALIGNMENT rows), not for arbitrary tensors."""
     pytest.importorskip("triton.experimental.gluon")
-    from oscar_hf.kernels.decode_history_gluon import staging_aligned
     from oscar_hf.core.storage import PackedHistory
+    from oscar_hf.kernels.decode_history_gluon import staging_aligned
 
     history = PackedHistory(2, 8, 128, 2, 128, torch.bfloat16, torch.device("cpu"))
     for rows in (1, 99, 1000):  # the buffers grow in between
@@ -329,13 +361,17 @@ def test_static_lengths_reach_the_span(monkeypatch, history):
     args = [a.cuda() for a in args]
     want = reference(*args, sm_scale=0.088, **options)
     q, sink_k, sink_v, *packed, recent_k, recent_v, new_k, new_v = args
-    garbage = [torch.cat([t, torch.randint(0, 255, (*t.shape[:2], capacity - history, t.shape[-1]), device="cuda")
-                          .to(t.dtype)], dim=2) for t in packed]  # fmt: skip
+    garbage = [
+        torch.cat(
+            [t, torch.randint(0, 255, (*t.shape[:2], capacity - history, t.shape[-1]), device="cuda").to(t.dtype)],
+            dim=2,
+        )
+        for t in packed
+    ]
     # the ring as static decoding leaves it: 7 rows, and a slot for the new row that the call fills
     ring = [torch.cat([rows, torch.full_like(new_k, 50.0)], dim=2) for rows in (recent_k, recent_v)]
     lengths = torch.tensor([history, 0, 8], device="cuda")
-    got = attend(q, sink_k, sink_v, *garbage, *ring, new_k, new_v, k_bits=2, v_bits=2, sm_scale=0.088,
-                           lengths=lengths)  # fmt: skip
+    got = attend(q, sink_k, sink_v, *garbage, *ring, new_k, new_v, k_bits=2, v_bits=2, sm_scale=0.088, lengths=lengths)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
     assert torch.equal(ring[0][:, :, 7:], new_k) and torch.equal(ring[1][:, :, 7:], new_v)
 
@@ -351,12 +387,15 @@ def test_an_unknown_history_kernel_is_refused(monkeypatch):
         decode_attention_triton(*args, options["key_mask"], 2, 2, 0.088)
 
 
-@pytest.mark.parametrize("choice, available, want", [
-    (None, True, True),  # the default where Gluon loads
-    (None, False, False),  # an older Triton: the Triton stage 1, logged once
-    ("triton", True, False),
-    ("gluon", False, RuntimeError),  # asked for explicitly: a clear error, not a silent fallback
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "choice, available, want",
+    [
+        (None, True, True),  # the default where Gluon loads
+        (None, False, False),  # an older Triton: the Triton stage 1, logged once
+        ("triton", True, False),
+        ("gluon", False, RuntimeError),  # asked for explicitly: a clear error, not a silent fallback
+    ],
+)
 def test_the_history_kernel_choice(monkeypatch, choice, available, want):
     """Which kernel reads the history for a covered shape (Qwen3-8B attention on a GPU; only shapes
     and the device flag matter, so q stands in without a GPU)."""

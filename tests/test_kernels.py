@@ -137,7 +137,6 @@ def test_cached_launches_follow_alignment_and_lengths():
     assert len(_triton._COMPILED[_quantize._quantize_pack_kernel]) >= 3
 
 
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -160,8 +159,9 @@ def test_quantize_pack_1bit_bit_exact(head_dim, clip_ratio, groups):
     want = quantize_pack_reference(rows, 1, group_size, clip_ratio=clip_ratio, metadata_dtype=torch.float32)
     assert got.codes.shape == (19, head_dim // 8)
     _assert_same(got, want)
-    _assert_same(quantize_pack(rows, 1, group_size, clip_ratio=clip_ratio), quantize(rows, 1, group_size,
-                                                                                      clip_ratio=clip_ratio))
+    _assert_same(
+        quantize_pack(rows, 1, group_size, clip_ratio=clip_ratio), quantize(rows, 1, group_size, clip_ratio=clip_ratio)
+    )
 
 
 # A constant group has scale 1e-8/3, so its zero-point overflows float16 to -inf, in the reference too.
@@ -194,8 +194,9 @@ def test_quantize_pack_falls_back_and_validates():
         quantize_pack(rows, 5, 96)
 
 
-@pytest.mark.parametrize("bits, groups, symmetric",
-                         [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False), (1, 1, False)])
+@pytest.mark.parametrize(
+    "bits, groups, symmetric", [(2, 1, False), (4, 2, False), (2, 2, True), (3, 2, False), (1, 1, False)]
+)
 def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
     """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
     monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
@@ -225,9 +226,13 @@ def test_window_quantizer_reads_its_rows_on_the_device(use_kernel, monkeypatch):
         monkeypatch.setattr(_quantize, "runs_triton", lambda tensor: False)
     generator = torch.Generator().manual_seed(3)
     rings = [(torch.randn(2, 3, 16, 64, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(2)]
-    histories = [QuantizedRows(torch.zeros(2, 3, 20, 16, dtype=torch.uint8, device=DEVICE),
-                               *(torch.zeros(2, 3, 20, 1, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)))
-                 for _ in range(2)]  # fmt: skip
+    histories = [
+        QuantizedRows(
+            torch.zeros(2, 3, 20, 16, dtype=torch.uint8, device=DEVICE),
+            *(torch.zeros(2, 3, 20, 1, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)),
+        )
+        for _ in range(2)
+    ]
     window = torch.tensor([0, 8, 12], device=DEVICE)
     demote = _quantize.WindowQuantizer(rings, histories, 4, window, 2, 64, clip_ratios=[0.9, 0.0])
     assert (demote.table is not None) == use_kernel
@@ -243,8 +248,10 @@ def test_window_quantizer_reads_its_rows_on_the_device(use_kernel, monkeypatch):
 
 def test_quantize_pack_into_validates_jobs():
     rows = torch.randn(1, 2, 4, 64, device=DEVICE)
-    target = QuantizedRows(torch.empty(1, 2, 4, 16, dtype=torch.uint8, device=DEVICE),
-                           *(torch.empty(1, 2, 4, 1, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)))  # fmt: skip
+    target = QuantizedRows(
+        torch.empty(1, 2, 4, 16, dtype=torch.uint8, device=DEVICE),
+        *(torch.empty(1, 2, 4, 1, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)),
+    )
     with pytest.raises(ValueError, match="one entry per job"):
         quantize_pack_into([rows], [target], 2, 64, clip_ratios=[])
     with pytest.raises(ValueError, match="does not fit"):
@@ -258,7 +265,11 @@ def test_quantize_pack_into_validates_jobs():
 
 def _rotation(head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))[0].to(dtype).to(DEVICE)
+    return (
+        torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))[0]
+        .to(dtype)
+        .to(DEVICE)
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -271,8 +282,11 @@ def test_rotate_rows_matches_torch(head_dim, dtype, batch, q_heads, kv_heads):
     keys, values = (torch.randn(batch, kv_heads, 1, head_dim, generator=generator).to(dtype).to(DEVICE) for _ in "kv")
     key_rotation, value_rotation = _rotation(head_dim, dtype, 1), _rotation(head_dim, dtype, 2).T
     window = torch.full((batch, kv_heads, 7, head_dim), 5.0, dtype=dtype, device=DEVICE)
-    jobs = [(query, key_rotation, torch.empty(batch, q_heads, head_dim, dtype=dtype, device=DEVICE)),
-            (keys, key_rotation, window[:, :, 3:4]), (values, value_rotation, torch.empty_like(values))]  # fmt: skip
+    jobs = [
+        (query, key_rotation, torch.empty(batch, q_heads, head_dim, dtype=dtype, device=DEVICE)),
+        (keys, key_rotation, window[:, :, 3:4]),
+        (values, value_rotation, torch.empty_like(values)),
+    ]
     _rotate.rotate_rows(jobs)
     for rows, rotation, got in jobs:
         want = (rows.double() @ rotation.double()).view(got.shape)
@@ -312,16 +326,21 @@ def test_rotate_rows_per_kv_head(dtype, batch, q_heads, kv_heads):
     value_rotation = torch.stack([_rotation(head_dim, dtype, 20 + h) for h in range(kv_heads)]).mT
 
     def run(rotate, k_rotation, v_rotation):
-        jobs = [(query, k_rotation, torch.empty(batch, q_heads, head_dim, dtype=dtype, device=DEVICE)),
-                (keys, k_rotation, torch.empty_like(keys)), (values, v_rotation, torch.empty_like(values))]  # fmt: skip
+        jobs = [
+            (query, k_rotation, torch.empty(batch, q_heads, head_dim, dtype=dtype, device=DEVICE)),
+            (keys, k_rotation, torch.empty_like(keys)),
+            (values, v_rotation, torch.empty_like(values)),
+        ]
         rotate(jobs)
         return [out for _, _, out in jobs]
 
     got = run(_rotate.rotate_rows, key_rotation, value_rotation)
     group = q_heads // kv_heads
-    direct = [torch.stack([query[:, h] @ key_rotation[h // group] for h in range(q_heads)], dim=1),
-              torch.stack([keys[:, h] @ key_rotation[h] for h in range(kv_heads)], dim=1),
-              torch.stack([values[:, h] @ value_rotation[h] for h in range(kv_heads)], dim=1)]  # fmt: skip
+    direct = [
+        torch.stack([query[:, h] @ key_rotation[h // group] for h in range(q_heads)], dim=1),
+        torch.stack([keys[:, h] @ key_rotation[h] for h in range(kv_heads)], dim=1),
+        torch.stack([values[:, h] @ value_rotation[h] for h in range(kv_heads)], dim=1),
+    ]
     reference = run(_rotate.rotate_rows_reference, key_rotation, value_rotation)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
     for out, want, ref in zip(got, direct, reference):
@@ -347,8 +366,23 @@ def _history(batch, kv_heads, length, head_dim, bits, group_size, generator):
     return [t.to(DEVICE) for t in (packed.codes, packed.scale, packed.zero)]
 
 
-def _decode_inputs(batch, q_heads, kv_heads, head_dim, sink, history, recent, new, dtype, k_bits=4, v_bits=2,
-                   k_groups=1, v_groups=1, pads=None, seed=0):  # fmt: skip
+def _decode_inputs(
+    batch,
+    q_heads,
+    kv_heads,
+    head_dim,
+    sink,
+    history,
+    recent,
+    new,
+    dtype,
+    k_bits=4,
+    v_bits=2,
+    k_groups=1,
+    v_groups=1,
+    pads=None,
+    seed=0,
+):
     generator = torch.Generator().manual_seed(seed)
 
     def dense(length):
@@ -362,14 +396,36 @@ def _decode_inputs(batch, q_heads, kv_heads, head_dim, sink, history, recent, ne
     if pads is not None:  # left padding: the first pads[b] keys of row b (all in the sink) are pads
         positions = torch.arange(sink + history + recent + new)
         mask = (positions[None, :] >= torch.tensor(pads)[:, None]).to(DEVICE)
-    return q, DecodeTiers(sink_k, sink_v, QuantizedRows(*k_hist), QuantizedRows(*v_hist), dense(recent), dense(recent),
-                          dense(new), dense(new), k_bits, v_bits, mask)  # fmt: skip
+    return q, DecodeTiers(
+        sink_k,
+        sink_v,
+        QuantizedRows(*k_hist),
+        QuantizedRows(*v_hist),
+        dense(recent),
+        dense(recent),
+        dense(new),
+        dense(new),
+        k_bits,
+        v_bits,
+        mask,
+    )
 
 
 def _op(q, tiers, sm_scale, splits, block_n=16, num_warps=0):
     """``torch.ops.oscar.decode_attention``: the kernels with the launch knobs the dispatcher picks itself."""
-    return torch.ops.oscar.decode_attention(q, *tiers.flat(), tiers.key_mask, tiers.k_bits, tiers.v_bits, sm_scale,
-                                            splits, block_n, num_warps, 0, tiers.lengths)  # fmt: skip
+    return torch.ops.oscar.decode_attention(
+        q,
+        *tiers.flat(),
+        tiers.key_mask,
+        tiers.k_bits,
+        tiers.v_bits,
+        sm_scale,
+        splits,
+        block_n,
+        num_warps,
+        0,
+        tiers.lengths,
+    )
 
 
 # (batch, q heads, kv heads, head_dim, sink, history, recent, new, splits, block_n, pads, k/v bits, k/v groups)
@@ -462,8 +518,12 @@ def test_unpack_ptx_gives_offset_plus_factor_times_code(bits, dtype):
         word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
         registers = _run_unpack_ptx(ptx, word)
         for j in range(8 // bits):
-            halves = [registers[f"${2 * j}"] & 0xFFFF, registers[f"${2 * j}"] >> 16,
-                      registers[f"${2 * j + 1}"] & 0xFFFF, registers[f"${2 * j + 1}"] >> 16]  # fmt: skip
+            halves = [
+                registers[f"${2 * j}"] & 0xFFFF,
+                registers[f"${2 * j}"] >> 16,
+                registers[f"${2 * j + 1}"] & 0xFFFF,
+                registers[f"${2 * j + 1}"] >> 16,
+            ]
             got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(dtype).float()
             codes = torch.tensor([((first + i) >> (j * bits)) & ((1 << bits) - 1) for i in range(4)])
             factor = 2 ** (j * bits) if j < free else 1
@@ -492,8 +552,9 @@ def test_a_launch_variant_changes_how_the_merge_runs_not_its_result():
     q, tiers = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
     args, knobs = (q, *tiers.flat()), (tiers.key_mask, 4, 2, 0.125, 5, 16, 0, 0)
     default = _launch.decode_attention_triton(*args, *knobs)
-    narrow = _launch.decode_attention_triton(*args, *knobs, launch_variant=_launch.LaunchVariant(merge_tile=64,
-                                                                                                  merge_warps=1))
+    narrow = _launch.decode_attention_triton(
+        *args, *knobs, launch_variant=_launch.LaunchVariant(merge_tile=64, merge_warps=1)
+    )
     torch.testing.assert_close(narrow, default, atol=1e-6, rtol=1e-6)
 
 
@@ -544,7 +605,12 @@ def test_a_non_finite_key_reaches_the_outputs_of_its_kv_head(tier):
     """A NaN in one key of KV head 0 makes the outputs of that head's query heads NaN, as SDPA's math
     does, on the kernel path and in its reference; the other KV head's stay finite."""
     q, tiers = _decode_inputs(1, 4, 2, 64, 3, 40, 4, 1, torch.float32, k_bits=2, v_bits=2)
-    poisoned = {"sink": tiers.sink_k, "history scale": tiers.history_k.scale, "recent": tiers.recent_k, "new": tiers.new_k}
+    poisoned = {
+        "sink": tiers.sink_k,
+        "history scale": tiers.history_k.scale,
+        "recent": tiers.recent_k,
+        "new": tiers.new_k,
+    }
     poisoned[tier][0, 0, 0] = float("nan")
     scale = 64**-0.5
     got = _op(q, tiers, scale, 3)
@@ -554,14 +620,18 @@ def test_a_non_finite_key_reaches_the_outputs_of_its_kv_head(tier):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("history, capacity, ring_start, ring_rows, splits, pads, k_bits", [
-    (40, 72, 5, 9, 3, [0, 3], 2),  # the ring wraps around its end
-    (0, 16, 0, 4, 1, None, 2),  # nothing quantized yet
-    (33, 33, 8, 11, 0, [2, 0], 2),  # history at capacity, ring full (with the new row)
-    (40, 72, 5, 9, 3, [0, 3], 3),  # 3-bit keys
-])  # fmt: skip
-def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, ring_start, ring_rows, splits, pads,
-                                                             k_bits, dtype):  # fmt: skip
+@pytest.mark.parametrize(
+    "history, capacity, ring_start, ring_rows, splits, pads, k_bits",
+    [
+        (40, 72, 5, 9, 3, [0, 3], 2),  # the ring wraps around its end
+        (0, 16, 0, 4, 1, None, 2),  # nothing quantized yet
+        (33, 33, 8, 11, 0, [2, 0], 2),  # history at capacity, ring full (with the new row)
+        (40, 72, 5, 9, 3, [0, 3], 3),  # 3-bit keys
+    ],
+)
+def test_decode_attention_reads_static_lengths_on_the_device(
+    history, capacity, ring_start, ring_rows, splits, pads, k_bits, dtype
+):
     """Static decoding: history allocated at capacity, recent rows in a ring, lengths in a device tensor.
 
     The same keys laid out plainly give the reference; garbage fills every slot past the lengths and
@@ -588,8 +658,19 @@ def test_decode_attention_reads_static_lengths_on_the_device(history, capacity, 
     sink_mask = None if tiers.key_mask is None else tiers.key_mask[:, :sink].contiguous()
     for attend in (functools.partial(_op, splits=splits), decode_attention_reference):
         static_rings = [ring.clone() for ring in rings]
-        static = DecodeTiers(sink_k, sink_v, QuantizedRows(*static_packed[:3]), QuantizedRows(*static_packed[3:]),
-                             *static_rings, new_k, new_v, k_bits, 2, sink_mask, lengths)  # fmt: skip
+        static = DecodeTiers(
+            sink_k,
+            sink_v,
+            QuantizedRows(*static_packed[:3]),
+            QuantizedRows(*static_packed[3:]),
+            *static_rings,
+            new_k,
+            new_v,
+            k_bits,
+            2,
+            sink_mask,
+            lengths,
+        )
         got = attend(q, static, sm_scale=0.125)
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
         for ring, new in zip(static_rings, (new_k, new_v)):
@@ -626,12 +707,12 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
 
     Also: a decoding step demotes every layer's K and V rows in a single quantize launch.
     """
-    import oscar_hf.core.layer_attention
-    import oscar_hf.core.layer
-    import oscar_hf.core.layer_rotation
-    import oscar_hf.core.quantize_jobs
     from conftest import generate, tiny_model
 
+    import oscar_hf.core.layer
+    import oscar_hf.core.layer_attention
+    import oscar_hf.core.layer_rotation
+    import oscar_hf.core.quantize_jobs
     from oscar_hf import OscarCache
 
     # oscar_hf bound the kernel functions when it was imported; point it at this module's (interpreted) ones.
@@ -642,7 +723,9 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     launches = []
     for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a))
+        monkeypatch.setattr(
+            module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a)
+        )
     from oscar_hf import RotationSet
 
     model = tiny_model("llama", hidden_size=128, head_dim=64, num_hidden_layers=2).to(DEVICE)
@@ -650,19 +733,33 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     method, rotations = "quarot-int2", None
     if per_head:
         kv_heads = model.config.num_key_value_heads
-        method, rotations = "oscar-int2", RotationSet(64, *[
-            {i: torch.stack([_rotation(64, torch.float32, 10 * i + h + offset).cpu() for h in range(kv_heads)])
-             for i in (0, 1)} for offset in (0, 50)])  # fmt: skip
+        method, rotations = (
+            "oscar-int2",
+            RotationSet(
+                64,
+                *[
+                    {
+                        i: torch.stack(
+                            [_rotation(64, torch.float32, 10 * i + h + offset).cpu() for h in range(kv_heads)]
+                        )
+                        for i in (0, 1)
+                    }
+                    for offset in (0, 50)
+                ],
+            ),
+        )
     outputs = []
     for enabled in (True, False):
         monkeypatch.setattr(_triton, "ENABLED", enabled)
         cache = OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2, decode_graphs=False)
-        outputs.append(generate(model, prompt, cache, max_new_tokens=12, output_scores=True,
-                                return_dict_in_generate=True))  # fmt: skip
+        outputs.append(
+            generate(model, prompt, cache, max_new_tokens=12, output_scores=True, return_dict_in_generate=True)
+        )
         if enabled:
             demoted_rows = cache.layers[0].history_length - (21 - 4 - 8)  # beyond the prompt's middle rows
-            assert demoted_rows > 0 and all(layer.history_length == cache.layers[0].history_length
-                                            for layer in cache.layers)  # fmt: skip
+            assert demoted_rows > 0 and all(
+                layer.history_length == cache.layers[0].history_length for layer in cache.layers
+            )
     kernel, torch_path = outputs
     assert launches.count("decode_attention_triton") == 11 * 2  # 11 decoding steps x 2 layers
     # the prompt's middle rows: one launch per layer; then one launch per demoting step for both layers
@@ -679,13 +776,13 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     ``k3v2``: oscar-k3v2's 3-bit keys and 2-bit values, with Hadamard rotations. ``mixed``: per-layer
     widths, 4-bit keys in layer 0 and 1-bit values in both layers (oscar-int2's budget).
     """
+    from conftest import generate, tiny_model
+
     import oscar_hf
     import oscar_hf.core.frozen_decoding
     import oscar_hf.core.layer
     import oscar_hf.core.layer_attention
     import oscar_hf.core.layer_rotation
-    from conftest import generate, tiny_model
-
     from oscar_hf import METHODS, OscarCache, RotationSet
     from oscar_hf.core.compat import cache_keyword
 
@@ -704,18 +801,26 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     launches = []
     launch_decode, launch_quantize = _decode.decode_attention_triton, _quantize._launch_many
     monkeypatch.setattr(_decode, "decode_attention_triton", lambda *a: launches.append("decode") or launch_decode(*a))
-    monkeypatch.setattr(_quantize, "_launch_many",  # (on a GPU the prefill's quantize launches come here too)
-                        lambda *a: launches.append("windowed" if a[7] is not None else "plain") or launch_quantize(*a))
+    monkeypatch.setattr(
+        _quantize,
+        "_launch_many",  # (on a GPU the prefill's quantize launches come here too)
+        lambda *a: launches.append("windowed" if a[7] is not None else "plain") or launch_quantize(*a),
+    )
     model = tiny_model("qwen3", hidden_size=128, head_dim=64, num_hidden_layers=2).to(DEVICE)
     prompt = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
-                   return_dict_in_generate=True)  # fmt: skip
+    options = dict(
+        max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
     cache = OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2)
     with torch.no_grad():
         static = oscar_hf.generate(model, prompt, capture=False, **{cache_keyword(model): cache}, **options)
     monkeypatch.setattr(_triton, "ENABLED", False)
-    eager = generate(model, prompt, OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2,
-                                               decode_graphs=False), **options)  # fmt: skip
+    eager = generate(
+        model,
+        prompt,
+        OscarCache(model, method, rotations=rotations, sink=4, recent=8, block=2, decode_graphs=False),
+        **options,
+    )
     assert launches.count("decode") == 11 * 2  # 11 static steps x 2 layers
     assert launches.count("windowed") == 11 * formats  # one demotion launch per static step and format (most idle)
     assert torch.equal(static.sequences, eager.sequences)
@@ -727,10 +832,19 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
 
 @gpu_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("bits, symmetric, clip_ratio, groups", [(2, False, 0.96, 1), (2, False, 0.92, 2),
-                                                                   (4, False, 0.96, 1), (2, True, 0.0, 4),
-                                                                   (3, False, 0.96, 1), (3, False, 0.0, 2),
-                                                                   (1, False, 0.0, 1), (1, False, 0.0, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bits, symmetric, clip_ratio, groups",
+    [
+        (2, False, 0.96, 1),
+        (2, False, 0.92, 2),
+        (4, False, 0.96, 1),
+        (2, True, 0.0, 4),
+        (3, False, 0.96, 1),
+        (3, False, 0.0, 2),
+        (1, False, 0.0, 1),
+        (1, False, 0.0, 2),
+    ],
+)
 def test_quantize_pack_bit_exact_large(head_dim, bits, symmetric, clip_ratio, groups):
     rows = (torch.randn(8, 8, 4096, head_dim, device=DEVICE) * 3).bfloat16()
     group_size = head_dim // groups
@@ -753,8 +867,7 @@ def test_decode_attention_large(batch, history, q_heads, kv_heads, head_dim):
 @pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (16, 16, 64)])
 def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, head_dim):
     pads = [index * 7 % 64 for index in range(batch)]
-    q, tiers = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2,
-                              pads=pads)  # fmt: skip
+    q, tiers = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, 3, 2, pads=pads)
     got = decode_attention(q, tiers)
     torch.testing.assert_close(got.float(), decode_attention_reference(q, tiers).float(), atol=2e-2, rtol=2e-2)
 
@@ -765,7 +878,8 @@ def test_decode_attention_large_int3_keys(batch, history, q_heads, kv_heads, hea
 @pytest.mark.parametrize("k_bits, v_bits", [(2, 1), (4, 1)])
 def test_decode_attention_large_int1_values(batch, history, q_heads, kv_heads, head_dim, k_bits, v_bits):
     pads = [index * 7 % 64 for index in range(batch)]
-    q, tiers = _decode_inputs(batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, k_bits,
-                              v_bits, pads=pads)  # fmt: skip
+    q, tiers = _decode_inputs(
+        batch, q_heads, kv_heads, head_dim, 64, history, 259, 1, torch.bfloat16, k_bits, v_bits, pads=pads
+    )
     got = decode_attention(q, tiers)
     torch.testing.assert_close(got.float(), decode_attention_reference(q, tiers).float(), atol=2e-2, rtol=2e-2)

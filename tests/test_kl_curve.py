@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from oscar_hf.provenance import provenance, provenance_line
 from oscar_hf.cli.main import main
 from oscar_hf.evaluation.kl import evaluate_methods
 from oscar_hf.evaluation.kl_curve import (
@@ -21,6 +20,7 @@ from oscar_hf.evaluation.kl_curve import (
     position_stats,
 )
 from oscar_hf.evaluation.report import write_outputs
+from oscar_hf.provenance import provenance, provenance_line
 from tests.conftest import tiny_model
 
 WINDOWS = dict(sink=4, recent=16, block=4)  # first quantized key seen at position 4 + 16 + 4 - 1
@@ -39,8 +39,9 @@ def token_ids():
 
 @pytest.fixture(scope="module")
 def stats(model, token_ids):
-    return position_stats(model, token_ids, ["none", "int4", "naive-int2"], context=CTX, windows=2,
-                          progress=False, **WINDOWS)
+    return position_stats(
+        model, token_ids, ["none", "int4", "naive-int2"], context=CTX, windows=2, progress=False, **WINDOWS
+    )
 
 
 def test_none_has_zero_kl_and_quantized_methods_positive_kl_after_the_windows(stats):
@@ -60,8 +61,12 @@ def test_none_has_zero_kl_and_quantized_methods_positive_kl_after_the_windows(st
 def test_curve_at_full_context_equals_eval_kl(model, token_ids, stats):
     """``at_contexts`` at C = window length is what evaluate_methods (``eval kl``) scores on the same windows."""
     per_method, _, first = stats
-    scores = {s.method: s for s in evaluate_methods(model, token_ids, ["none", "int4", "naive-int2"], context=CTX,
-                                                   windows=2, progress=False, **WINDOWS)}
+    scores = {
+        s.method: s
+        for s in evaluate_methods(
+            model, token_ids, ["none", "int4", "naive-int2"], context=CTX, windows=2, progress=False, **WINDOWS
+        )
+    }
     for method in ("none", "int4", "naive-int2"):
         point = at_contexts(per_method[method], first, [CTX])[str(CTX)]
         assert point["positions"] == scores[method].positions // 2
@@ -89,8 +94,14 @@ def test_bucket_and_context_math_on_known_numbers():
 def test_result_markdown_and_png(tmp_path, stats):
     per_method, starts, first = stats
     meta = {**provenance("pytest"), "seconds": 1}
-    settings = {"model": "tiny", "text": "random", "text_tokens": 600, "ctx": CTX, "windows": 2,
-                "methods": list(per_method)}
+    settings = {
+        "model": "tiny",
+        "text": "random",
+        "text_tokens": 600,
+        "ctx": CTX,
+        "windows": 2,
+        "methods": list(per_method),
+    }
     result = kl_curve_result(per_method, starts, first, 32, meta, settings)
     assert [(b["start"], b["end"]) for b in result["curves"]["int4"]] == [(0, 32), (32, 64), (64, 95)]
     assert set(result["at_context"]["int4"]) == {str(CTX)}
@@ -117,8 +128,26 @@ def test_cli_writes_outputs_and_refuses_bad_input(tmp_path, model_dir, capsys, m
     text = tmp_path / "text.txt"
     text.write_text("All work and no play makes a dull model. " * 30, encoding="utf-8")
     stem = tmp_path / "out" / "curve"
-    main(["eval", "kl-curve", "--model", str(model_dir), "--text", str(text), "--ctx", "400", "--windows", "1",
-          "--bucket", "100", "--methods", "none,naive-int2", "--out", str(stem)])
+    main(
+        [
+            "eval",
+            "kl-curve",
+            "--model",
+            str(model_dir),
+            "--text",
+            str(text),
+            "--ctx",
+            "400",
+            "--windows",
+            "1",
+            "--bucket",
+            "100",
+            "--methods",
+            "none,naive-int2",
+            "--out",
+            str(stem),
+        ]
+    )
     result = json.loads(stem.with_suffix(".json").read_text())
     assert result["first_scored"] == 320 and result["window_starts"] == [0]
     assert [b["end"] for b in result["curves"]["naive-int2"]] == [100, 200, 300, 399]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from oscar_hf import METHODS, OscarCache, RotationSet
-from oscar_hf.config import TensorQuantConfig, check_bit_budget
-from oscar_hf.evaluation.kl import evaluate_caches
-from oscar_hf.core.memory import mean_bits_per_element
-from oscar_hf.quant import unpack
 from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
+from oscar_hf.config import TensorQuantConfig, check_bit_budget
+from oscar_hf.core.memory import mean_bits_per_element
+from oscar_hf.evaluation.kl import evaluate_caches
+from oscar_hf.quant import unpack
 from tests.conftest import forward
 
 SMALL = dict(sink=4, recent=8, block=2)
@@ -44,7 +44,12 @@ def test_for_layer_applies_widths_only_to_the_method_they_were_allocated_for():
     assert (layer.key.bits, layer.key.clip_ratio, layer.value.bits, layer.value.clip_ratio) == (4, 0.0, 1, 0.0)
     # searched clip ratios reach 2-bit tensors only: the 2-bit values, not the 3-bit keys
     kept = k3v2.for_layer(key_clip=0.9, value_clip=0.88, key_bits=4, value_bits=1)  # widths made for K2 V2
-    assert (kept.key.bits, kept.key.clip_ratio, kept.value.bits, kept.value.clip_ratio) == (3, k3v2.key.clip_ratio, 2, 0.88)
+    assert (kept.key.bits, kept.key.clip_ratio, kept.value.bits, kept.value.clip_ratio) == (
+        3,
+        k3v2.key.clip_ratio,
+        2,
+        0.88,
+    )
     assert METHODS["oscar-int2"].for_layer(key_bits=4, value_bits=1, base_bits=(3, 2)) == METHODS["oscar-int2"]
 
 
@@ -53,8 +58,10 @@ def test_k3v2_widths_reach_only_oscar_k3v2_and_int2_widths_only_oscar_int2(tiny,
     k3v2_widths.base_bits = (3, 2)
     cache = OscarCache(tiny, "oscar-k3v2", rotations=k3v2_widths, **SMALL)
     assert [(layer.config.key.bits, layer.config.value.bits) for layer in cache.layers] == [(4, 2), (3, 1)]
-    cases = (("oscar-int2", k3v2_widths, [(2, 2)] * 2, "allocated for K3 V2; method 'oscar-int2' (K2 V2)"),
-             ("oscar-k3v2", mixed_rotations(), [(3, 2)] * 2, "allocated for K2 V2; method 'oscar-k3v2' (K3 V2)"))  # fmt: skip
+    cases = (
+        ("oscar-int2", k3v2_widths, [(2, 2)] * 2, "allocated for K3 V2; method 'oscar-int2' (K2 V2)"),
+        ("oscar-k3v2", mixed_rotations(), [(3, 2)] * 2, "allocated for K2 V2; method 'oscar-k3v2' (K3 V2)"),
+    )
     for method, rotations, widths, message in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="oscar_hf"):
@@ -121,18 +128,26 @@ def test_teacher_forcing_matches_decoding_with_mixed_widths(tiny, prefill):
         real = [forward(tiny, ids[:, i : i + 1], cache).logits for i in range(ids.shape[1])]
         keep = 0
     assert cache.layers[0].history_length > 0
-    one_pass = teacher_forced_logits(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), prefill,
-                                     logits_to_keep=keep)  # fmt: skip
+    one_pass = teacher_forced_logits(
+        tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), prefill, logits_to_keep=keep
+    )
     torch.testing.assert_close(one_pass, torch.cat(real, dim=1), atol=2e-4, rtol=2e-4)
-    uniform = teacher_forced_logits(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, [0, 1]),
-                                                          **SMALL), prefill, logits_to_keep=keep)  # fmt: skip
+    uniform = teacher_forced_logits(
+        tiny,
+        ids,
+        OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, [0, 1]), **SMALL),
+        prefill,
+        logits_to_keep=keep,
+    )
     assert (uniform - one_pass).abs().max() > 1e-3  # the widths reached the evaluated attention
 
 
 def test_evaluation_reports_each_layers_widths(tiny):
     rotations = mixed_rotations(value_bits={0: 1})  # +1 bit a token over the 2 layers
-    caches = {"int2": OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, [0, 1]), **SMALL),
-              "more": OscarCache(tiny, "oscar-int2", rotations=rotations, allow_bits_change=True, **SMALL)}  # fmt: skip
+    caches = {
+        "int2": OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, [0, 1]), **SMALL),
+        "more": OscarCache(tiny, "oscar-int2", rotations=rotations, allow_bits_change=True, **SMALL),
+    }
     tokens = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(0))
     int2, more = evaluate_caches(tiny, tokens, caches, context=48, windows=1, progress=False)
     # history elements of the 2 layers: (4 + 1 + 2 + 2) / 4 code bits against 2, plus the same metadata

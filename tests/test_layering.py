@@ -14,17 +14,26 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "oscar_hf"
-LEAVES = {"oscar_hf.quant", "oscar_hf.log", "oscar_hf.provenance", "oscar_hf._version", "oscar_hf.config",
-          "oscar_hf.model_info"}  # fmt: skip
+LEAVES = {
+    "oscar_hf.quant",
+    "oscar_hf.log",
+    "oscar_hf.provenance",
+    "oscar_hf._version",
+    "oscar_hf.config",
+    "oscar_hf.model_info",
+}
 LAYERS = ["leaf", "kernels", "rotations", "core", "calibration", "evaluation", "cli", "facade"]
-SIZE_LIMITS = {"kernels": 600}  # lines; every other layer: MODULE_LIMIT
-MODULE_LIMIT = 425  # "about 400"
+# Lines a module may have: past the first number a warning, past the second a failure. Kernels run
+# longer (a launch's arguments one per line, as the formatter writes them).
+SIZE_LIMITS = {"kernels": (600, 800)}
+MODULE_LIMITS = (400, 600)
 
 
 def module_name(path: Path) -> str:
@@ -94,7 +103,7 @@ def test_there_is_no_import_cycle():
         state[node] = "open"
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+                cycles.append(" -> ".join(stack[stack.index(target) :] + [target]))
             elif target not in state:
                 visit(target, stack + [target])
         state[node] = "done"
@@ -108,8 +117,11 @@ def test_there_is_no_import_cycle():
 @pytest.mark.parametrize("module", sorted(library_modules()))
 def test_library_modules_stay_small_and_never_import_eval(module: str):
     path = library_modules()[module]
-    limit = SIZE_LIMITS.get(layer_of(module), MODULE_LIMIT)
-    assert len(path.read_text().splitlines()) <= limit, f"{module} is over {limit} lines: split it by responsibility"
+    warn, limit = SIZE_LIMITS.get(layer_of(module), MODULE_LIMITS)
+    lines = len(path.read_text().splitlines())
+    assert lines <= limit, f"{module} is over {limit} lines: split it by responsibility"
+    if lines > warn:
+        warnings.warn(f"{module} has {lines} lines, over {warn}: split it by responsibility as it grows")
     assert not any(name == "eval" or name.startswith("eval.") for name in imports_of(path, module))
     assert not re.search(r"sys\.path\.(insert|append)", path.read_text()), f"{module} edits sys.path"
 
@@ -118,9 +130,14 @@ def import_time_calls_into_other_packages(source: str, module: str) -> list[str]
     """Statements at a module's top level that call a function imported from another of the package's
     layers for its effect (a registration hook), not for a value."""
     tree = ast.parse(source)
-    foreign = {alias.asname or alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
-               and (node.module or "").startswith("oscar_hf") and layer_of(node.module) != layer_of(module)
-               for alias in node.names}  # fmt: skip
+    foreign = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("oscar_hf")
+        and layer_of(node.module) != layer_of(module)
+        for alias in node.names
+    }
     calls = []
     for node in tree.body:
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)) if isinstance(node, ast.Expr) else ():
@@ -137,7 +154,8 @@ def test_no_module_registers_into_another_package_when_imported():
     assert not found, "\n".join(found)
     hook = "from oscar_hf.core.cache import install_reader\n\ninstall_reader(print)\n"
     assert import_time_calls_into_other_packages(hook, "oscar_hf.rotations.resolve") == [
-        "oscar_hf.rotations.resolve:3 calls install_reader of oscar_hf.core.cache"]
+        "oscar_hf.rotations.resolve:3 calls install_reader of oscar_hf.core.cache"
+    ]
 
 
 def test_the_checker_sees_a_cycle_and_an_upward_import(monkeypatch):
@@ -158,8 +176,13 @@ def layer_private_names() -> set[str]:
     """The underscore attributes an OscarLayer defines: its methods' and those its code sets on ``self``."""
     from oscar_hf.core.layer import OscarLayer
 
-    names = {name for cls in OscarLayer.__mro__ if cls.__module__ in LAYER_MODULES
-             for name in vars(cls) if name.startswith("_") and not name.startswith("__")}  # fmt: skip
+    names = {
+        name
+        for cls in OscarLayer.__mro__
+        if cls.__module__ in LAYER_MODULES
+        for name in vars(cls)
+        if name.startswith("_") and not name.startswith("__")
+    }
     for module in LAYER_MODULES:
         source = library_modules()[module].read_text()
         names.update(re.findall(r"self\.(_[a-z][a-z_]*)\b", source))
@@ -168,9 +191,13 @@ def layer_private_names() -> set[str]:
 
 def private_uses(source: str, names: set[str]) -> list[tuple[int, str]]:
     """(line, name) of every attribute read or write of ``names`` in ``source`` on anything but ``self``."""
-    return [(node.lineno, node.attr) for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Attribute) and node.attr in names
-            and not (isinstance(node.value, ast.Name) and node.value.id == "self")]  # fmt: skip
+    return [
+        (node.lineno, node.attr)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and node.attr in names
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
 
 
 def test_no_module_outside_the_layer_touches_its_private_state():
@@ -180,8 +207,11 @@ def test_no_module_outside_the_layer_touches_its_private_state():
     assert {"_pending", "_plan", "_demoted_ahead", "_leave_static"} <= names  # the scan sees the layer's state
     outside = [p for m, p in library_modules().items() if m not in LAYER_MODULES]
     outside += sorted((ROOT / "eval").rglob("*.py")) + sorted((ROOT / "kernels" / "tools").glob("*.py"))
-    uses = [f"{path.relative_to(ROOT)}:{line} .{name}" for path in outside
-            for line, name in private_uses(path.read_text(), names)]  # fmt: skip
+    uses = [
+        f"{path.relative_to(ROOT)}:{line} .{name}"
+        for path in outside
+        for line, name in private_uses(path.read_text(), names)
+    ]
     assert not uses, "\n".join(uses)
 
 

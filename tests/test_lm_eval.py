@@ -19,7 +19,6 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from oscar_hf.provenance import provenance
 from oscar_hf import METHODS, OscarCache, bits_per_element  # noqa: E402
 from oscar_hf.cli.main import build_parser  # noqa: E402
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
@@ -28,7 +27,7 @@ from oscar_hf.evaluation.lm_eval_model import OscarLM, StopAfterThinking  # noqa
 from oscar_hf.evaluation.task_eval import RunKey, run_path, run_tasks  # noqa: E402
 from oscar_hf.evaluation.tasks import available_tasks, write_task_configs  # noqa: E402
 from oscar_hf.evaluation.tasks.scoring import gpqa_letter, humaneval_program, run_program  # noqa: E402
-
+from oscar_hf.provenance import provenance
 from tests.conftest import TINY, tiny_model  # noqa: E402
 
 TINY_HEAD_DIM = TINY["head_dim"]
@@ -46,8 +45,9 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        bos_token="<bos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -72,13 +72,15 @@ class GenerateRecorder:
     def __call__(self, *args, **kwargs):
         key = cache_keyword(self.model)
         cache = kwargs.get(key)
-        self.calls.append({
-            "keyword_used": key in kwargs,
-            "other_keyword": ({"cache", "past_key_values"} - {key}) & set(kwargs),
-            "cache": cache,
-            "cache_length_at_call": cache.get_seq_length() if cache is not None else None,
-            "stopping_criteria": kwargs.get("stopping_criteria"),
-        })
+        self.calls.append(
+            {
+                "keyword_used": key in kwargs,
+                "other_keyword": ({"cache", "past_key_values"} - {key}) & set(kwargs),
+                "cache": cache,
+                "cache_length_at_call": cache.get_seq_length() if cache is not None else None,
+                "stopping_criteria": kwargs.get("stopping_criteria"),
+            }
+        )
         return self.inner(*args, **kwargs)
 
 
@@ -86,16 +88,18 @@ def write_tiny_task(tmp_path: Path) -> tuple[Path, Path]:
     """A two-question task whose data the test writes itself (one YAML, one JSONL)."""
     data = tmp_path / "data"
     (data / "tiny").mkdir(parents=True)
-    rows = [{"question": "what is one plus one, spelled out in full as a word please?" * 2, "answer": "two"},
-            {"question": "name a colour of the sky on a clear day at noon, one word" * 2, "answer": "blue"}]
+    rows = [
+        {"question": "what is one plus one, spelled out in full as a word please?" * 2, "answer": "two"},
+        {"question": "name a colour of the sky on a clear day at noon, one word" * 2, "answer": "blue"},
+    ]
     (data / "tiny" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "tiny.yaml").write_text(
         "oscar:\n  name: tiny\n  data_files: {test: tiny/test.jsonl}\n  metric: exact_match,none\n"
         "task: oscar_tiny\noutput_type: generate_until\ntest_split: test\n"
-        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\"Question:\"]\n  do_sample: false\n"
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["Question:"]\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
         "metadata:\n  version: 1.0\n"
     )
@@ -114,10 +118,12 @@ def run_python(code: str) -> str:
 
 def test_installed_plugin_registers_oscar_lazily_in_a_fresh_process():
     # the installed oscar_hf_lm_eval.pth registers a placeholder: no oscar_hf or torch import until asked
-    out = run_python("import sys, lm_eval.models\n"
-                     "from lm_eval.api.registry import get_model, model_registry\n"
-                     "print('oscar' in model_registry, 'oscar_hf' in sys.modules)\n"
-                     "print(get_model('oscar').__module__)")
+    out = run_python(
+        "import sys, lm_eval.models\n"
+        "from lm_eval.api.registry import get_model, model_registry\n"
+        "print('oscar' in model_registry, 'oscar_hf' in sys.modules)\n"
+        "print(get_model('oscar').__module__)"
+    )
     assert out.split() == ["True", "False", "oscar_hf.evaluation.lm_eval_model"]
 
 
@@ -128,11 +134,27 @@ def test_stock_lm_eval_command_runs_the_oscar_model_offline(tmp_path, tok):
     tiny_model("qwen3", vocab_size=len(tok)).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     oscar_hf = Path(sys.executable).with_name("oscar-hf")
-    subprocess.run([str(oscar_hf), "lm-eval-tasks", "--data-dir", str(data), "--task-dir", str(tasks),
-                    "--out", str(include)], check=True, capture_output=True, timeout=300)
-    command = [str(Path(sys.executable).with_name("lm_eval")), "--model", "oscar", "--model_args",
-               f"pretrained={model_dir},method=quarot-int2,sink=4,recent=8,max_gen_toks=8,dtype=float32",
-               "--include_path", str(include), "--tasks", "oscar_tiny", "--limit", "2", "--output_path", str(out)]
+    subprocess.run(
+        [str(oscar_hf), "lm-eval-tasks", "--data-dir", str(data), "--task-dir", str(tasks), "--out", str(include)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    command = [
+        str(Path(sys.executable).with_name("lm_eval")),
+        "--model",
+        "oscar",
+        "--model_args",
+        f"pretrained={model_dir},method=quarot-int2,sink=4,recent=8,max_gen_toks=8,dtype=float32",
+        "--include_path",
+        str(include),
+        "--tasks",
+        "oscar_tiny",
+        "--limit",
+        "2",
+        "--output_path",
+        str(out),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     [results_file] = out.rglob("results_*.json")
@@ -147,8 +169,19 @@ def test_eval_tasks_end_to_end_fresh_cache_resume_and_table(tmp_path, model, tok
     data, tasks = write_tiny_task(tmp_path)
     recorder = GenerateRecorder(model)
     out = tmp_path / "out"
-    common = dict(tasks=["tiny"], seeds=1, out_dir=out, limit=2, data_dir=data, max_gen_toks=12, sink=4, recent=8,
-                  task_dirs=[str(tasks)], progress=False, environment=provenance("test"))
+    common = dict(
+        tasks=["tiny"],
+        seeds=1,
+        out_dir=out,
+        limit=2,
+        data_dir=data,
+        max_gen_toks=12,
+        sink=4,
+        recent=8,
+        task_dirs=[str(tasks)],
+        progress=False,
+        environment=provenance("test"),
+    )
     summary = run_tasks(model, tok, methods=["none", "quarot-int2"], **common)
 
     # batch_size 1 and two questions: two generate calls per method, each with its own empty cache
@@ -182,7 +215,9 @@ def test_eval_tasks_end_to_end_fresh_cache_resume_and_table(tmp_path, model, tok
     assert rows["quarot-int2"]["drop_vs_bf16"] == pytest.approx(50.0 - rows["none"]["average"])
     table = (out / "table.md").read_text()
     assert "| quarot-int2 | 50.0 |" in table and "| naive-int2 |" in table
-    assert rows["naive-int2"]["bpe"] == pytest.approx(bits_per_element(METHODS["naive-int2"].with_overrides(sink=4, recent=8), 131072, 16))
+    assert rows["naive-int2"]["bpe"] == pytest.approx(
+        bits_per_element(METHODS["naive-int2"].with_overrides(sink=4, recent=8), 131072, 16)
+    )
     assert rows["none"]["bpe"] == 16
     assert rows["none"]["same_output_as_bf16"] == 1.0 and 0 <= rows["naive-int2"]["same_output_as_bf16"] <= 1
 
@@ -197,10 +232,26 @@ def test_eval_tasks_gives_each_calibrated_method_its_own_set(tmp_path, model, to
 
     data, tasks = write_tiny_task(tmp_path)
     recorder = GenerateRecorder(model)
-    sets = {"oscar-int2": RotationSet.hadamard(TINY_HEAD_DIM, [0, 1]), "oscar-k3v2": RotationSet.hadamard(TINY_HEAD_DIM, [0, 1])}
-    run_tasks(model, tok, methods=["oscar-int2", "oscar-k3v2"], tasks=["tiny"], seeds=1, out_dir=tmp_path / "out",
-              limit=1, data_dir=data, max_gen_toks=4, rotations=sets, sink=4, recent=8, task_dirs=[str(tasks)],
-              progress=False)
+    sets = {
+        "oscar-int2": RotationSet.hadamard(TINY_HEAD_DIM, [0, 1]),
+        "oscar-k3v2": RotationSet.hadamard(TINY_HEAD_DIM, [0, 1]),
+    }
+    run_tasks(
+        model,
+        tok,
+        methods=["oscar-int2", "oscar-k3v2"],
+        tasks=["tiny"],
+        seeds=1,
+        out_dir=tmp_path / "out",
+        limit=1,
+        data_dir=data,
+        max_gen_toks=4,
+        rotations=sets,
+        sink=4,
+        recent=8,
+        task_dirs=[str(tasks)],
+        progress=False,
+    )
     used = {c["cache"].oscar_config.method: c["cache"].rotations for c in recorder.calls}
     assert used["oscar-int2"] is sets["oscar-int2"] and used["oscar-k3v2"] is sets["oscar-k3v2"]
 
@@ -224,11 +275,26 @@ def test_stop_strings_only_after_think_end(tok):
 
 
 def test_generate_until_with_think_end_token(model, tok):
-    lm = OscarLM(pretrained=model, tokenizer=tok, method="quarot-int2", sink=4, recent=8, think_end_token="</think>",
-                 max_gen_toks=8)
+    lm = OscarLM(
+        pretrained=model,
+        tokenizer=tok,
+        method="quarot-int2",
+        sink=4,
+        recent=8,
+        think_end_token="</think>",
+        max_gen_toks=8,
+    )
     recorder = GenerateRecorder(model)
-    requests = [Instance("generate_until", {}, ("Question: hi\nAnswer:", {"until": ["Question:"], "max_gen_toks": 500}),
-                         idx, ("t", idx, 1)) for idx in range(2)]
+    requests = [
+        Instance(
+            "generate_until",
+            {},
+            ("Question: hi\nAnswer:", {"until": ["Question:"], "max_gen_toks": 500}),
+            idx,
+            ("t", idx, 1),
+        )
+        for idx in range(2)
+    ]
     out = lm.generate_until(requests, disable_tqdm=True)
     assert len(out) == 2 and lm.caches_created == 2 and len(recorder.calls) == 2
     assert all(isinstance(c["stopping_criteria"][0], StopAfterThinking) for c in recorder.calls)
@@ -237,9 +303,12 @@ def test_generate_until_with_think_end_token(model, tok):
 
 def test_loglikelihood_uses_a_fresh_cache_per_forward(model, tok):
     lm = OscarLM(pretrained=model, tokenizer=tok, method="quarot-int2", sink=4, recent=8)
-    requests = [Instance("loglikelihood", {}, ("Question: what colour is the sky on a clear day?\nAnswer:", " blue"),
-                         0, ("t", 0, 1))]
-    (logprob, _), = lm.loglikelihood(requests, disable_tqdm=True)
+    requests = [
+        Instance(
+            "loglikelihood", {}, ("Question: what colour is the sky on a clear day?\nAnswer:", " blue"), 0, ("t", 0, 1)
+        )
+    ]
+    ((logprob, _),) = lm.loglikelihood(requests, disable_tqdm=True)
     assert lm.caches_created == 1 and logprob < 0
     ids = torch.tensor([tok("x" * 40 + "abc" * 20)["input_ids"]])
     with torch.no_grad():
@@ -253,8 +322,24 @@ def test_loglikelihood_uses_a_fresh_cache_per_forward(model, tok):
 
 
 def test_cli_parses_eval_tasks():
-    args = build_parser().parse_args(["eval", "tasks", "--methods", "none,oscar-int2", "--tasks", "gsm8k,aime25",
-                                      "--limit", "3", "--seeds", "2", "--out", "x", "--temperature", "0.6"])
+    args = build_parser().parse_args(
+        [
+            "eval",
+            "tasks",
+            "--methods",
+            "none,oscar-int2",
+            "--tasks",
+            "gsm8k,aime25",
+            "--limit",
+            "3",
+            "--seeds",
+            "2",
+            "--out",
+            "x",
+            "--temperature",
+            "0.6",
+        ]
+    )
     assert args.methods == ["none", "oscar-int2"] and args.tasks == ["gsm8k", "aime25"]
     assert args.limit == 3 and args.seeds == 2 and args.temperature == 0.6
 

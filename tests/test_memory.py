@@ -20,8 +20,16 @@ def test_paper_bits_per_element():
 
 def test_a_real_128k_cache_reports_the_paper_bpe():
     """One layer, one KV head, head_dim 128, BF16, 131072 tokens prefilled in chunks: BPE 2.28, ~7x smaller."""
-    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_attention_heads": 1,
-                            "head_dim": 128, "hidden_size": 128})
+    config = LlamaConfig(
+        **{
+            **TINY,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 1,
+            "num_attention_heads": 1,
+            "head_dim": 128,
+            "hidden_size": 128,
+        }
+    )
     cache = OscarCache(config, "quarot-int2")
     layer = cache.layers[0]
     g = torch.Generator().manual_seed(0)
@@ -43,8 +51,16 @@ def test_a_real_128k_cache_reports_the_paper_bpe():
 def test_a_k3v2_history_takes_three_bits_per_element_at_head_dim_64():
     """K at 3 + 32/64 bits, V at 2 + 32/64: 3.0 bits per history element, and a real cache stores that."""
     assert bits_per_element(METHODS["oscar-k3v2"].with_overrides(sink=0, recent=0), 4096, 64) == 3.0
-    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_attention_heads": 1,
-                            "head_dim": 64, "hidden_size": 64})
+    config = LlamaConfig(
+        **{
+            **TINY,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 1,
+            "num_attention_heads": 1,
+            "head_dim": 64,
+            "hidden_size": 64,
+        }
+    )
     cache = OscarCache(config, METHODS["oscar-k3v2"].with_overrides(rotation="hadamard"))
     chunk = torch.randn(1, 1, 1000, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     cache.layers[0].update(chunk, chunk)
@@ -117,8 +133,16 @@ def test_per_layer_widths_average_their_bits_per_element():
     k4v1, v1 = base.for_layer(key_bits=4, value_bits=1), base.for_layer(value_bits=1)
     assert (k4v1.key.bits, k4v1.value.bits, v1.key.bits, v1.value.bits) == (4, 1, 2, 1)
     assert mean_bits_per_element([k4v1, v1], 4096, 64) == bits_per_element(base, 4096, 64) == 2.5
-    config = LlamaConfig(**{**TINY, "num_hidden_layers": 2, "num_key_value_heads": 1, "num_attention_heads": 1,
-                            "head_dim": 64, "hidden_size": 64})  # fmt: skip
+    config = LlamaConfig(
+        **{
+            **TINY,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 1,
+            "num_attention_heads": 1,
+            "head_dim": 64,
+            "hidden_size": 64,
+        }
+    )
     rotations = RotationSet.hadamard(64, [0, 1])
     rotations.key_bits.update({0: 4})
     rotations.value_bits.update({0: 1, 1: 1})
@@ -136,8 +160,16 @@ def test_per_layer_widths_average_their_bits_per_element():
 
 def test_the_report_in_words_says_what_a_bf16_model_stores_and_why_short_prompts_compress_less():
     """A float32 model on CPU at a short prompt: the windows dominate and are float32; the words say so."""
-    config = LlamaConfig(**{**TINY, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_attention_heads": 1,
-                            "head_dim": 128, "hidden_size": 128})
+    config = LlamaConfig(
+        **{
+            **TINY,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 1,
+            "num_attention_heads": 1,
+            "head_dim": 128,
+            "hidden_size": 128,
+        }
+    )
     cache = OscarCache(config, "quarot-int2")
     chunk = torch.randn(1, 1, 400, 128, generator=torch.Generator().manual_seed(0))
     cache.layers[0].update(chunk, chunk)

@@ -188,9 +188,7 @@ def test_a_local_directory_is_passed_to_from_pretrained(first_load):
 def test_default_model_knows_the_capital_of_france(first_load):
     model, tokenizer = first_load.model, first_load.tokenizer
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    inputs = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

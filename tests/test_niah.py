@@ -10,11 +10,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from oscar_hf.provenance import provenance, provenance_line
 from oscar_hf import OscarCache
 from oscar_hf.cli.main import main
 from oscar_hf.evaluation.data import data_dir
-from oscar_hf.evaluation.report import write_outputs
 from oscar_hf.evaluation.niah import (
     ANSWER_PREFIX,
     INSTRUCTION,
@@ -39,6 +37,8 @@ from oscar_hf.evaluation.niah import (
     run_niah,
     summary,
 )
+from oscar_hf.evaluation.report import write_outputs
+from oscar_hf.provenance import provenance, provenance_line
 from tests.conftest import tiny_model
 
 DATA = data_dir()  # CI passes the data folder as $OSCAR_HF_DATA_DIR
@@ -90,7 +90,9 @@ def test_prompt_has_exact_length_and_needle_at_depth(tokenizer, haystack, length
     ids = prompt.input_ids
     assert len(ids) == length
     needle = Needle.from_seed(3)
-    assert tokenizer.decode(ids[prompt.needle_start : prompt.needle_end]) == " " + NEEDLE.format(key=needle.key, value=needle.value)
+    assert tokenizer.decode(ids[prompt.needle_start : prompt.needle_end]) == " " + NEEDLE.format(
+        key=needle.key, value=needle.value
+    )
     assert prompt.haystack_start <= prompt.needle_start < prompt.needle_end <= prompt.haystack_end
     haystack_tokens = prompt.haystack_end - prompt.haystack_start - (prompt.needle_end - prompt.needle_start)
     # snapped back to a sentence boundary: at most one sentence (~40 bytes here) before the asked depth
@@ -110,7 +112,9 @@ def test_same_seed_same_needle_and_haystack_other_seeds_differ(tokenizer, haysta
     a = build_prompt(tokenizer, haystack, 500, 50, seed=1)
     b = build_prompt(tokenizer, haystack, 900, 90, seed=1)
     assert a.needle == b.needle
-    assert a.input_ids[a.haystack_start : a.haystack_start + 50] == b.input_ids[b.haystack_start : b.haystack_start + 50]
+    assert (
+        a.input_ids[a.haystack_start : a.haystack_start + 50] == b.input_ids[b.haystack_start : b.haystack_start + 50]
+    )
     needles = {Needle.from_seed(s) for s in range(8)}
     assert len({n.value for n in needles}) == 8
     assert all(len(n.value) == 7 for n in needles)
@@ -190,8 +194,16 @@ def test_run_niah_on_a_tiny_model_writes_json_markdown_and_png(tmp_path, tokeniz
     for t in trials:
         assert t.correct == (t.extracted == t.expected)
         assert len(t.expected) == 7
-    settings = {"model": "tiny", "haystack": "synthetic", "methods": methods, "lengths": lengths, "depths": depths,
-                "seeds": seeds, "max_new_tokens": 4, "chat": True}
+    settings = {
+        "model": "tiny",
+        "haystack": "synthetic",
+        "methods": methods,
+        "lengths": lengths,
+        "depths": depths,
+        "seeds": seeds,
+        "max_new_tokens": 4,
+        "chat": True,
+    }
     meta = {**provenance("pytest"), "seconds": 1}
     result = niah_result(trials, meta, settings)
     paths = write_outputs(result, tmp_path / "out" / "niah.json", niah_markdown(result), plot_niah)
@@ -207,7 +219,9 @@ def test_run_niah_on_a_tiny_model_writes_json_markdown_and_png(tmp_path, tokeniz
 
 
 def test_fresh_cache_per_generation_gives_the_same_answer_twice(tokenizer, haystack, tiny_llm):
-    trials = run_niah(tiny_llm, tokenizer, haystack, ["int4", "int4"], [600], [50.0], [5], max_new_tokens=6, progress=False)
+    trials = run_niah(
+        tiny_llm, tokenizer, haystack, ["int4", "int4"], [600], [50.0], [5], max_new_tokens=6, progress=False
+    )
     assert trials[0].answer == trials[1].answer  # no state carried from one generation to the next
 
 
@@ -227,8 +241,28 @@ def model_dir(tmp_path_factory, tiny_llm, tokenizer):
 def test_cli_writes_outputs(tmp_path, model_dir, capsys):
     data = write_essays(tmp_path / "data")
     stem = tmp_path / "results" / "niah_tiny"
-    main(["eval", "niah", "--model", str(model_dir), "--data-dir", str(data), "--lengths", "600", "--depths", "0,50",
-          "--needles", "1", "--methods", "none,int4", "--max-new-tokens", "4", "--out", str(stem)])
+    main(
+        [
+            "eval",
+            "niah",
+            "--model",
+            str(model_dir),
+            "--data-dir",
+            str(data),
+            "--lengths",
+            "600",
+            "--depths",
+            "0,50",
+            "--needles",
+            "1",
+            "--methods",
+            "none,int4",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(stem),
+        ]
+    )
     result = json.loads(stem.with_suffix(".json").read_text())
     assert result["command"].startswith("oscar-hf eval niah") and result["lengths"] == [600]
     assert result["chat"] is True and len(result["trials"]) == 4
@@ -258,8 +292,10 @@ def test_cli_errors(tmp_path, model_dir, capsys, monkeypatch):
         main(["eval", "niah", "--model", str(model_dir)])
 
 
-@pytest.mark.skipif(DATA is None or not (DATA / "niah_paul_graham_essays").is_dir(),
-                    reason="needs the Paul Graham essays (set OSCAR_HF_DATA_DIR to the shared data folder)")
+@pytest.mark.skipif(
+    DATA is None or not (DATA / "niah_paul_graham_essays").is_dir(),
+    reason="needs the Paul Graham essays (set OSCAR_HF_DATA_DIR to the shared data folder)",
+)
 def test_real_essays_build_exact_prompts(tokenizer):
     files = haystack_files(DATA, "essays")
     assert len(files) == 49
@@ -268,8 +304,10 @@ def test_real_essays_build_exact_prompts(tokenizer):
     assert len(prompt.input_ids) == 3000 and 35 <= prompt.actual_depth <= 40
 
 
-@pytest.mark.skipif(DATA is None or not (DATA / "gutenberg_books").is_dir(),
-                    reason="needs the Gutenberg books (set OSCAR_HF_DATA_DIR to the shared data folder)")
+@pytest.mark.skipif(
+    DATA is None or not (DATA / "gutenberg_books").is_dir(),
+    reason="needs the Gutenberg books (set OSCAR_HF_DATA_DIR to the shared data folder)",
+)
 def test_real_gutenberg_haystack_has_no_carriage_returns(tokenizer):
     files = haystack_files(DATA, "gutenberg")
     text = read_haystack(files[:1])
@@ -289,6 +327,16 @@ def test_oscar_methods_run_with_rotations(tokenizer, haystack, tiny_llm):
     layers = range(tiny_llm.config.num_hidden_layers)
     rotations = RotationSet(head_dim, {i: orthogonal() for i in layers}, {i: orthogonal() for i in layers}, "random")
     OscarCache(tiny_llm, "oscar-int2", rotations=rotations)  # accepted for this model
-    trials = run_niah(tiny_llm, tokenizer, haystack, ["oscar-int2", "oscar-k4v2"], [600], [50.0], [0], rotations,
-                      max_new_tokens=3, progress=False)
+    trials = run_niah(
+        tiny_llm,
+        tokenizer,
+        haystack,
+        ["oscar-int2", "oscar-k4v2"],
+        [600],
+        [50.0],
+        [0],
+        rotations,
+        max_new_tokens=3,
+        progress=False,
+    )
     assert [t.method for t in trials] == ["oscar-int2", "oscar-k4v2"]

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.evaluation.niah import Haystack, build_prompt, extract_number, haystack_files, is_correct, read_haystack, Needle
+from oscar_hf.evaluation.niah import (
+    Haystack,
+    Needle,
+    build_prompt,
+    extract_number,
+    haystack_files,
+    is_correct,
+    read_haystack,
+)
 from oscar_hf.evaluation.niah_forced import GreedyWalk, needle_summary, score_prompts, score_walks, step
 from tests.conftest import generate, tiny_model
 from tests.test_niah import VOCAB, byte_tokenizer, write_essays
@@ -123,7 +131,9 @@ def test_answer_logprob_is_the_numbers_teacher_forced_log_probability(digit_mode
 
 def test_score_prompts_summarises_per_recipe_length_and_depth(digit_model, tokenizer, tmp_path):
     haystack = Haystack(tokenizer, read_haystack(haystack_files(write_essays(tmp_path), "essays")))
-    prompts = [build_prompt(tokenizer, haystack, n, d, seed) for n in (500, 600) for d in (0.0, 50.0) for seed in (0, 1)]
+    prompts = [
+        build_prompt(tokenizer, haystack, n, d, seed) for n in (500, 600) for d in (0.0, 50.0) for seed in (0, 1)
+    ]
     caches = {"none": OscarCache(digit_model, "none"), "int2": OscarCache(digit_model, "naive-int2", **SMALL)}
     trials, seconds = score_prompts(digit_model, tokenizer, prompts, caches, batch_size=2, progress=False)
     assert len(trials) == 16 and set(seconds) == {"none", "int2"} and set(seconds["int2"]) == {500, 600}

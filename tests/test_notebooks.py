@@ -46,11 +46,17 @@ def test_runs_top_to_bottom(path, monkeypatch):
     # which would run every kernel of the real model in Triton's (slow) interpreter.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     started = time.perf_counter()
     client.execute()  # raises CellExecutionError with the failing cell and its traceback
     print(f"{path.name}: {time.perf_counter() - started:.1f} s")
-    images = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs
-              if "image/png" in o.get("data", {})]  # fmt: skip
+    images = [
+        o
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for o in cell.outputs
+        if "image/png" in o.get("data", {})
+    ]
     assert images, f"{path.name} drew no plot"

@@ -15,11 +15,11 @@ from transformers import DynamicCache
 import oscar_hf
 from oscar_hf import OscarCache, RotationSet
 from oscar_hf.calibration.absorption import absorb_value_rotations
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
+from oscar_hf.config import OscarConfig
+from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.quantize_jobs import roundtrip_rows
-from oscar_hf.core.compat import cache_keyword
-from oscar_hf.config import OscarConfig
-from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 from tests.conftest import TINY, forward, generate, tiny_model
 
 SMALL = dict(sink=4, recent=8, block=2)
@@ -35,6 +35,7 @@ def orthogonal(seed: int) -> torch.Tensor:
 
 def per_head(seed: int = 0) -> RotationSet:
     """Distinct random R_K and R_V for every KV head of every layer."""
+
     def stack(offset: int) -> torch.Tensor:
         return torch.stack([orthogonal(seed + offset + h) for h in range(KV_HEADS)])
 
@@ -42,7 +43,9 @@ def per_head(seed: int = 0) -> RotationSet:
 
 
 def shared(seed: int = 0) -> RotationSet:
-    return RotationSet(HEAD_DIM, {i: orthogonal(seed + i) for i in LAYERS}, {i: orthogonal(seed + 50 + i) for i in LAYERS})
+    return RotationSet(
+        HEAD_DIM, {i: orthogonal(seed + i) for i in LAYERS}, {i: orthogonal(seed + 50 + i) for i in LAYERS}
+    )
 
 
 def ids(batch: int = 2, length: int = 40, seed: int = 3) -> torch.Tensor:
@@ -87,8 +90,9 @@ def test_equal_heads_give_the_shared_tokens_through_generate_and_static_decoding
         assert frozen.static is not None  # plain generate froze it (on CPU: the static steps without graphs)
     for kind in ("plain", "frozen"):
         assert torch.equal(runs["heads", kind].sequences, runs["shared", kind].sequences)
-        torch.testing.assert_close(torch.stack(runs["heads", kind].scores), torch.stack(runs["shared", kind].scores),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            torch.stack(runs["heads", kind].scores), torch.stack(runs["shared", kind].scores), atol=1e-5, rtol=1e-5
+        )
 
 
 # ------------------------------------------------------------------ distinct heads vs torch
@@ -110,14 +114,20 @@ def test_stored_rows_are_each_kv_heads_rows_times_its_own_rotation(tiny):
         values = rotate_by_head(stock.values, rotations.value[layer_id])
         sink, history = SMALL["sink"], layer.history_length
         torch.testing.assert_close(layer.sink_keys.view(), keys[:, :, :sink], atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(layer.recent_values.view(), values[:, :, sink + history:], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(layer.recent_values.view(), values[:, :, sink + history :], atol=1e-6, rtol=1e-5)
         middle = slice(sink, sink + history)
-        torch.testing.assert_close(layer.history_keys.dequantize(torch.float32),
-                                   roundtrip_rows(keys[:, :, middle], layer.config.key, layer.config.metadata_dtype),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
-        torch.testing.assert_close(layer.history_values.dequantize(torch.float32),
-                                   roundtrip_rows(values[:, :, middle], layer.config.value, layer.config.metadata_dtype),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            layer.history_keys.dequantize(torch.float32),
+            roundtrip_rows(keys[:, :, middle], layer.config.key, layer.config.metadata_dtype),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        torch.testing.assert_close(
+            layer.history_values.dequantize(torch.float32),
+            roundtrip_rows(values[:, :, middle], layer.config.value, layer.config.metadata_dtype),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_unquantized_attention_in_each_heads_basis_is_the_models_attention(tiny):
@@ -129,8 +139,9 @@ def test_unquantized_attention_in_each_heads_basis_is_the_models_attention(tiny)
     got = chunked_then_greedy(tiny, OscarCache(tiny, "oscar-int2", rotations=per_head(), **wide), prompt)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     one_pass = teacher_forced_logits(tiny, prompt[:1], OscarCache(tiny, "oscar-int2", rotations=per_head(), **wide))
-    torch.testing.assert_close(one_pass, forward(tiny, prompt[:1], DynamicCache(config=tiny.config)).logits,
-                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        one_pass, forward(tiny, prompt[:1], DynamicCache(config=tiny.config)).logits, atol=1e-4, rtol=1e-4
+    )
 
 
 def test_teacher_forcing_matches_decoding_with_per_head_rotations(tiny):
@@ -148,8 +159,15 @@ def test_static_decoding_keeps_the_eager_tokens_with_per_head_rotations(tiny):
     want = generate(tiny, prompt, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), max_new_tokens=30)
     cache = OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL)
     with torch.no_grad():
-        static = oscar_hf.generate(tiny, prompt, capture=False, do_sample=False, max_new_tokens=30, min_new_tokens=30,
-                                   **{cache_keyword(tiny): cache})  # fmt: skip
+        static = oscar_hf.generate(
+            tiny,
+            prompt,
+            capture=False,
+            do_sample=False,
+            max_new_tokens=30,
+            min_new_tokens=30,
+            **{cache_keyword(tiny): cache},
+        )
     frozen = OscarCache(tiny, "oscar-int2", rotations=rotations, decode_graphs=True, **SMALL)
     assert torch.equal(static, want)
     assert torch.equal(generate(tiny, prompt, frozen, max_new_tokens=30), want) and frozen.static is not None
@@ -162,8 +180,9 @@ def test_absorbing_per_head_value_rotations_keeps_the_models_outputs():
     folded = copy.deepcopy(model)
     absorb_value_rotations(folded, rotations)
     plain = forward(model, prompt, DynamicCache(config=model.config)).logits
-    torch.testing.assert_close(forward(folded, prompt, DynamicCache(config=folded.config)).logits, plain,
-                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        forward(folded, prompt, DynamicCache(config=folded.config)).logits, plain, atol=1e-4, rtol=1e-4
+    )
     heads = TINY["num_attention_heads"]
     for layer_id in LAYERS:  # KV head h's V rows get R_V[h]; query head i's o_proj columns R_V[i // g]
         before, after = model.model.layers[layer_id].self_attn, folded.model.layers[layer_id].self_attn

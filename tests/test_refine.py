@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache
-from oscar_hf.core.quantize_jobs import roundtrip_rows
-from oscar_hf.calibration.covariances import collect_covariances
 from oscar_hf.calibration.clip_search import search_layers
-from oscar_hf.config import METHODS
+from oscar_hf.calibration.covariances import collect_covariances
 from oscar_hf.calibration.refine import (
     RefineSettings,
-    cayley,
     capture_rows,
+    cayley,
     fake_quantize,
     refine_matrix,
     refine_rotations,
 )
+from oscar_hf.config import METHODS
+from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.rotations.rotation_set import check_orthogonal
 from tests.conftest import tiny_model
 
@@ -94,8 +94,17 @@ def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
     from oscar_hf.cli.main import main
 
     with pytest.raises(SystemExit, match="drop --no-clip-search"):
-        main(["calibrate", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"), "--refine",
-              "--no-clip-search"])
+        main(
+            [
+                "calibrate",
+                "--data",
+                str(tmp_path / "text.txt"),
+                "--out",
+                str(tmp_path / "out"),
+                "--refine",
+                "--no-clip-search",
+            ]
+        )
 
 
 @pytest.mark.slow
@@ -107,10 +116,28 @@ def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
     from oscar_hf.rotations.hub import load_rotations
 
     data = tmp_path / "text.txt"
-    data.write_text(" ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400)))
+    data.write_text(
+        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400))
+    )
     out = tmp_path / "rotations"
-    main(["calibrate", "--model", "default", "--data", str(data), "--tokens", "1200", "--seq-len", "600",
-          "--clip-search", "--refine", "--out", str(out), "--json"])
+    main(
+        [
+            "calibrate",
+            "--model",
+            "default",
+            "--data",
+            str(data),
+            "--tokens",
+            "1200",
+            "--seq-len",
+            "600",
+            "--clip-search",
+            "--refine",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     rotations = load_rotations(out)
     config = load_rotation_config(out)

@@ -40,8 +40,13 @@ def test_a_step_that_fails_in_a_later_layer_breaks_the_cache_until_reset():
     poison_keys(model, 1)
     with pytest.raises(ValueError, match="non-finite"):
         forward(model, tokens(1, seed=1), cache)
-    for use in (lambda: forward(model, tokens(1, seed=2), cache), cache.get_seq_length, cache.memory_report,
-                lambda: cache.crop(-1), lambda: cache.batch_repeat_interleave(2)):  # fmt: skip
+    for use in (
+        lambda: forward(model, tokens(1, seed=2), cache),
+        cache.get_seq_length,
+        cache.memory_report,
+        lambda: cache.crop(-1),
+        lambda: cache.batch_repeat_interleave(2),
+    ):
         with pytest.raises(CacheBrokenError, match=r"layer 1 raised ValueError .* 1 of 2 quantized layers.*reset\(\)"):
             use()
     model = tiny_model("llama")
@@ -122,9 +127,14 @@ def test_a_failure_inside_attention_breaks_the_cache(monkeypatch, frozen):
 def test_a_shape_the_decode_kernel_does_not_take_decodes_eagerly_on_a_gpu():
     """head_dim 16 runs the torch reference, which cannot be captured in a CUDA graph: no freezing."""
     model = tiny_model("llama").to("cuda")
-    cache, eager = OscarCache(model, "quarot-int2", **SMALL), OscarCache(model, "quarot-int2", decode_graphs=False, **SMALL)
+    cache, eager = (
+        OscarCache(model, "quarot-int2", **SMALL),
+        OscarCache(model, "quarot-int2", decode_graphs=False, **SMALL),
+    )
     prompt = tokens(20, device="cuda")
-    torch.testing.assert_close(generate(model, prompt, cache, max_new_tokens=4), generate(model, prompt, eager, max_new_tokens=4))
+    torch.testing.assert_close(
+        generate(model, prompt, cache, max_new_tokens=4), generate(model, prompt, eager, max_new_tokens=4)
+    )
     assert cache.static is None
 
 
@@ -157,7 +167,12 @@ def test_a_non_finite_key_propagates_like_dynamic_cache(method, frozen):
     poison_keys(model, 1)
     reference = device_model(attn="eager")
     poison_keys(reference, 1)
-    assert forward(reference, tokens(21, device=model.device), DynamicCache(config=model.config)).logits[:, -1].isnan().all()
+    assert (
+        forward(reference, tokens(21, device=model.device), DynamicCache(config=model.config))
+        .logits[:, -1]
+        .isnan()
+        .all()
+    )
     for seed in (1, 2):  # the step with the NaN key, then one that only finds it in the cache
         assert forward(model, tokens(1, seed=seed, device=model.device), cache).logits.isnan().all()
 
@@ -184,12 +199,15 @@ def test_rotations_a_method_does_not_use_are_logged(caplog):
     assert "ignored" in caplog.text
 
 
-@pytest.mark.parametrize("other, difference", [
-    (dict(num_hidden_layers=3), "full-attention layers"),
-    (dict(num_hidden_layers=1), "full-attention layers"),
-    (dict(head_dim=32), "head_dim"),
-    (dict(num_key_value_heads=4), "KV heads"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "other, difference",
+    [
+        (dict(num_hidden_layers=3), "full-attention layers"),
+        (dict(num_hidden_layers=1), "full-attention layers"),
+        (dict(head_dim=32), "head_dim"),
+        (dict(num_key_value_heads=4), "KV heads"),
+    ],
+)
 def test_a_cache_used_with_another_model_names_the_difference(other, difference):
     cache = OscarCache(tiny_model("llama"), "quarot-int2", **SMALL)
     with pytest.raises(ValueError, match=difference):
@@ -206,8 +224,10 @@ def test_a_refused_cache_leaves_nothing_behind_for_other_forwards(other):
         forward(model, tokens(12), cache)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens(12), use_cache=False).logits, sdpa(tokens(12), use_cache=False).logits)
-        torch.testing.assert_close(model.generate(tokens(12), max_new_tokens=4, do_sample=False),
-                                   sdpa.generate(tokens(12), max_new_tokens=4, do_sample=False))
+        torch.testing.assert_close(
+            model.generate(tokens(12), max_new_tokens=4, do_sample=False),
+            sdpa.generate(tokens(12), max_new_tokens=4, do_sample=False),
+        )
     with pytest.raises(CacheBrokenError):
         forward(model, tokens(12), cache)
 
@@ -236,8 +256,11 @@ def test_assisted_decoding_with_more_candidates_than_the_window(method, assistan
     cropped from the end of the history. With ``none`` the output is plain greedy's."""
     model = tiny_model("llama")
     prompt = torch.cat([tokens(16)] * 3, dim=1)  # repeats, so that prompt lookup proposes candidates
-    extra = {"prompt_lookup_num_tokens": 12} if assistant == "prompt_lookup" else {
-        "assistant_model": tiny_model("llama", seed=1), "num_assistant_tokens": 12}
+    extra = (
+        {"prompt_lookup_num_tokens": 12}
+        if assistant == "prompt_lookup"
+        else {"assistant_model": tiny_model("llama", seed=1), "num_assistant_tokens": 12}
+    )
     cache = OscarCache(model, method, sink=4, recent=3, block=2)
     got = generate(model, prompt, cache, max_new_tokens=30, **extra)
     assert got.shape[1] == prompt.shape[1] + 30
@@ -257,8 +280,9 @@ def test_crop_takes_the_count_as_a_0d_tensor(method):
         cache.crop(count)
     assert lengths(caches[0]) == [25, 25] and all(type(n) is int for n in lengths(caches[0]))
     step = tokens(13, seed=2)
-    torch.testing.assert_close(forward(model, step, caches[0]).logits, forward(model, step, caches[1]).logits,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        forward(model, step, caches[0]).logits, forward(model, step, caches[1]).logits, rtol=0, atol=0
+    )
     with pytest.raises(TypeError):
         caches[0].crop(-2.0)
 

@@ -17,8 +17,11 @@ EXEMPT = ("eval/results/", "kernels/measurements/", ".ci/run", "tests/test_repos
 
 def leaks(path: str, text: str) -> list[str]:
     """``path:line: text`` of every line that names a machine's path or an outside document."""
-    return [f"{path}:{number}: {line.strip()[:120]}" for number, line in enumerate(text.splitlines(), 1)
-            if ABSOLUTE.search(line) or OUTSIDE.search(line)]  # fmt: skip
+    return [
+        f"{path}:{number}: {line.strip()[:120]}"
+        for number, line in enumerate(text.splitlines(), 1)
+        if ABSOLUTE.search(line) or OUTSIDE.search(line)
+    ]
 
 
 def test_tracked_files_name_no_machine_paths_or_outside_notes():
@@ -37,7 +40,9 @@ def test_tracked_files_name_no_machine_paths_or_outside_notes():
 
 def test_the_check_sees_a_leak():
     assert leaks("a.py", 'DATA = "/work/shared/data"\nnotes = "see oscar-reference.md"\nok = "$HOME/x"') == [
-        'a.py:1: DATA = "/work/shared/data"', 'a.py:2: notes = "see oscar-reference.md"']
+        'a.py:1: DATA = "/work/shared/data"',
+        'a.py:2: notes = "see oscar-reference.md"',
+    ]
     assert leaks("b.md", "python -m x --data-dir ../shared/data") and not leaks("c.md", "`oscar_hf/core/cache.py`")
 
 

@@ -98,8 +98,17 @@ def _per_head_set(kv_heads: int = 4, dim: int = 16) -> RotationSet:
     key = {i: torch.stack([_orthogonal(dim, 10 * i + h) for h in range(kv_heads)]) for i in (0, 2)}
     value = {i: torch.stack([_orthogonal(dim, 100 + 10 * i + h) for h in range(kv_heads)]) for i in (0, 2)}
     eigenvalues = {i: torch.rand(kv_heads, dim).sort().values for i in (0, 2)}
-    return RotationSet(dim, key, value, "per head", eigenvalues, dict(eigenvalues), key_clip={0: 0.9},
-                       key_bits={0: 4}, value_bits={2: 1})
+    return RotationSet(
+        dim,
+        key,
+        value,
+        "per head",
+        eigenvalues,
+        dict(eigenvalues),
+        key_clip={0: 0.9},
+        key_bits={0: 4},
+        value_bits={2: 1},
+    )
 
 
 def test_per_head_rotation_set_validates_every_head():
@@ -138,7 +147,9 @@ def test_select_kv_heads_and_as_per_head():
     assert shared.select_kv_heads(0, 1) is shared
     expanded = shared.as_per_head(3)
     assert expanded.value_bits == {1: 1}
-    assert expanded.kv_heads == 3 and all(torch.equal(expanded.key[i][h], shared.key[i]) for i in (0, 1) for h in range(3))
+    assert expanded.kv_heads == 3 and all(
+        torch.equal(expanded.key[i][h], shared.key[i]) for i in (0, 1) for h in range(3)
+    )
     with pytest.raises(ValueError, match="already has per-head rotations for 4"):
         rotations.as_per_head(3)
 

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "eval"))
 
 import soak  # noqa: E402
+
 import oscar_hf.core.quantize_jobs as quantize_jobs_module  # noqa: E402
 import oscar_hf.core.storage as storage_module  # noqa: E402
 from oscar_hf.core.layer import OscarLayer, StepPlan  # noqa: E402
@@ -28,7 +29,9 @@ def test_a_short_soak_passes_its_checks_and_writes_its_results(tmp_path):
         assert run["failures"] == [] and len(run["samples"]) == 3 and run["samples"][-1]["length"] == 324
         assert run["probes"] == (3 if method == "oscar-int2" else 0)  # one recall probe per check
     assert result["command"].endswith(" ".join(argv)) and result["machine"]["torch"]
-    assert (tmp_path / "soak.png").stat().st_size > 0 and "| oscar-int2 | frozen |" in (tmp_path / "soak.md").read_text()
+    assert (tmp_path / "soak.png").stat().st_size > 0 and "| oscar-int2 | frozen |" in (
+        tmp_path / "soak.md"
+    ).read_text()
 
 
 def _never_demote(monkeypatch):
@@ -56,12 +59,15 @@ def _overgrow_storage(monkeypatch):
     monkeypatch.setattr(storage_module, "_GROWTH", 3.0)
 
 
-@pytest.mark.parametrize(("break_it", "message"), [
-    (_never_demote, "demoted 0 rows"),
-    (_corrupt_history, "demoted rows read back"),
-    (_overgrow_storage, "more than growth allows"),
-    (_leak_each_steps_keys, "more Python objects"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (_never_demote, "demoted 0 rows"),
+        (_corrupt_history, "demoted rows read back"),
+        (_overgrow_storage, "more than growth allows"),
+        (_leak_each_steps_keys, "more Python objects"),
+    ],
+)
 def test_a_broken_invariant_is_caught(monkeypatch, break_it, message):
     break_it(monkeypatch)
     model = soak.tiny_model()

@@ -15,8 +15,8 @@ import torch
 
 import oscar_hf
 from oscar_hf import OscarCache
-from oscar_hf.core.compat import cache_keyword
 from oscar_hf.config import METHODS
+from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.storage import aligned_rows
 from tests.conftest import generate, tiny_model
@@ -160,10 +160,17 @@ def test_models_with_sliding_window_layers_decode_eagerly(static_steps):
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=512,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=512,
         layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
+    )
     model = Gemma3ForCausalLM(config).eval()
     model.set_attn_implementation("oscar")
     ids = prompts([30])[0][None]
@@ -209,8 +216,9 @@ def test_compiled_layers_in_the_static_step_keep_the_tokens(static_steps, fuse):
     want = generate(model, ids, OscarCache(model, "quarot-int2", **SMALL), max_new_tokens=10)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    got = fast(model, ids, OscarCache(model, "quarot-int2", **SMALL), compile=True, fuse_projections=fuse,
-               max_new_tokens=10)
+    got = fast(
+        model, ids, OscarCache(model, "quarot-int2", **SMALL), compile=True, fuse_projections=fuse, max_new_tokens=10
+    )
     assert torch.equal(got, want)
     assert static_steps["steps"] == 9
     assert "forward" not in model.model.layers[0].__dict__  # the eager layers are back
@@ -238,8 +246,13 @@ def test_every_compiled_graph_is_built_in_the_first_static_step(monkeypatch):
     torch._dynamo.utils.counters.clear()
     for batch in (1, 2):
         compiled_per_step.clear()
-        fast(model, prompts([30])[0][None].repeat(batch, 1), OscarCache(model, "quarot-int2", **SMALL), compile=True,
-             max_new_tokens=5)  # fmt: skip
+        fast(
+            model,
+            prompts([30])[0][None].repeat(batch, 1),
+            OscarCache(model, "quarot-int2", **SMALL),
+            compile=True,
+            max_new_tokens=5,
+        )
         assert compiled_per_step[0] > 0 and compiled_per_step[1:] == [0, 0, 0], (batch, compiled_per_step)
 
 
@@ -338,8 +351,9 @@ def test_plain_generate_on_gpu_replays_whole_steps(arch, max_cache_len, monkeypa
     ids, mask = left_pad(prompts([300, 290]))
     ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64)
     rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
-    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
-                    **options)  # fmt: skip
+    want = generate(
+        model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL), **options
+    )
     replays = count_replays(monkeypatch)
     for replayed_steps in (62, 63):  # of 63 one-token steps; a growing cache holds 4,096 history rows here
         cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=max_cache_len, **SMALL)
@@ -368,8 +382,9 @@ def test_a_cache_made_from_a_config_replays_each_layers_attention_on_gpu(arch):
     ids, mask = left_pad(prompts([300, 290]))
     ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64)
     rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
-    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
-                    **options)  # fmt: skip
+    want = generate(
+        model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL), **options
+    )
     cache = OscarCache(model.config, "oscar-int2", rotations=rotations, max_cache_len=400, **SMALL)
     assert torch.equal(generate(model, ids, cache, **options), want)
     calls = cache.static.replayed
@@ -384,8 +399,9 @@ def captured_and_eager(arch: str, dtype: torch.dtype, **options):
     ids, mask = left_pad(prompts([300, 290]))
     ids, options = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=64, **options)
     rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
-    want = generate(model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
-                    **options)  # fmt: skip
+    want = generate(
+        model, ids, OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL), **options
+    )
     cache = OscarCache(model, "oscar-int2", rotations=rotations, max_cache_len=400, **SMALL)
     return want, fast(model, ids, cache, capture=True, **options)
 
@@ -426,13 +442,22 @@ def test_static_greedy_with_per_layer_widths_is_token_identical_to_the_eager_cac
     rotations.key_bits.update({0: 4})
     rotations.value_bits.update({0: 1, 1: 1})
     ids, mask = left_pad(prompts([30, 26, 29]))
-    want = generate(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), attention_mask=mask,
-                    max_new_tokens=40)  # fmt: skip
+    want = generate(
+        tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL), attention_mask=mask, max_new_tokens=40
+    )
     cache = OscarCache(tiny, "oscar-int2", rotations=rotations, decode_graphs=True, **SMALL)
     got = generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
     assert torch.equal(got, want)
     assert static_steps["steps"] == 39 and cache.static is not None
     formats = sorted((d.format["bits"], len(d.sources)) for d in cache.static.demoters)
     assert formats == [(1, 2), (2, 1), (4, 1)]
-    assert torch.equal(fast(tiny, ids, OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL),
-                            attention_mask=mask, max_new_tokens=40), want)  # fmt: skip
+    assert torch.equal(
+        fast(
+            tiny,
+            ids,
+            OscarCache(tiny, "oscar-int2", rotations=rotations, **SMALL),
+            attention_mask=mask,
+            max_new_tokens=40,
+        ),
+        want,
+    )

@@ -44,20 +44,30 @@ def decoder_steps(monkeypatch):
 @pytest.mark.parametrize("method", ["quarot-int2", "int4"])
 def test_plain_generate_replays_steps_with_the_eager_cache_tokens(tiny, method, decoder_steps):
     ids, mask = left_pad(prompts([30, 26, 29]))
-    want = generate(tiny, ids, OscarCache(tiny, method, decode_graphs=False, **SMALL), attention_mask=mask,
-                    max_new_tokens=40)
+    want = generate(
+        tiny, ids, OscarCache(tiny, method, decode_graphs=False, **SMALL), attention_mask=mask, max_new_tokens=40
+    )
     cache = OscarCache(tiny, method, decode_graphs="step", **SMALL)
     got = generate(tiny, ids, cache, attention_mask=mask, max_new_tokens=40)
     assert torch.equal(got, want)
     # the prefill runs eagerly, every one-token step through the decoder the cache was made with
     assert decoder_steps["steps"] == 39 and isinstance(cache.step_decoder, StaticDecoder)
     # a second call continues from the cache: its longer chunk thaws it, its one-token steps replay again
-    more = generate(tiny, got, cache, attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:])], 1),
-                    max_new_tokens=6)
+    more = generate(
+        tiny, got, cache, attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1] :])], 1), max_new_tokens=6
+    )
     reference = OscarCache(tiny, method, decode_graphs=False, **SMALL)
     generate(tiny, ids, reference, attention_mask=mask, max_new_tokens=40)
-    assert torch.equal(more, generate(tiny, got, reference, max_new_tokens=6,
-                                      attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:])], 1)))
+    assert torch.equal(
+        more,
+        generate(
+            tiny,
+            got,
+            reference,
+            max_new_tokens=6,
+            attention_mask=torch.cat([mask, torch.ones_like(got[:, ids.shape[1] :])], 1),
+        ),
+    )
 
 
 def test_a_growing_cache_freezes_again_when_full(tiny, monkeypatch, decoder_steps):
@@ -84,8 +94,13 @@ def test_sampling_and_logits_processors_see_every_step(tiny):
     torch.manual_seed(7)
     want = generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL), **options)
     torch.manual_seed(7)
-    got = generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL),
-                   logits_processor=LogitsProcessorList([Count()]), **options)
+    got = generate(
+        tiny,
+        ids,
+        OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL),
+        logits_processor=LogitsProcessorList([Count()]),
+        **options,
+    )
     assert torch.equal(got, want) and Count.calls == 30
 
 
@@ -95,12 +110,15 @@ def test_other_caches_and_models_are_not_routed(tiny):
     generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs="step", **SMALL), max_new_tokens=8)
     assert getattr(tiny.forward, "routes_decode_steps", False)
     sdpa = tiny_model("llama" if tiny.config.model_type == "llama" else "qwen3", attn="sdpa")
-    assert torch.equal(generate(tiny, ids, DynamicCache(config=tiny.config), max_new_tokens=8),
-                       generate(sdpa, ids, DynamicCache(config=sdpa.config), max_new_tokens=8))
+    assert torch.equal(
+        generate(tiny, ids, DynamicCache(config=tiny.config), max_new_tokens=8),
+        generate(sdpa, ids, DynamicCache(config=sdpa.config), max_new_tokens=8),
+    )
     fresh = OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL)
-    assert torch.equal(generate(tiny, ids, fresh, max_new_tokens=8),
-                       generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL),
-                                max_new_tokens=8))
+    assert torch.equal(
+        generate(tiny, ids, fresh, max_new_tokens=8),
+        generate(tiny, ids, OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL), max_new_tokens=8),
+    )
     assert fresh.step_decoder is None
 
 

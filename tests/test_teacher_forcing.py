@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet
-from oscar_hf.core.layer import OscarLayer
 from oscar_hf.calibration.teacher_forcing import history_lengths, teacher_forced_logits
+from oscar_hf.core.layer import OscarLayer
 from tests.conftest import forward
 
 SMALL = dict(sink=4, recent=8, block=2)
@@ -48,8 +48,9 @@ def test_matches_prefill_then_step_by_step_decoding(tiny, method, prefill):
     cache = OscarCache(tiny, method, rotations=rotations, **SMALL)
     real = [forward(tiny, ids[:, :prefill], cache).logits[:, -1:]]
     real += [forward(tiny, ids[:, i : i + 1], cache).logits for i in range(prefill, ids.shape[1])]
-    one_pass = teacher_forced_logits(tiny, ids, OscarCache(tiny, method, rotations=rotations, **SMALL), prefill,
-                                     logits_to_keep=answer)  # fmt: skip
+    one_pass = teacher_forced_logits(
+        tiny, ids, OscarCache(tiny, method, rotations=rotations, **SMALL), prefill, logits_to_keep=answer
+    )
     torch.testing.assert_close(one_pass, torch.cat(real, dim=1), atol=2e-5, rtol=2e-5)
     assert tiny.config._attn_implementation == "oscar"
 

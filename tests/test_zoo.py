@@ -17,18 +17,28 @@ from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from oscar_hf import OscarCache
 from oscar_hf.model_info import full_attention_layer_ids
-from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
-from oscar_hf.rotations.rotation_set import RotationSet
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
 from oscar_hf.rotations.hub import RotationsNotFoundError, load_rotations, push_rotations_to_hub
 from oscar_hf.rotations.official import OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE, convert_official, load_official
-from oscar_hf.rotations.resolve import ROTATION_ZOO, resolve_rotations
+from oscar_hf.rotations.resolve import (
+    DEFAULT_PAPER_ROTATIONS,
+    DEFAULT_ROTATIONS,
+    ROTATION_ZOO,
+    bundled_rotations_dir,
+    resolve_rotations,
+)
+from oscar_hf.rotations.rotation_set import RotationSet
 from tests.conftest import forward
 
 HEAD_DIM = 16
 TINY_LLAMA = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=HEAD_DIM,
 )
 QWEN_FOLDER = "Qwen3-8B/seq20000_prompt83_group128"
 
@@ -76,16 +86,21 @@ def official_layers(layer_ids, head_dim=HEAD_DIM, seed=0, str_keys=False, eigenv
     return layers
 
 
-def write_official(directory: Path, layer_ids=(0, 1), head_dim=HEAD_DIM, str_keys=False, eigenvalues=True,
-                   value_layer_ids=None) -> Path:
+def write_official(
+    directory: Path, layer_ids=(0, 1), head_dim=HEAD_DIM, str_keys=False, eigenvalues=True, value_layer_ids=None
+) -> Path:
     """A folder in the exact RotationZoo format."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, objective, ids, seed in (
         (OFFICIAL_KEY_FILE, "qqt_r_h_pbr", layer_ids, 0),
         (OFFICIAL_VALUE_FILE, "sst_r_h_pbr", value_layer_ids or layer_ids, 100),
     ):
-        data = {"format_version": 1, "objective": objective, "source_grouping": "layer",
-                "layers": official_layers(ids, head_dim, seed, str_keys, eigenvalues)}
+        data = {
+            "format_version": 1,
+            "objective": objective,
+            "source_grouping": "layer",
+            "layers": official_layers(ids, head_dim, seed, str_keys, eigenvalues),
+        }
         torch.save(data, directory / name)
     return directory
 
@@ -229,8 +244,11 @@ def test_the_widths_base_method_is_recorded_and_read_back(tmp_path) -> None:
 def test_bit_width_tensors_must_be_one_supported_whole_number(tmp_path) -> None:
     out = save_rotations(rotation_set(clips=False), tmp_path)
     tensors = load_file(str(out / TENSORS_FILE))
-    for bad, message in ((torch.tensor([1.5]), "whole bit width"), (torch.tensor([4.0, 1.0]), "whole bit width"),
-                         (torch.tensor([8.0]), r"one of \(1, 2, 3, 4\)")):  # fmt: skip
+    for bad, message in (
+        (torch.tensor([1.5]), "whole bit width"),
+        (torch.tensor([4.0, 1.0]), "whole bit width"),
+        (torch.tensor([8.0]), r"one of \(1, 2, 3, 4\)"),
+    ):
         save_file({**tensors, "layers.0.key_bits": bad}, str(out / TENSORS_FILE))
         with pytest.raises(ValueError, match=message):
             load_rotations(out)
@@ -281,8 +299,12 @@ def test_convert_official_round_trip(tmp_path, str_keys) -> None:
 def test_other_objectives_and_identity_files(tmp_path) -> None:
     folder = tmp_path / "identity"
     folder.mkdir()
-    eye = {"format_version": "identity-v1", "objective": "hadamard", "source_grouping": "layer",
-           "layers": {0: {"layer_id": 0, "rotation": torch.eye(HEAD_DIM)}}}
+    eye = {
+        "format_version": "identity-v1",
+        "objective": "hadamard",
+        "source_grouping": "layer",
+        "layers": {0: {"layer_id": 0, "rotation": torch.eye(HEAD_DIM)}},
+    }
     torch.save(eye, folder / "k_rotation_hadamard.pt")
     torch.save(eye, folder / "v_rotation_hadamard.pt")
     assert torch.equal(load_official(folder).key[0], torch.eye(HEAD_DIM))
@@ -479,8 +501,11 @@ def test_from_zoo_rejects_mismatched_rotations(tmp_path) -> None:
     model = tiny_llama("someone/tiny")
     with pytest.raises(ValueError, match="head_dim=32 but someone/tiny has head_dim=16"):
         OscarCache.from_zoo(model, save_rotations(rotation_set(head_dim=32), tmp_path / "a"))
-    with pytest.raises(ValueError, match=r"cover layers \[0-2\] but the full-attention layers of someone/tiny "
-                                         r"are \[0, 1\] \(extra \[2\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cover layers \[0-2\] but the full-attention layers of someone/tiny "
+        r"are \[0, 1\] \(extra \[2\]\)",
+    ):
         OscarCache.from_zoo(model, save_rotations(rotation_set((0, 1, 2), clips=False), tmp_path / "b"))
     with pytest.raises(ValueError, match=r"missing \[1\]"):
         resolve_rotations(model, rotation_set((0,)))
@@ -488,8 +513,14 @@ def test_from_zoo_rejects_mismatched_rotations(tmp_path) -> None:
 
 def test_layer_types_select_the_full_attention_layers(tmp_path) -> None:
     config = Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=HEAD_DIM, num_hidden_layers=4, sliding_window=4,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=4,
+        sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     )
     assert full_attention_layer_ids(config) == [1, 3]
@@ -510,8 +541,11 @@ def test_from_zoo_derives_the_rotation_zoo_folder(fake_zoo) -> None:
 
 def test_from_zoo_with_several_calibrations(fake_zoo) -> None:
     model = tiny_llama("Qwen/Qwen3-4B")
-    with pytest.raises(ValueError, match=r"several calibrations for Qwen3-4B: \['seq20000_prompt83_group128', "
-                                         r"'seq5000_prompt20_group64'\]; pick one with calibration="):
+    with pytest.raises(
+        ValueError,
+        match=r"several calibrations for Qwen3-4B: \['seq20000_prompt83_group128', "
+        r"'seq5000_prompt20_group64'\]; pick one with calibration=",
+    ):
         OscarCache.from_zoo(model, ROTATION_ZOO)
     cache = OscarCache.from_zoo(model, ROTATION_ZOO, calibration="seq5000_prompt20_group64")
     assert_same(cache.rotations, load_official(fake_zoo.repo_root / "Qwen3-4B" / "seq5000_prompt20_group64"))
@@ -521,8 +555,11 @@ def test_from_zoo_with_several_calibrations(fake_zoo) -> None:
 def test_from_zoo_model_missing_from_the_zoo_lists_what_is_there(fake_zoo, monkeypatch) -> None:
     files = [p.relative_to(fake_zoo.repo_root).as_posix() for p in fake_zoo.repo_root.rglob("*") if p.is_file()]
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda: SimpleNamespace(list_repo_files=lambda repo, revision: files))
-    with pytest.raises(ValueError, match=r"no rotations for 'Llama-3-8B'.*Qwen3-4B/seq5000_prompt20_group64.*"
-                                         r"Qwen3-8B/seq20000_prompt83_group128"):
+    with pytest.raises(
+        ValueError,
+        match=r"no rotations for 'Llama-3-8B'.*Qwen3-4B/seq5000_prompt20_group64.*"
+        r"Qwen3-8B/seq20000_prompt83_group128",
+    ):
         resolve_rotations(tiny_llama("meta/Llama-3-8B"), ROTATION_ZOO)
     with pytest.raises(ValueError, match="no name_or_path"):
         resolve_rotations(tiny_llama(""), ROTATION_ZOO)
@@ -539,20 +576,28 @@ def test_from_zoo_with_a_local_copy_of_the_zoo(tmp_path) -> None:
 
 
 def test_default_without_a_bundled_set_explains_what_to_do() -> None:
-    with pytest.raises(ValueError, match=r"no rotations are bundled.*smollm2-135m-instruct \(for "
-                                         r"HuggingFaceTB/SmolLM2-135M-Instruct\).*oscar-hf calibrate"):
+    with pytest.raises(
+        ValueError,
+        match=r"no rotations are bundled.*smollm2-135m-instruct \(for "
+        r"HuggingFaceTB/SmolLM2-135M-Instruct\).*oscar-hf calibrate",
+    ):
         OscarCache.from_zoo(tiny_llama("someone/tiny"))
     with pytest.raises(ValueError, match="not to 'default'"):
         resolve_rotations(tiny_llama(), "default", subfolder="x")
 
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-
-
-@pytest.mark.parametrize(
-    "name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "models/SmolLM2-135M-Instruct.Q4_1-0123"]
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
 )
+
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "models/SmolLM2-135M-Instruct.Q4_1-0123"])
 def test_default_matches_the_bundled_set_by_name_or_signature(name) -> None:
     config = LlamaConfig(**SMOLLM2)  # a config only: no weights are built
     config._name_or_path = name
@@ -599,10 +644,20 @@ def write_official_per_head(directory: Path, layer_ids=(0, 1), kv_heads: int = K
     for kind, seed in (("k", 0), ("v", 500)):
         if kind not in which:
             continue
-        layers = {i: {"layer_id": i, "rotation": torch.stack([orthogonal(seed=seed + 10 * i + h) for h in range(kv_heads)]),
-                      "eigenvalues": torch.rand(kv_heads, HEAD_DIM).sort().values} for i in layer_ids}
-        data = {"format_version": 2, "objective": f"{'qqt' if kind == 'k' else 'sst'}_perhead",
-                "source_grouping": "per_kv_head", "layers": layers}
+        layers = {
+            i: {
+                "layer_id": i,
+                "rotation": torch.stack([orthogonal(seed=seed + 10 * i + h) for h in range(kv_heads)]),
+                "eigenvalues": torch.rand(kv_heads, HEAD_DIM).sort().values,
+            }
+            for i in layer_ids
+        }
+        data = {
+            "format_version": 2,
+            "objective": f"{'qqt' if kind == 'k' else 'sst'}_perhead",
+            "source_grouping": "per_kv_head",
+            "layers": layers,
+        }
         torch.save(data, directory / f"{kind}_rotation_perhead.pt")
     return directory
 
@@ -703,7 +758,9 @@ def test_the_default_recipe_takes_the_clip_searched_set_and_the_paper_recipe_its
     # The bundled default also moves bits between layers: K at 4 bits in 6, V at 1 bit in 12.
     assert sorted(searched.key_bits.values()) == [4] * 6 and sorted(searched.value_bits.values()) == [1] * 12
     assert best.layers[17].config.key.bits == 4 and best.layers[9].config.value.bits == 1
-    assert {layer.config.key.bits for layer in paper.layers} == {2} == {layer.config.value.bits for layer in paper.layers}
+    assert (
+        {layer.config.key.bits for layer in paper.layers} == {2} == {layer.config.value.bits for layer in paper.layers}
+    )
     for i in (0, 1):
         assert torch.equal(best.layers[i].key_rotation, searched.key[i])
         assert best.layers[i].config.key.clip_ratio == searched.key_clip[i]
@@ -716,8 +773,11 @@ def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations(
     searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
     paper = OscarCache(smollm2_config(), "oscar-int2-paper", rotations=searched)
     assert {(layer.config.key.clip_ratio, layer.config.value.clip_ratio) for layer in paper.layers} == {(0.96, 0.92)}
-    per_head = RotationSet(64, {i: searched.key[i].expand(3, 64, 64) for i in range(30)},
-                           {i: searched.value[i].expand(3, 64, 64) for i in range(30)})  # fmt: skip
+    per_head = RotationSet(
+        64,
+        {i: searched.key[i].expand(3, 64, 64) for i in range(30)},
+        {i: searched.value[i].expand(3, 64, 64) for i in range(30)},
+    )
     with pytest.raises(ValueError, match="one rotation per layer.*per KV head"):
         OscarCache(smollm2_config(), "oscar-int2-paper", rotations=per_head)
     OscarCache(smollm2_config(), "oscar-int2", rotations=per_head)  # the best recipe takes either
@@ -746,15 +806,20 @@ def test_oscar_k3v2_takes_its_own_bundled_set() -> None:
 
 
 def test_a_method_takes_the_bundled_set_allocated_against_its_own_widths(tmp_path, monkeypatch) -> None:
-    import oscar_hf.rotations.resolve as resolve
-
     from dataclasses import replace
 
+    import oscar_hf.rotations.resolve as resolve
+
     searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
-    metadata = {k: v for k, v in load_rotation_config(bundled_rotations_dir(DEFAULT_ROTATIONS)).items()
-                if k in ("model_id", "model_signature", "clip")}
+    metadata = {
+        k: v
+        for k, v in load_rotation_config(bundled_rotations_dir(DEFAULT_ROTATIONS)).items()
+        if k in ("model_id", "model_signature", "clip")
+    }
     # K3 -> K4 in one layer paid by V2 -> V1 in one: oscar-k3v2's history bits
-    save_rotations(replace(searched, key_bits={17: 4}, value_bits={9: 1}, base_bits=(3, 2)), tmp_path / "k3v2", metadata)
+    save_rotations(
+        replace(searched, key_bits={17: 4}, value_bits={9: 1}, base_bits=(3, 2)), tmp_path / "k3v2", metadata
+    )
     shutil.copytree(bundled_rotations_dir(DEFAULT_ROTATIONS), tmp_path / "two-bit")
     shutil.copytree(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS), tmp_path / "paper")
     monkeypatch.setattr(resolve, "_BUNDLED_ROOT", tmp_path)

@@ -20,9 +20,9 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 from oscar_hf import OscarCache, OscarLayer, RotationSet
 from oscar_hf.calibration.absorption import absorb_value_rotations
 from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
-
-from .models import (attention_device)
 from oscar_hf.model_info import head_dim_of, text_config_of
+
+from .models import attention_device
 from .timing import tensor_bytes
 
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method
@@ -34,8 +34,9 @@ def attention_for(cache_name: str) -> str:
     return "sdpa" if cache_name in BF16_CACHES else "oscar"
 
 
-def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations: RotationSet | None,
-               preallocate: bool = False):  # fmt: skip
+def make_cache(
+    cache_name: str, model: PreTrainedModel, max_len: int, rotations: RotationSet | None, preallocate: bool = False
+):
     """``dynamic`` / ``static`` (transformers, BF16) or an OscarCache method (``oscar-int2``, ``quarot-int2``...).
 
     ``preallocate``: an OscarCache allocates its history for ``max_len`` tokens at once (static decoding).
@@ -48,8 +49,9 @@ def make_cache(cache_name: str, model: PreTrainedModel, max_len: int, rotations:
     for suffix, value in DECODE_GRAPHS_SUFFIXES.items():
         if cache_name.endswith(suffix):
             method, decode_graphs = cache_name.removesuffix(suffix), value
-    return OscarCache(model, method, rotations=rotations, max_cache_len=max_len if preallocate else None,
-                      decode_graphs=decode_graphs)
+    return OscarCache(
+        model, method, rotations=rotations, max_cache_len=max_len if preallocate else None, decode_graphs=decode_graphs
+    )
 
 
 @contextlib.contextmanager

@@ -46,9 +46,13 @@ def add_speedups(rows: list[dict], keys: tuple[str, ...], baseline: dict[str, An
 
     ``metrics`` maps a metric to whether higher is better (throughput) or not (time).
     """
+
     def is_base(candidate: dict, row: dict) -> bool:
-        return (candidate.get("status") == "ok" and all(candidate.get(k) == row.get(k) for k in keys)
-                and all(candidate.get(k) == v for k, v in baseline.items()))  # fmt: skip
+        return (
+            candidate.get("status") == "ok"
+            and all(candidate.get(k) == row.get(k) for k in keys)
+            and all(candidate.get(k) == v for k, v in baseline.items())
+        )
 
     for row in rows:
         base = next((r for r in rows if is_base(r, row)), None)
@@ -64,8 +68,9 @@ def median_round(results: list[dict], key: str = "tokens_per_s", higher_is_faste
     """One row from rounds of the same case: the round of median ``key`` (the slower middle one of an
     even count), with every round's value as ``<key>_rounds`` (a failed round is the row if no round
     succeeded; rows without a status count as succeeded)."""
-    done = sorted((r for r in results if r.get("status", "ok") == "ok"),
-                  key=lambda r: r[key] if higher_is_faster else -r[key])  # fmt: skip
+    done = sorted(
+        (r for r in results if r.get("status", "ok") == "ok"), key=lambda r: r[key] if higher_is_faster else -r[key]
+    )
     if len(results) == 1 or not done:
         return results[0]
     return {**done[(len(done) - 1) // 2], f"{key}_rounds": [r.get(key) for r in results]}

@@ -20,8 +20,9 @@ from .timing import elapsed_ms, median, model_devices, synchronize
 DECODE_DEFAULTS = {"new_tokens": 32, "repeats": 3, "warmup_steps": 3, "steps": 16, "fill_chunk_rows": 65536}
 
 
-def generate(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, runner: Callable | None = None,
-             **options) -> torch.Tensor:  # fmt: skip
+def generate(
+    model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, runner: Callable | None = None, **options
+) -> torch.Tensor:
     """Greedy decoding of exactly ``new_tokens``; a filled cache makes generate run only the uncached tokens.
 
     ``runner`` is ``model.generate`` by default (or e.g. ``oscar_hf.generate`` bound to the model);
@@ -32,9 +33,14 @@ def generate(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens:
     options.setdefault("disable_compile", True)
     with torch.no_grad():
         return (runner or model.generate)(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, **{cache_keyword(model): cache}, **options,
-        )  # fmt: skip
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **{cache_keyword(model): cache},
+            **options,
+        )
 
 
 def generate_ms(model: PreTrainedModel, cache, input_ids: torch.Tensor, new_tokens: int, **options) -> float:
@@ -55,8 +61,9 @@ def decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: 
     def step() -> None:
         nonlocal token
         mask = torch.ones(batch, cache.get_seq_length() + 1, dtype=torch.long, device=device)
-        logits = model(token, attention_mask=mask, **{cache_keyword(model): cache}, use_cache=True,
-                       logits_to_keep=1).logits  # fmt: skip
+        logits = model(
+            token, attention_mask=mask, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1
+        ).logits
         token = logits[:, -1:].argmax(-1).to(device)
 
     with torch.no_grad():
@@ -67,8 +74,9 @@ def decode_steps(model: PreTrainedModel, cache, batch: int, warmup: int, steps: 
     return times
 
 
-def first_and_second_calls(model: PreTrainedModel, filled: Callable[[], Any], input_ids: torch.Tensor,
-                           call_tokens: list[int]) -> dict[str, float]:  # fmt: skip
+def first_and_second_calls(
+    model: PreTrainedModel, filled: Callable[[], Any], input_ids: torch.Tensor, call_tokens: list[int]
+) -> dict[str, float]:
     """tokens/s of a first and a second ``generate`` call of each length in ``call_tokens``, each on a
     fresh cache from ``filled()``: the first call of these shapes pays what is set up once (compiling,
     capturing), the second what every later call pays. Run before anything else of these shapes.

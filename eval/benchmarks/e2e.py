@@ -39,8 +39,11 @@ def prefill_case(model: PreTrainedModel, cache_name: str, context: int, batch: i
     for _ in range(run["warmup"]):
         once()
     times = [once() for _ in range(run["repeats"])]
-    return {"prefill_ms": median(times), "prefill_tokens_per_s": batch * context * 1e3 / median(times),
-            "prefill_ms_all": times}  # fmt: skip
+    return {
+        "prefill_ms": median(times),
+        "prefill_tokens_per_s": batch * context * 1e3 / median(times),
+        "prefill_ms_all": times,
+    }
 
 
 def short_generations_case(model: PreTrainedModel, cache_name: str, run: dict, rotations) -> dict:
@@ -58,12 +61,16 @@ def short_generations_case(model: PreTrainedModel, cache_name: str, run: dict, r
             for ids in prompts:
                 cache = make_cache(cache_name, model, ids.shape[1] + run["new_tokens"] + 8, rotations)
                 generate(model, cache, ids, run["new_tokens"])
+
         return elapsed_ms(once, model_devices(model))
 
     first = all_prompts()
     wall = all_prompts() if cache_name in run.get("second_round", []) else first
-    return {"short_first_round_s": first / 1e3, "short_wall_s": wall / 1e3,
-            "short_tokens_per_s": run["prompts"] * run["new_tokens"] * 1e3 / wall}  # fmt: skip
+    return {
+        "short_first_round_s": first / 1e3,
+        "short_wall_s": wall / 1e3,
+        "short_tokens_per_s": run["prompts"] * run["new_tokens"] * 1e3 / wall,
+    }
 
 
 def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
@@ -76,30 +83,54 @@ def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     rotations = model_rotations(model, config)
     run, rows = config["decode"], []
     rounds = run.get("rounds", 1)
-    grid = [(c, b, r, k) for c in config["contexts"] for b in config["batches"] for r in range(rounds)
-            for k in config["caches"]]  # fmt: skip
+    grid = [
+        (c, b, r, k)
+        for c in config["contexts"]
+        for b in config["batches"]
+        for r in range(rounds)
+        for k in config["caches"]
+    ]
     measured: dict[tuple, list[dict]] = {}
     for context, batch, _, cache_name in tqdm(grid, desc=f"e2e {name}"):
+
         def measure() -> dict:
             ids = random_tokens(model, batch, context + 1)
             fill = synthetic_fill(model, batch, context, run["fill_chunk_rows"])
             with model_for(model, cache_name, rotations) as method:
                 return decode_case(model, method, fill, ids, run, rotations)
 
-        measured.setdefault((context, batch, cache_name), []).append(guarded(
-            {"part": "decode", "model": name, "context": context, "batch": batch, "cache": cache_name}, measure))
+        measured.setdefault((context, batch, cache_name), []).append(
+            guarded({"part": "decode", "model": name, "context": context, "batch": batch, "cache": cache_name}, measure)
+        )
     rows += [median_round(results) for results in measured.values()]
     short = config.get("short_generations")
     for cache_name in tqdm(short["caches"] if short else [], desc=f"short generations {name}"):
-        rows.append(guarded({"part": "short", "model": name, "cache": cache_name, "prompts": short["prompts"],
-                             "new_tokens": short["new_tokens"]},
-                            lambda: short_generations_case(model, cache_name, short, rotations)))  # fmt: skip
+        rows.append(
+            guarded(
+                {
+                    "part": "short",
+                    "model": name,
+                    "cache": cache_name,
+                    "prompts": short["prompts"],
+                    "new_tokens": short["new_tokens"],
+                },
+                lambda: short_generations_case(model, cache_name, short, rotations),
+            )
+        )
     prefill = config["prefill"]
     for cache_name in tqdm(prefill["caches"], desc=f"prefill {name}"):
-        rows.append(guarded({"part": "prefill", "model": name, "context": prefill["context"],
-                             "batch": prefill["batch"], "cache": cache_name},
-                            lambda: prefill_case(model, cache_name, prefill["context"], prefill["batch"], prefill,
-                                                 rotations)))  # fmt: skip
+        rows.append(
+            guarded(
+                {
+                    "part": "prefill",
+                    "model": name,
+                    "context": prefill["context"],
+                    "batch": prefill["batch"],
+                    "cache": cache_name,
+                },
+                lambda: prefill_case(model, cache_name, prefill["context"], prefill["batch"], prefill, rotations),
+            )
+        )
     return rows
 
 
@@ -113,42 +144,66 @@ def bench_e2e(config: dict) -> list[dict]:
 
 
 E2E_COLUMNS: list[Column] = [
-    ("model", "model", ""), ("context", "context", ""), ("batch", "batch", ""), ("cache", "cache", ""),
-    ("tokens/s (generate)", "tokens_per_s", ".1f"), ("median step ms", "step_ms", ".2f"),
-    ("speedup vs Dynamic", "speedup_tokens_per_s", ".2f"), ("KV GiB", "kv_bytes", "GiB"),
-    ("roofline ms", "roofline_ms", ".2f"), ("step / roofline", "step_over_roofline", ".1f"),
-]  # fmt: skip
+    ("model", "model", ""),
+    ("context", "context", ""),
+    ("batch", "batch", ""),
+    ("cache", "cache", ""),
+    ("tokens/s (generate)", "tokens_per_s", ".1f"),
+    ("median step ms", "step_ms", ".2f"),
+    ("speedup vs Dynamic", "speedup_tokens_per_s", ".2f"),
+    ("KV GiB", "kv_bytes", "GiB"),
+    ("roofline ms", "roofline_ms", ".2f"),
+    ("step / roofline", "step_over_roofline", ".1f"),
+]
 
 
 PREFILL_COLUMNS: list[Column] = [
-    ("model", "model", ""), ("context", "context", ""), ("batch", "batch", ""), ("cache", "cache", ""),
-    ("prefill ms", "prefill_ms", ".1f"), ("tokens/s", "prefill_tokens_per_s", ".0f"),
+    ("model", "model", ""),
+    ("context", "context", ""),
+    ("batch", "batch", ""),
+    ("cache", "cache", ""),
+    ("prefill ms", "prefill_ms", ".1f"),
+    ("tokens/s", "prefill_tokens_per_s", ".0f"),
     ("speedup vs Dynamic", "speedup_prefill_ms", ".2f"),
-]  # fmt: skip
+]
 
 
 def call_columns(call_tokens: list[int]) -> list[Column]:
     """tokens/s of a first and a second ``generate`` call per length (:func:`first_and_second_calls`)."""
-    return [(f"tokens/s {n} new, {which} call", f"call{n}_{which}_tokens_per_s", ".1f")
-            for n in call_tokens for which in ("first", "second")]  # fmt: skip
+    return [
+        (f"tokens/s {n} new, {which} call", f"call{n}_{which}_tokens_per_s", ".1f")
+        for n in call_tokens
+        for which in ("first", "second")
+    ]
 
 
 SHORT_COLUMNS: list[Column] = [
-    ("model", "model", ""), ("cache", "cache", ""), ("prompts", "prompts", ""), ("new tokens each", "new_tokens", ""),
-    ("first round s", "short_first_round_s", ".1f"), ("wall time s (a later round)", "short_wall_s", ".1f"),
+    ("model", "model", ""),
+    ("cache", "cache", ""),
+    ("prompts", "prompts", ""),
+    ("new tokens each", "new_tokens", ""),
+    ("first round s", "short_first_round_s", ".1f"),
+    ("wall time s (a later round)", "short_wall_s", ".1f"),
     ("tokens/s", "short_tokens_per_s", ".1f"),
-]  # fmt: skip
+]
 
 
 def e2e_markdown(result: dict) -> str:
     cases = result["cases"]
     columns = E2E_COLUMNS + call_columns(result["config"]["decode"].get("call_new_tokens", []))
     short = [r for r in cases if r.get("part") == "short"]
-    return ("Decoding\n\n" + table([r for r in cases if r.get("part") == "decode"], columns)
-            + ("\n\nShort generations (a fresh cache and a real prefill each, as lm-eval's generation tasks run)\n\n"
-               + table(short, SHORT_COLUMNS) if short else "")
-            + "\n\nPrefill (real forward, quantize-on-write included)\n\n"
-            + table([r for r in cases if r.get("part") == "prefill"], PREFILL_COLUMNS))  # fmt: skip
+    return (
+        "Decoding\n\n"
+        + table([r for r in cases if r.get("part") == "decode"], columns)
+        + (
+            "\n\nShort generations (a fresh cache and a real prefill each, as lm-eval's generation tasks run)\n\n"
+            + table(short, SHORT_COLUMNS)
+            if short
+            else ""
+        )
+        + "\n\nPrefill (real forward, quantize-on-write included)\n\n"
+        + table([r for r in cases if r.get("part") == "prefill"], PREFILL_COLUMNS)
+    )
 
 
 def e2e_plot(result: dict, path: Path) -> None:
@@ -161,17 +216,26 @@ def e2e_plot(result: dict, path: Path) -> None:
     if not groups:
         no_data(axes[0][0])
     else:
-        bars(axes[0][0], [f"{m} {short_tokens(c)} b{b}" for m, c, b in groups],
-              {k: [value.get((*g, k)) for g in groups] for k in caches}, "decode tokens/s")  # fmt: skip
+        bars(
+            axes[0][0],
+            [f"{m} {short_tokens(c)} b{b}" for m, c, b in groups],
+            {k: [value.get((*g, k)) for g in groups] for k in caches},
+            "decode tokens/s",
+        )
         axes[0][0].set_title("end-to-end decoding (random weights, synthetic context)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 DEFAULTS = {
-    "device": "cuda", "dtype": "bfloat16", "seed": 0, "models": ["qwen3-4b", "qwen3-8b"],
-    "contexts": [32768, 65536, 100000], "batches": [1, 8], "caches": ["dynamic", "static", "oscar-int2"],
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "seed": 0,
+    "models": ["qwen3-4b", "qwen3-8b"],
+    "contexts": [32768, 65536, 100000],
+    "batches": [1, 8],
+    "caches": ["dynamic", "static", "oscar-int2"],
     "decode": DECODE_DEFAULTS,
     "prefill": {"context": 32768, "batch": 1, "warmup": 1, "repeats": 3, "caches": ["dynamic", "oscar-int2"]},
-}  # fmt: skip
+}
 BENCHMARK = Benchmark(bench_e2e, e2e_markdown, e2e_plot, DEFAULTS)

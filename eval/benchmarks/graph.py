@@ -23,13 +23,13 @@ from transformers import PreTrainedModel
 import oscar_hf
 from oscar_hf import RotationSet, StaticDecoder
 from oscar_hf.core.compat import cache_keyword
+from oscar_hf.model_info import head_dim_of, text_config_of
 
 from . import Benchmark
 from .caches import attention_for, fill_cache, kv_bytes, make_cache, model_for, synthetic_fill
 from .cases import add_speedups, free_memory, guarded
 from .decoding import DECODE_DEFAULTS, decode_steps, generate_ms, roofline
-from .models import (DTYPES, input_device, model_cases, model_rotations, random_tokens)
-from oscar_hf.model_info import head_dim_of, text_config_of
+from .models import DTYPES, input_device, model_cases, model_rotations, random_tokens
 from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import elapsed_ms, median, model_devices, synchronize
 
@@ -44,8 +44,10 @@ def graph_variant(cache_name: str) -> tuple[str, bool, dict]:
     base, graph, rest = cache_name.partition(GRAPH_SUFFIX)
     compiled, fused = rest.removesuffix(FUSED_SUFFIX), rest.endswith(FUSED_SUFFIX)
     if compiled and compiled not in COMPILE_SUFFIXES:
-        raise ValueError(f"cache {cache_name!r}: after {GRAPH_SUFFIX!r} comes nothing or one of "
-                         f"{list(COMPILE_SUFFIXES)}, then optionally {FUSED_SUFFIX!r}")
+        raise ValueError(
+            f"cache {cache_name!r}: after {GRAPH_SUFFIX!r} comes nothing or one of "
+            f"{list(COMPILE_SUFFIXES)}, then optionally {FUSED_SUFFIX!r}"
+        )
     return base, bool(graph), {"compile": COMPILE_SUFFIXES.get(compiled, False), "fuse_projections": fused}
 
 
@@ -80,8 +82,16 @@ def graph_decode_steps(model: PreTrainedModel, decoder: StaticDecoder, batch: in
     return {"step_ms_all": times, "captured": captured}
 
 
-def graph_case(model: PreTrainedModel, method: str, captured: bool, options: dict, context: int, batch: int,
-               run: dict, rotations: RotationSet | None) -> dict:  # fmt: skip
+def graph_case(
+    model: PreTrainedModel,
+    method: str,
+    captured: bool,
+    options: dict,
+    context: int,
+    batch: int,
+    run: dict,
+    rotations: RotationSet | None,
+) -> dict:
     """One cache's median decode step over a synthetic ``context`` (and generate tokens/s where cheap)."""
     capacity = context + run["warmup_steps"] + run["steps"] + run["new_tokens"] + 16
     model.set_attn_implementation(attention_for(method))
@@ -139,12 +149,17 @@ def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: 
     step_ms = (median(times[long]) - median(times[short])) / (long - short)
     cache_bytes = 2 * text_config_of(model).num_hidden_layers * batch * text_config_of(model).num_key_value_heads
     cache_bytes *= capacity * head_dim_of(model) * DTYPES[run.get("dtype", "bfloat16")].itemsize
-    return {"step_ms": step_ms, "kv_bytes": cache_bytes, "generate_ms_by_tokens": times,
-            **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s"))}  # fmt: skip
+    return {
+        "step_ms": step_ms,
+        "kv_bytes": cache_bytes,
+        "generate_ms_by_tokens": times,
+        **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s")),
+    }
 
 
-def profile_graph_step(model: PreTrainedModel, method: str, options: dict, context: int, batch: int, run: dict,
-                       rotations) -> list[dict]:  # fmt: skip
+def profile_graph_step(
+    model: PreTrainedModel, method: str, options: dict, context: int, batch: int, run: dict, rotations
+) -> list[dict]:
     """Where a captured OscarCache step spends its GPU time: kernels by total time over replays."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -167,9 +182,16 @@ def profile_graph_step(model: PreTrainedModel, method: str, options: dict, conte
     decoder.stop()
     events = [e for e in trace.key_averages() if e.device_time_total > 0] if device.type == "cuda" else []
     gpu_us = sum(e.device_time_total for e in events) / steps  # kernels only (self times), no overlap
-    rows = [{"part": "profile", "kernel": e.key[:90], "calls_per_step": e.count / steps,
-             "us_per_step": e.device_time_total / steps, "share": e.device_time_total / steps / gpu_us}
-            for e in sorted(events, key=lambda e: -e.device_time_total)[: run["profile_top"]]]  # fmt: skip
+    rows = [
+        {
+            "part": "profile",
+            "kernel": e.key[:90],
+            "calls_per_step": e.count / steps,
+            "us_per_step": e.device_time_total / steps,
+            "share": e.device_time_total / steps / gpu_us,
+        }
+        for e in sorted(events, key=lambda e: -e.device_time_total)[: run["profile_top"]]
+    ]
     return [{"part": "profile", "kernel": "(all kernels)", "us_per_step": gpu_us, "share": 1.0}, *rows]
 
 
@@ -179,19 +201,24 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     run, rows = {**config["decode"], "dtype": config["dtype"]}, []
     grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
     for context, batch, cache_name in tqdm(grid, desc=f"graph {name}"):
+
         def measure() -> dict:
             base, captured, options = graph_variant(cache_name)
             with model_for(model, base, rotations) as method:
                 return graph_case(model, method, captured, options, context, batch, run, rotations)
 
-        rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
-                             "cache": cache_name}, measure))  # fmt: skip
+        rows.append(
+            guarded({"part": "decode", "model": name, "context": context, "batch": batch, "cache": cache_name}, measure)
+        )
     compiled = config["compiled_static"]
     if name in compiled["models"]:
         for context, batch in [(c, b) for c in compiled["contexts"] for b in compiled["batches"]]:
-            rows.append(guarded({"part": "decode", "model": name, "context": context, "batch": batch,
-                                 "cache": "static+compiled"},
-                                lambda: compiled_static_case(model, context, batch, run)))  # fmt: skip
+            rows.append(
+                guarded(
+                    {"part": "decode", "model": name, "context": context, "batch": batch, "cache": "static+compiled"},
+                    lambda: compiled_static_case(model, context, batch, run),
+                )
+            )
     profiled = config["profile"]
     if name == profiled["model"]:
         holder: list = []
@@ -199,12 +226,23 @@ def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
 
         def trace() -> dict:
             with model_for(model, base, rotations) as method:
-                holder.extend(profile_graph_step(model, method, options, profiled["context"], profiled["batch"],
-                                                 {**run, **profiled}, rotations))  # fmt: skip
+                holder.extend(
+                    profile_graph_step(
+                        model, method, options, profiled["context"], profiled["batch"], {**run, **profiled}, rotations
+                    )
+                )
             return {}
 
-        row = guarded({"part": "profile", "model": name, "context": profiled["context"], "batch": profiled["batch"],
-                       "cache": profiled["cache"]}, trace)  # fmt: skip
+        row = guarded(
+            {
+                "part": "profile",
+                "model": name,
+                "context": profiled["context"],
+                "batch": profiled["batch"],
+                "cache": profiled["cache"],
+            },
+            trace,
+        )
         if holder:
             rows.extend({**row, **entry} for entry in holder)
         else:
@@ -216,37 +254,50 @@ def bench_graph(config: dict) -> list[dict]:
     """Every configured model's rows, with step and generate speedups over DynamicCache."""
     rows = model_cases(config, functools.partial(graph_model, config))
     decode = [r for r in rows if r.get("part") == "decode"]
-    add_speedups(decode, ("model", "context", "batch"), {"cache": "dynamic"},
-                 {"step_ms": False, "generate_tokens_per_s": True})  # fmt: skip
+    add_speedups(
+        decode, ("model", "context", "batch"), {"cache": "dynamic"}, {"step_ms": False, "generate_tokens_per_s": True}
+    )
     return rows
 
 
 GRAPH_COLUMNS: list[Column] = [
-    ("model", "model", ""), ("context", "context", ""), ("batch", "batch", ""), ("cache", "cache", ""),
-    ("median step ms", "step_ms", ".2f"), ("speedup vs Dynamic", "speedup_step_ms", ".2f"),
-    ("roofline ms", "roofline_ms", ".2f"), ("step / roofline", "step_over_roofline", ".2f"),
+    ("model", "model", ""),
+    ("context", "context", ""),
+    ("batch", "batch", ""),
+    ("cache", "cache", ""),
+    ("median step ms", "step_ms", ".2f"),
+    ("speedup vs Dynamic", "speedup_step_ms", ".2f"),
+    ("roofline ms", "roofline_ms", ".2f"),
+    ("step / roofline", "step_over_roofline", ".2f"),
     ("generate tokens/s", "generate_tokens_per_s", ".1f"),
-    ("generate vs Dynamic", "speedup_generate_tokens_per_s", ".2f"), ("KV GiB", "kv_bytes", "GiB"),
-]  # fmt: skip
+    ("generate vs Dynamic", "speedup_generate_tokens_per_s", ".2f"),
+    ("KV GiB", "kv_bytes", "GiB"),
+]
 
 
 PROFILE_COLUMNS: list[Column] = [
-    ("kernel", "kernel", ""), ("calls per step", "calls_per_step", ".1f"), ("µs per step", "us_per_step", ".1f"),
+    ("kernel", "kernel", ""),
+    ("calls per step", "calls_per_step", ".1f"),
+    ("µs per step", "us_per_step", ".1f"),
     ("share of kernel time", "share", ".1%"),
-]  # fmt: skip
+]
 
 
 def graph_markdown(result: dict) -> str:
     """The decode-step table, then the captured step's profile if there is one."""
     cases = result["cases"]
-    text = ("Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
-            "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS))
+    text = (
+        "Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
+        "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS)
+    )
     profile = [r for r in cases if r.get("part") == "profile"]
     if profile:
         p = result["config"]["profile"]
-        text += (f"\n\nWhere a captured OscarCache step spends its GPU time ({p['model']}, {p['cache']}, "
-                 f"{short_tokens(p['context'])}, batch {p['batch']}; torch.profiler over {p['profile_steps']} "
-                 "replays)\n\n" + table(profile, PROFILE_COLUMNS))  # fmt: skip
+        text += (
+            f"\n\nWhere a captured OscarCache step spends its GPU time ({p['model']}, {p['cache']}, "
+            f"{short_tokens(p['context'])}, batch {p['batch']}; torch.profiler over {p['profile_steps']} "
+            "replays)\n\n" + table(profile, PROFILE_COLUMNS)
+        )
     return text
 
 
@@ -278,12 +329,22 @@ def graph_plot(result: dict, path: Path) -> None:
 
 
 DEFAULTS = {
-    "device": "cuda", "dtype": "bfloat16", "seed": 0, "models": ["qwen3-8b", "qwen3-4b"],
-    "contexts": [32768, 65536, 100000], "batches": [1, 8],
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "seed": 0,
+    "models": ["qwen3-8b", "qwen3-4b"],
+    "contexts": [32768, 65536, 100000],
+    "batches": [1, 8],
     "caches": ["dynamic", "oscar-int2", "oscar-int2+graph"],
     "decode": {**DECODE_DEFAULTS, "compiled_new_tokens": [8, 24], "bandwidth_bytes_per_s": None},
     "compiled_static": {"models": [], "contexts": [100000], "batches": [1, 8]},
-    "profile": {"model": "qwen3-8b", "cache": "oscar-int2+graph", "context": 100000, "batch": 1,
-                "profile_steps": 5, "profile_top": 15},
-}  # fmt: skip
+    "profile": {
+        "model": "qwen3-8b",
+        "cache": "oscar-int2+graph",
+        "context": 100000,
+        "batch": 1,
+        "profile_steps": 5,
+        "profile_top": 15,
+    },
+}
 BENCHMARK = Benchmark(bench_graph, graph_markdown, graph_plot, DEFAULTS)

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from oscar_hf.quant import QuantizedRows, dequantize, quantize
 from oscar_hf.core.storage import RowBuffer
+from oscar_hf.quant import QuantizedRows, dequantize, quantize
 
 from . import Benchmark
 from .cases import add_speedups, guarded
@@ -26,8 +26,20 @@ from .models import DTYPES
 from .report import Column, figure, no_data, table
 from .timing import kernel_times, tensor_bytes
 
-TIER_NAMES = ("sink_k", "sink_v", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
-              "recent_k", "recent_v", "new_k", "new_v")  # fmt: skip  (the kernel's positional order)
+TIER_NAMES = (
+    "sink_k",
+    "sink_v",
+    "k_codes",
+    "k_scale",
+    "k_zero",
+    "v_codes",
+    "v_scale",
+    "v_zero",
+    "recent_k",
+    "recent_v",
+    "new_k",
+    "new_v",
+)  # the kernel's positional order
 
 
 def dense_inputs(config: dict, context: int, batch: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
@@ -69,8 +81,9 @@ def tiered_inputs(config: dict, context: int, batch: int, device: torch.device, 
             quantized = quantize(rows(history), bits, dim)
             return as_stored(quantized.codes), as_stored(quantized.scale), as_stored(quantized.zero)
         meta = (batch, kv_heads, history, 1)
-        codes = torch.randint(0, 256, (batch, kv_heads, history, dim * bits // 8), generator=generator,
-                              device=device, dtype=torch.uint8)  # fmt: skip
+        codes = torch.randint(
+            0, 256, (batch, kv_heads, history, dim * bits // 8), generator=generator, device=device, dtype=torch.uint8
+        )
         scale = torch.rand(meta, generator=generator, device=device) * 0.5 + 0.05
         zero = torch.rand(meta, generator=generator, device=device) * (2**bits - 1)
         return as_stored(codes), as_stored(scale.to(torch.bfloat16)), as_stored(zero.to(torch.bfloat16))
@@ -79,9 +92,21 @@ def tiered_inputs(config: dict, context: int, batch: int, device: torch.device, 
     k_codes, k_scale, k_zero = packed(config["k_bits"])
     v_codes, v_scale, v_zero = packed(config["v_bits"])
     sink, recent, new = config["sink"], config["recent"], config["new"]
-    return dict(q=q, sink_k=rows(sink), sink_v=rows(sink), k_codes=k_codes, k_scale=k_scale, k_zero=k_zero,
-                v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, recent_k=rows(recent), recent_v=rows(recent),
-                new_k=rows(new), new_v=rows(new))  # fmt: skip
+    return dict(
+        q=q,
+        sink_k=rows(sink),
+        sink_v=rows(sink),
+        k_codes=k_codes,
+        k_scale=k_scale,
+        k_zero=k_zero,
+        v_codes=v_codes,
+        v_scale=v_scale,
+        v_zero=v_zero,
+        recent_k=rows(recent),
+        recent_v=rows(recent),
+        new_k=rows(new),
+        new_v=rows(new),
+    )
 
 
 def sdpa_bf16(x: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
@@ -114,8 +139,9 @@ def oscar_triton(x: dict[str, torch.Tensor], config: dict, span_variant=None) ->
     ``span_variant``: the Gluon span's development variant (``kernels/tools/``; None: production)."""
     tiers = [x[name] for name in TIER_NAMES]
     scale = x["q"].shape[-1] ** -0.5
-    return decode_kernels().decode_attention_triton(x["q"], *tiers, None, config["k_bits"], config["v_bits"], scale,
-                                                    history_settled=True, span_variant=span_variant)  # fmt: skip
+    return decode_kernels().decode_attention_triton(
+        x["q"], *tiers, None, config["k_bits"], config["v_bits"], scale, history_settled=True, span_variant=span_variant
+    )
 
 
 KERNEL_METHODS: dict[str, tuple[Callable, Callable]] = {
@@ -181,18 +207,28 @@ def bench_kernel(config: dict) -> list[dict]:
     grid = [(c, b, m) for c in config["contexts"] for b in config["batches"] for m in config["methods"]]
     rows = []
     for context, batch, method in tqdm(grid, desc="kernel"):
-        rows.append(guarded({"context": context, "batch": batch, "method": method},
-                            lambda: kernel_case(method, config, context, batch, device)))  # fmt: skip
+        rows.append(
+            guarded(
+                {"context": context, "batch": batch, "method": method},
+                lambda: kernel_case(method, config, context, batch, device),
+            )
+        )
     add_speedups(rows, ("context", "batch"), {"method": "sdpa_bf16"}, {"graph_us": False, "eager_us": False})
     return rows
 
 
 KERNEL_COLUMNS: list[Column] = [
-    ("context", "context", ""), ("batch", "batch", ""), ("method", "method", ""),
-    ("graph µs", "graph_us", ".1f"), ("eager µs", "eager_us", ".1f"), ("MiB read", "bytes_read", "MiB"),
-    ("GB/s", "gb_per_s", ".0f"), ("speedup vs SDPA (graph)", "speedup_graph_us", ".2f"),
-    ("speedup vs SDPA (eager)", "speedup_eager_us", ".2f"), ("max abs err vs ref", "max_abs_err", ".2e"),
-]  # fmt: skip
+    ("context", "context", ""),
+    ("batch", "batch", ""),
+    ("method", "method", ""),
+    ("graph µs", "graph_us", ".1f"),
+    ("eager µs", "eager_us", ".1f"),
+    ("MiB read", "bytes_read", "MiB"),
+    ("GB/s", "gb_per_s", ".0f"),
+    ("speedup vs SDPA (graph)", "speedup_graph_us", ".2f"),
+    ("speedup vs SDPA (eager)", "speedup_eager_us", ".2f"),
+    ("max abs err vs ref", "max_abs_err", ".2e"),
+]
 
 
 def kernel_markdown(result: dict) -> str:
@@ -206,8 +242,11 @@ def kernel_plot(result: dict, path: Path) -> None:
     fig, axes = figure(len(batches))
     for ax, batch in zip(axes[0], batches):
         for method in result["config"]["methods"]:
-            points = [(r["context"], r.get("graph_us") or r.get("eager_us")) for r in result["cases"]
-                      if r["batch"] == batch and r["method"] == method and r.get("status") == "ok"]  # fmt: skip
+            points = [
+                (r["context"], r.get("graph_us") or r.get("eager_us"))
+                for r in result["cases"]
+                if r["batch"] == batch and r["method"] == method and r.get("status") == "ok"
+            ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=method)
         ax.set_yscale("log")
@@ -220,13 +259,29 @@ def kernel_plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-_TIMING = {"warmup_ms": 25, "rep_ms": 100, "graph_rep_ms": 100, "cpu_warmup": 1, "cpu_repeats": 5,
-           "l2_flush_bytes": 256 * 2**20, "max_copies": 16}  # fmt: skip
+_TIMING = {
+    "warmup_ms": 25,
+    "rep_ms": 100,
+    "graph_rep_ms": 100,
+    "cpu_warmup": 1,
+    "cpu_repeats": 5,
+    "l2_flush_bytes": 256 * 2**20,
+    "max_copies": 16,
+}
 DEFAULTS = {
-    "device": "cuda", "dtype": "bfloat16", "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128},
-    "sink": 64, "recent": 256, "new": 1, "k_bits": 2, "v_bits": 2, "codes": "random",
-    "contexts": [32768, 65536, 100000, 131072], "batches": [1, 8, 32],
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128},
+    "sink": 64,
+    "recent": 256,
+    "new": 1,
+    "k_bits": 2,
+    "v_bits": 2,
+    "codes": "random",
+    "contexts": [32768, 65536, 100000, 131072],
+    "batches": [1, 8, 32],
     "methods": ["sdpa_bf16", "torch_dequant_sdpa", "oscar_triton"],
-    "timing": _TIMING, "check": {"atol": 2e-2, "rtol": 2e-2},
-}  # fmt: skip
+    "timing": _TIMING,
+    "check": {"atol": 2e-2, "rtol": 2e-2},
+}
 BENCHMARK = Benchmark(bench_kernel, kernel_markdown, kernel_plot, DEFAULTS)

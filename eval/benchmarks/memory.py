@@ -13,13 +13,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from oscar_hf import OscarCache
+from oscar_hf.model_info import head_dim_of, text_config_of
 
 from . import Benchmark
 from .caches import attention_for, fill_cache, kv_bytes, make_cache
 from .cases import add_speedups, first_line, free_memory, guarded
 from .decoding import decode_steps
-from .models import (input_device, model_cases, model_rotations)
-from oscar_hf.model_info import head_dim_of, text_config_of
+from .models import input_device, model_cases, model_rotations
 from .report import Column, bars, figure, no_data, table
 from .timing import median, synchronize, tensor_bytes
 
@@ -110,8 +110,12 @@ def max_batch_case(model: PreTrainedModel, cache_name: str, config: dict, rotati
     """
     run, context = config["max_batch"], config["max_batch"]["context"]
     device = input_device(model)
-    probes = {b: fill_probe(model, cache_name, b, context, run["fill_chunk_rows"], rotations,
-                            steps=run["warmup_steps"] + run["steps"]) for b in (1, 2)}  # fmt: skip
+    probes = {
+        b: fill_probe(
+            model, cache_name, b, context, run["fill_chunk_rows"], rotations, steps=run["warmup_steps"] + run["steps"]
+        )
+        for b in (1, 2)
+    }
     kv_per_sequence = max(probes[1]["kv_allocated_bytes"], probes[2]["kv_allocated_bytes"] // 2)
     overheads = [probes[b]["step_overhead_bytes"] or 0 for b in (1, 2)]
     activation_per_sequence = max(0, overheads[1] - overheads[0])
@@ -155,14 +159,34 @@ def memory_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     report = config["report"]
     rows = []
     for cache_name in tqdm(config["caches"], desc=f"memory {name}"):
-        rows.append(guarded({"part": "report", "model": name, "cache": cache_name, "context": report["context"],
-                             "batch": report["batch"], "weight_bytes": weights},
-                            lambda: fill_probe(model, cache_name, report["batch"], report["context"],
-                                               report["fill_chunk_rows"], rotations)))  # fmt: skip
+        rows.append(
+            guarded(
+                {
+                    "part": "report",
+                    "model": name,
+                    "cache": cache_name,
+                    "context": report["context"],
+                    "batch": report["batch"],
+                    "weight_bytes": weights,
+                },
+                lambda: fill_probe(
+                    model, cache_name, report["batch"], report["context"], report["fill_chunk_rows"], rotations
+                ),
+            )
+        )
     for cache_name in tqdm(config["caches"], desc=f"max batch {name}"):
-        rows.append(guarded({"part": "max_batch", "model": name, "cache": cache_name,
-                             "context": config["max_batch"]["context"], "weight_bytes": weights},
-                            lambda: max_batch_case(model, cache_name, config, rotations)))  # fmt: skip
+        rows.append(
+            guarded(
+                {
+                    "part": "max_batch",
+                    "model": name,
+                    "cache": cache_name,
+                    "context": config["max_batch"]["context"],
+                    "weight_bytes": weights,
+                },
+                lambda: max_batch_case(model, cache_name, config, rotations),
+            )
+        )
     return rows
 
 
@@ -171,30 +195,47 @@ def bench_memory(config: dict) -> list[dict]:
     rows = model_cases(config, functools.partial(memory_model, config))
     report = [r for r in rows if r.get("part") == "report"]
     for row in report:
-        base = next((r for r in report if r["model"] == row["model"] and r["cache"] == "dynamic"
-                     and r.get("status") == "ok"), None)  # fmt: skip
+        base = next(
+            (r for r in report if r["model"] == row["model"] and r["cache"] == "dynamic" and r.get("status") == "ok"),
+            None,
+        )
         if base and row.get("status") == "ok":
             row["kv_ratio_vs_bf16"] = round(base["kv_bytes"] / row["kv_bytes"], 3)
-    add_speedups([r for r in rows if r.get("part") == "max_batch"], ("model",), {"cache": "dynamic"},
-                 {"tokens_per_s": True, "max_batch": True})  # fmt: skip
+    add_speedups(
+        [r for r in rows if r.get("part") == "max_batch"],
+        ("model",),
+        {"cache": "dynamic"},
+        {"tokens_per_s": True, "max_batch": True},
+    )
     return rows
 
 
 MEMORY_COLUMNS: list[Column] = [
-    ("model", "model", ""), ("cache", "cache", ""), ("context", "context", ""), ("batch", "batch", ""),
-    ("KV GiB", "kv_bytes", "GiB"), ("KV allocated GiB", "kv_allocated_bytes", "GiB"),
-    ("bits/element", "bits_per_element", ".2f"), ("BF16 / KV", "kv_ratio_vs_bf16", ".2f"),
-    ("weights GiB", "weight_bytes", "GiB"), ("peak GiB (filled + decode step)", "peak_bytes", "GiB"),
-]  # fmt: skip
+    ("model", "model", ""),
+    ("cache", "cache", ""),
+    ("context", "context", ""),
+    ("batch", "batch", ""),
+    ("KV GiB", "kv_bytes", "GiB"),
+    ("KV allocated GiB", "kv_allocated_bytes", "GiB"),
+    ("bits/element", "bits_per_element", ".2f"),
+    ("BF16 / KV", "kv_ratio_vs_bf16", ".2f"),
+    ("weights GiB", "weight_bytes", "GiB"),
+    ("peak GiB (filled + decode step)", "peak_bytes", "GiB"),
+]
 
 
 MAX_BATCH_COLUMNS: list[Column] = [
-    ("model", "model", ""), ("cache", "cache", ""), ("context", "context", ""),
-    ("KV GiB / seq", "kv_bytes_per_sequence", "GiB"), ("activation GiB / seq", "activation_bytes_per_sequence", "GiB"),
-    ("predicted batch", "predicted_batch", ""), ("verified max batch", "max_batch", ""),
-    ("median step ms", "step_ms", ".2f"), ("tokens/s", "tokens_per_s", ".1f"),
+    ("model", "model", ""),
+    ("cache", "cache", ""),
+    ("context", "context", ""),
+    ("KV GiB / seq", "kv_bytes_per_sequence", "GiB"),
+    ("activation GiB / seq", "activation_bytes_per_sequence", "GiB"),
+    ("predicted batch", "predicted_batch", ""),
+    ("verified max batch", "max_batch", ""),
+    ("median step ms", "step_ms", ".2f"),
+    ("tokens/s", "tokens_per_s", ".1f"),
     ("throughput vs BF16", "speedup_tokens_per_s", ".2f"),
-]  # fmt: skip
+]
 
 
 def memory_markdown(result: dict) -> str:
@@ -202,9 +243,13 @@ def memory_markdown(result: dict) -> str:
     cases = result["cases"]
     paper = result["config"].get("paper")
     note = f"\n\nPaper: {paper}" if paper else ""
-    return ("KV memory\n\n" + table([r for r in cases if r.get("part") != "max_batch"], MEMORY_COLUMNS)
-            + "\n\nLargest batch (predicted from the measured caches, then run)\n\n"
-            + table([r for r in cases if r.get("part") == "max_batch"], MAX_BATCH_COLUMNS) + note)  # fmt: skip
+    return (
+        "KV memory\n\n"
+        + table([r for r in cases if r.get("part") != "max_batch"], MEMORY_COLUMNS)
+        + "\n\nLargest batch (predicted from the measured caches, then run)\n\n"
+        + table([r for r in cases if r.get("part") == "max_batch"], MAX_BATCH_COLUMNS)
+        + note
+    )
 
 
 def memory_plot(result: dict, path: Path) -> None:
@@ -225,10 +270,22 @@ def memory_plot(result: dict, path: Path) -> None:
 
 
 DEFAULTS = {
-    "device": "cuda", "dtype": "bfloat16", "seed": 0, "models": ["qwen3-8b", "qwen3-4b"],
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "seed": 0,
+    "models": ["qwen3-8b", "qwen3-4b"],
     "caches": ["dynamic", "oscar-int2"],
     "report": {"context": 131072, "batch": 1, "fill_chunk_rows": 65536},
-    "max_batch": {"context": 100000, "reserve_bytes": 2 * 2**30, "budget_bytes": None, "step_down": 0.05,
-                  "max_attempts": 6, "probe_up": True, "warmup_steps": 2, "steps": 8, "fill_chunk_rows": 65536},
-}  # fmt: skip
+    "max_batch": {
+        "context": 100000,
+        "reserve_bytes": 2 * 2**30,
+        "budget_bytes": None,
+        "step_down": 0.05,
+        "max_attempts": 6,
+        "probe_up": True,
+        "warmup_steps": 2,
+        "steps": 8,
+        "fill_chunk_rows": 65536,
+    },
+}
 BENCHMARK = Benchmark(bench_memory, memory_markdown, memory_plot, DEFAULTS)

@@ -19,16 +19,28 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Qwen3 shapes from the models' config.json, with room for 128K positions (weights are random).
 MODEL_PRESETS: dict[str, dict] = {
     "qwen3-4b": dict(
-        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
         max_position_embeddings=135168,
     ),
     "qwen3-8b": dict(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
         max_position_embeddings=135168,
     ),
-}  # fmt: skip
+}
 
 
 def model_spec(entry: str | dict) -> tuple[str, dict]:
@@ -45,8 +57,12 @@ def add_model_arguments(parser) -> None:
     """``--model`` (a preset or a JSON object), ``--device``, ``--context``, ``--batch``, ``--out``: the
     options of the single-model diagnostics (``eval/step_times.py``, ``kernels/tools/profile_decode.py``,
     ``kernels/tools/host_time.py``)."""
-    parser.add_argument("--model", default="qwen3-8b", type=lambda text: model_spec(json.loads(text) if
-                        text.startswith("{") else text), help="a preset (MODEL_PRESETS) or a JSON object")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default="qwen3-8b",
+        type=lambda text: model_spec(json.loads(text) if text.startswith("{") else text),
+        help="a preset (MODEL_PRESETS) or a JSON object",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=1)
@@ -90,8 +106,9 @@ def model_cases(config: dict, run_model: Callable[[str, PreTrainedModel], list[d
     for entry in config["models"]:
         name, spec = model_spec(entry)
         holder: dict = {}
-        row = guarded({"model": name, "part": "build"},
-                      lambda: holder.update(model=build_model(spec, device, dtype)) or {})  # fmt: skip
+        row = guarded(
+            {"model": name, "part": "build"}, lambda: holder.update(model=build_model(spec, device, dtype)) or {}
+        )
         if "model" in holder:
             rows.extend(run_model(name, holder.pop("model")))
         else:
@@ -131,8 +148,12 @@ def random_rotations(head_dim: int, layer_ids: list[int], seed: int = 0, kv_head
     def orthogonal() -> torch.Tensor:
         return one() if kv_heads is None else torch.stack([one() for _ in range(kv_heads)])
 
-    return RotationSet(head_dim, {i: orthogonal() for i in layer_ids}, {i: orthogonal() for i in layer_ids},
-                       "random orthogonal (benchmark)")  # fmt: skip
+    return RotationSet(
+        head_dim,
+        {i: orthogonal() for i in layer_ids},
+        {i: orthogonal() for i in layer_ids},
+        "random orthogonal (benchmark)",
+    )
 
 
 def model_rotations(model: PreTrainedModel, config: dict) -> RotationSet:

@@ -56,8 +56,11 @@ def placement_check(model: PreTrainedModel) -> Callable[[Any], dict]:
                 continue
             want = attention_device(model, layer_idx)
             devices.add(str(want))
-            wrong += [f"layer {layer_idx} {name} on {t.device}, attention on {want}"
-                      for name, t in tensors_of(layer) if t.device != want]  # fmt: skip
+            wrong += [
+                f"layer {layer_idx} {name} on {t.device}, attention on {want}"
+                for name, t in tensors_of(layer)
+                if t.device != want
+            ]
         if wrong:
             raise AssertionError(f"{len(wrong)} OscarCache tensors off their layer's device, e.g. {wrong[0]}")
         return {"buffers_on_layer_device": True, "cache_devices": sorted(devices)} if devices else {}
@@ -80,8 +83,14 @@ def device_map_cases(config: dict, gpus: int) -> list[dict]:
     ids = random_tokens(model, part["batch"], part["context"] + 1)
     fill = synthetic_fill(model, part["batch"], part["context"], part["fill_chunk_rows"])
     for cache_name in tqdm(part["caches"], desc="device_map"):
-        row = {"part": "device_map", "model": name, "context": part["context"], "batch": part["batch"],
-               "cache": cache_name, "model_devices": devices}  # fmt: skip
+        row = {
+            "part": "device_map",
+            "model": name,
+            "context": part["context"],
+            "batch": part["batch"],
+            "cache": cache_name,
+            "model_devices": devices,
+        }
 
         def measure() -> dict:
             if len(devices) < gpus:
@@ -95,8 +104,18 @@ def device_map_cases(config: dict, gpus: int) -> list[dict]:
 def torchrun_command(gpus: int, config_path: Path, out_path: Path) -> list[str]:
     """``torchrun --standalone --nproc_per_node N eval/tp_decode.py`` through this interpreter."""
     script = REPO / "eval" / "tp_decode.py"
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", str(script),
-            "--config", str(config_path), "--out", str(out_path)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        str(script),
+        "--config",
+        str(config_path),
+        "--out",
+        str(out_path),
+    ]
 
 
 def tensor_parallel_cases(config: dict, gpus: int) -> list[dict]:
@@ -105,8 +124,13 @@ def tensor_parallel_cases(config: dict, gpus: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="oscar_tp_") as directory:
         config_path, out_path = Path(directory) / "config.json", Path(directory) / "result.json"
         config_path.write_text(json.dumps({**part, "dtype": config["dtype"], "seed": config["seed"]}))
-        process = subprocess.run(torchrun_command(gpus, config_path, out_path), capture_output=True, text=True,
-                                 timeout=part["timeout_s"], cwd=REPO)  # fmt: skip
+        process = subprocess.run(
+            torchrun_command(gpus, config_path, out_path),
+            capture_output=True,
+            text=True,
+            timeout=part["timeout_s"],
+            cwd=REPO,
+        )
         if process.returncode != 0:
             raise RuntimeError(f"torchrun exited with {process.returncode}: {process.stderr[-2000:]}")
         result = json.loads(out_path.read_text())
@@ -133,16 +157,27 @@ def bench_multigpu(config: dict) -> list[dict]:
 
 
 MULTIGPU_COLUMNS: list[Column] = [
-    ("part", "part", ""), ("model", "model", ""), ("context", "context", ""), ("batch", "batch", ""),
-    ("cache", "cache", ""), ("tokens/s", "tokens_per_s", ".1f"), ("median step ms", "step_ms", ".2f"),
-    ("speedup vs Dynamic", "speedup_tokens_per_s", ".2f"), ("checks", "checks", ""),
-]  # fmt: skip
+    ("part", "part", ""),
+    ("model", "model", ""),
+    ("context", "context", ""),
+    ("batch", "batch", ""),
+    ("cache", "cache", ""),
+    ("tokens/s", "tokens_per_s", ".1f"),
+    ("median step ms", "step_ms", ".2f"),
+    ("speedup vs Dynamic", "speedup_tokens_per_s", ".2f"),
+    ("checks", "checks", ""),
+]
 
 
 def multigpu_markdown(result: dict) -> str:
     """One table of both parts, with each row's checks in one column."""
-    names = ("buffers_on_layer_device", "heads_per_rank_ok", "frozen_on_every_rank", "identical_across_ranks",
-             "matches_single_gpu")  # fmt: skip
+    names = (
+        "buffers_on_layer_device",
+        "heads_per_rank_ok",
+        "frozen_on_every_rank",
+        "identical_across_ranks",
+        "matches_single_gpu",
+    )
     rows = [{**row, "checks": ", ".join(f"{k}={row[k]}" for k in names if k in row)} for row in result["cases"]]
     return table(rows, MULTIGPU_COLUMNS)
 
@@ -164,10 +199,22 @@ def multigpu_plot(result: dict, path: Path) -> None:
 
 
 DEFAULTS = {
-    "dtype": "bfloat16", "seed": 0, "gpus": 2, "model": "qwen3-4b",
+    "dtype": "bfloat16",
+    "seed": 0,
+    "gpus": 2,
+    "model": "qwen3-4b",
     "device_map": {"context": 32768, "batch": 1, "caches": ["dynamic", "oscar-int2"], **DECODE_DEFAULTS},
-    "tensor_parallel": {"model": "qwen3-4b", "context": 8192, "batch": 1, "new_tokens": 32,
-                        "caches": ["dynamic", "oscar-int2"], "repeats": 3, "warmup_steps": 3, "steps": 16,
-                        "single_gpu_reference": True, "timeout_s": 420},
-}  # fmt: skip
+    "tensor_parallel": {
+        "model": "qwen3-4b",
+        "context": 8192,
+        "batch": 1,
+        "new_tokens": 32,
+        "caches": ["dynamic", "oscar-int2"],
+        "repeats": 3,
+        "warmup_steps": 3,
+        "steps": 16,
+        "single_gpu_reference": True,
+        "timeout_s": 420,
+    },
+}
 BENCHMARK = Benchmark(bench_multigpu, multigpu_markdown, multigpu_plot, DEFAULTS)

@@ -22,7 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 from benchmarks import REPO, RESULTS  # noqa: E402
 from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
 
@@ -39,8 +41,16 @@ def time_variant(settings: dict[str, str], context: int, batches: list[int], wor
     """Graph-replayed µs of the whole decode call per batch, in a process of its own under ``settings``."""
     config = REPO / "eval/configs/bench_kernel.json"
     sets = [f"contexts=[{context}]", f"batches={json.dumps(batches)}", 'methods=["oscar_triton"]']
-    command = [sys.executable, str(REPO / "eval/bench_gpu.py"), "--config", str(config), "--out", str(work),
-               "--name", "ab"] + [arg for text in sets for arg in ("--set", text)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(REPO / "eval/bench_gpu.py"),
+        "--config",
+        str(config),
+        "--out",
+        str(work),
+        "--name",
+        "ab",
+    ] + [arg for text in sets for arg in ("--set", text)]
     subprocess.run(command, check=True, env={**os.environ, **settings}, stdout=subprocess.DEVNULL)
     cases = json.loads((work / "ab.json").read_text())["cases"]
     return {case["batch"]: case["graph_us"] for case in cases if case["method"] == "oscar_triton"}
@@ -70,18 +80,41 @@ def main() -> None:
             times = [r["us"] for r in rows if r["variant"] == label and r["batch"] == batch]
             medians[f"{label} @ {batch}"] = statistics.median(times)
     machine = machine_info()
-    command = "python kernels/tools/ab_env.py " + " ".join(f"'{arg}'" if " " in arg or not arg else arg for arg in sys.argv[1:])
-    record = {"name": options.name, "command": command, "machine": machine,
-              "date": utc_date(), "note": options.note,
-              "context": options.context, "rows": rows, "medians": medians}  # fmt: skip
+    command = "python kernels/tools/ab_env.py " + " ".join(
+        f"'{arg}'" if " " in arg or not arg else arg for arg in sys.argv[1:]
+    )
+    record = {
+        "name": options.name,
+        "command": command,
+        "machine": machine,
+        "date": utc_date(),
+        "note": options.note,
+        "context": options.context,
+        "rows": rows,
+        "medians": medians,
+    }
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / f"{options.name}.json").write_text(json.dumps(record, indent=1))
-    lines = [f"# {options.name}", "", f"{machine_line(machine)}, {record['date']}", "", f"`{command}`", "",
-             options.note, "", f"Whole decode call at {options.context:,} tokens, CUDA-graph replay (µs, the "
-             "benchmark's median); the variants in turn, each its own process.", "",
-             "| turn | variant | settings | batch | µs |", "|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['turn']} | {r['variant']} | {' '.join(f'{k}={v}' for k, v in r['settings'].items())} | "
-              f"{r['batch']} | {r['us']:.2f} |" for r in rows]  # fmt: skip
+    lines = [
+        f"# {options.name}",
+        "",
+        f"{machine_line(machine)}, {record['date']}",
+        "",
+        f"`{command}`",
+        "",
+        options.note,
+        "",
+        f"Whole decode call at {options.context:,} tokens, CUDA-graph replay (µs, the "
+        "benchmark's median); the variants in turn, each its own process.",
+        "",
+        "| turn | variant | settings | batch | µs |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['turn']} | {r['variant']} | {' '.join(f'{k}={v}' for k, v in r['settings'].items())} | "
+        f"{r['batch']} | {r['us']:.2f} |"
+        for r in rows
+    ]
     lines += ["", "| variant @ batch | median µs |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in medians.items()]
     (options.out / f"{options.name}.md").write_text("\n".join(lines) + "\n")
 

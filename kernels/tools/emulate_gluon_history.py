@@ -129,9 +129,11 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) ->
         w_part = w_part * alpha + lane_sum(w)
         wz_part = wz_part * alpha + lane_sum(w * meta[3])
         w_op = weights_operand(w.reshape(rows, 8))  # _columns
-        acc = [(a.reshape(32, pack, heads) * alpha).reshape(32, 8)
-               + sum(codes @ half_columns(w_op, h, pack) for h, codes in enumerate(v_codes(wv, j, pack)))
-               for j, a in enumerate(acc)]  # fmt: skip
+        acc = [
+            (a.reshape(32, pack, heads) * alpha).reshape(32, 8)
+            + sum(codes @ half_columns(w_op, h, pack) for h, codes in enumerate(v_codes(wv, j, pack)))
+            for j, a in enumerate(acc)
+        ]
     l_i, w_sum, wz_sum = (x.sum((0, 1)) for x in (l_part, w_part, wz_part))
     out = torch.zeros(heads, 128)
     m = torch.arange(32)
@@ -151,8 +153,10 @@ def main() -> None:
         words = [c[0, 0].contiguous().view(torch.int32) for c in (kc, vc)]
         meta = [t[0, 0, :, 0].float() for t in (ks, kz, vs, vz)]
         got = span(q[0].float(), words[0], words[1], *meta)
-        print(f"{group} query heads: max abs difference {(got - want).abs().max().item():.2e} at outputs up to "
-              f"{want.abs().max().item():.2f}")
+        print(
+            f"{group} query heads: max abs difference {(got - want).abs().max().item():.2e} at outputs up to "
+            f"{want.abs().max().item():.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,17 +21,21 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
 from benchmarks.models import (  # noqa: E402
-    add_model_arguments, build_model, input_device, random_rotations,
-)  # fmt: skip
-from oscar_hf.model_info import head_dim_of, text_config_of  # noqa: E402
+    add_model_arguments,
+    build_model,
+    input_device,
+    random_rotations,
+)
 from benchmarks.timing import synchronize  # noqa: E402
-
 from oscar_hf.core.attention import oscar_attention_forward  # noqa: E402
 from oscar_hf.kernels.decode_attention import decode_attention  # noqa: E402
 from oscar_hf.kernels.rotate import rotate_rows  # noqa: E402
+from oscar_hf.model_info import head_dim_of, text_config_of  # noqa: E402
 from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
 
@@ -51,8 +55,9 @@ def step_inputs(model, batch: int, device: torch.device, dtype: torch.dtype) -> 
     config = text_config_of(model)
     dim = head_dim_of(model)
     q = torch.randn(batch, 1, config.num_attention_heads, dim, device=device, dtype=dtype).transpose(1, 2)
-    k, v = (torch.randn(batch, 1, config.num_key_value_heads, dim, device=device, dtype=dtype).transpose(1, 2)
-            for _ in "kv")  # fmt: skip
+    k, v = (
+        torch.randn(batch, 1, config.num_key_value_heads, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
+    )
     return q, k, v
 
 
@@ -79,10 +84,15 @@ def oscar_pieces(model, batch: int, context: int, rotations, device: torch.devic
         "oscar: clone K and V (part of the line above)": lambda: (k.clone(), v.clone()),
         "oscar: decode_attention (span, dense tiers, merge)": attention,
         "oscar: rotate q, K, V (one launch)": lambda: rotate_rows(
-            [(q, key_rotation, outputs[0]), (k, key_rotation, outputs[1]), (v, value_rotation, outputs[2])]),
+            [(q, key_rotation, outputs[0]), (k, key_rotation, outputs[1]), (v, value_rotation, outputs[2])]
+        ),
         "oscar: rotate the output back (one launch)": lambda: rotate_rows([(out, value_rotation.T, outputs[0])]),
-        "torch: four rotation matmuls": lambda: (q @ key_rotation, k @ key_rotation, v @ value_rotation,
-                                                 out @ value_rotation.T),
+        "torch: four rotation matmuls": lambda: (
+            q @ key_rotation,
+            k @ key_rotation,
+            v @ value_rotation,
+            out @ value_rotation.T,
+        ),
     }
     return {name: per_call_us(fn, iterations, device) for name, fn in pieces.items()}
 
@@ -113,12 +123,20 @@ def main() -> None:
     device = input_device(model)
     rotations = random_rotations(head_dim_of(model), [0])
     with torch.no_grad():
-        times = {**oscar_pieces(model, options.batch, options.context, rotations, device, options.iterations),
-                 **dynamic_pieces(model, options.batch, options.context, device, options.iterations)}  # fmt: skip
+        times = {
+            **oscar_pieces(model, options.batch, options.context, rotations, device, options.iterations),
+            **dynamic_pieces(model, options.batch, options.context, device, options.iterations),
+        }
     for piece, us in times.items():
         print(f"{us:9.1f} us  {piece}")
-    info = {**provenance(command_line()), "model": name, "context": options.context,
-            "batch": options.batch, "iterations": options.iterations, "us_per_call": times}  # fmt: skip
+    info = {
+        **provenance(command_line()),
+        "model": name,
+        "context": options.context,
+        "batch": options.batch,
+        "iterations": options.iterations,
+        "us_per_call": times,
+    }
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "host_time.json").write_text(json.dumps(info, indent=1))
     rows = "\n".join(f"| {piece} | {us:.1f} |" for piece, us in times.items())

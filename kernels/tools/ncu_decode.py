@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
-from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 import tune_decode as tune  # noqa: E402
+
+from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
 
 CONFIG = tune.CONFIG
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import pstats
 import sys
@@ -25,16 +26,21 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
 from benchmarks.cases import free_memory  # noqa: E402
 from benchmarks.decoding import decode_steps, generate  # noqa: E402
 from benchmarks.models import (  # noqa: E402
-    add_model_arguments, build_model, random_rotations, random_tokens,
-)  # fmt: skip
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
+    add_model_arguments,
+    build_model,
+    random_rotations,
+    random_tokens,
+)
 from benchmarks.timing import median, model_devices, synchronize  # noqa: E402
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
 from oscar_hf.provenance import command_line, provenance  # noqa: E402
 
 
@@ -51,13 +57,20 @@ def python_functions(run, steps: int, count: int) -> list[dict]:
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
-    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": calls / steps,
-             "own_us_per_step": round(own * 1e6 / steps, 1), "cumulative_us_per_step": round(total * 1e6 / steps, 1)}
-            for (file, line, name), (_, calls, own, total, _) in rows]  # fmt: skip
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls_per_step": calls / steps,
+            "own_us_per_step": round(own * 1e6 / steps, 1),
+            "cumulative_us_per_step": round(total * 1e6 / steps, 1),
+        }
+        for (file, line, name), (_, calls, own, total, _) in rows
+    ]
 
 
-def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, rotations,
-                  python: bool = False) -> dict:  # fmt: skip
+def profile_cache(
+    model, cache_name: str, batch: int, context: int, steps: int, rotations, python: bool = False
+) -> dict:
     model.set_attn_implementation(attention_for(cache_name))
     max_len = context + 2 * steps + 16
 
@@ -78,7 +91,7 @@ def profile_cache(model, cache_name: str, batch: int, context: int, steps: int, 
     host = {}
     if python:  # generate's steps, the path the e2e benchmark times
         cache = filled()
-        host["python"] = python_functions(lambda: generate(model, cache, ids, steps), steps, 40)
+        host["python"] = python_functions(functools.partial(generate, model, cache, ids, steps), steps, 40)
         del cache
         free_memory()
     cache = filled()
@@ -131,7 +144,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--caches", default="dynamic,oscar-int2")
     parser.add_argument("--prefill", action="store_true", help="profile one prefill of --context tokens instead")
-    parser.add_argument("--python", action="store_true", help="also profile the host time of generate's steps by Python function")
+    parser.add_argument(
+        "--python", action="store_true", help="also profile the host time of generate's steps by Python function"
+    )
     options = parser.parse_args()
     name, spec = options.model
     model = build_model(spec, options.device, torch.bfloat16)
@@ -140,22 +155,26 @@ def main() -> None:
     for cache_name in options.caches.split(","):
         if options.prefill:
             result = profile_prefill(model, cache_name, options.batch, options.context, rotations)
-            print(f"{cache_name}: prefill {result['prefill_ms']:.1f} ms (CUDA kernels {result['cuda_kernel_ms']:.1f} ms)")
+            print(
+                f"{cache_name}: prefill {result['prefill_ms']:.1f} ms (CUDA kernels {result['cuda_kernel_ms']:.1f} ms)"
+            )
         else:
-            result = profile_cache(model, cache_name, options.batch, options.context, options.steps, rotations,
-                                   options.python)  # fmt: skip
-            print(f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
-                  f"generate {result['generate_ms_per_token']:.1f} ms/token")  # fmt: skip
+            result = profile_cache(
+                model, cache_name, options.batch, options.context, options.steps, rotations, options.python
+            )
+            print(
+                f"{cache_name}: step {result['step_ms_median']:.1f} ms (CUDA kernels {result['cuda_kernel_ms_per_step']:.1f} ms), "
+                f"generate {result['generate_ms_per_token']:.1f} ms/token"
+            )
         results.append(result)
-        for op in result["top_cuda"][:14 if options.prefill else 8]:
+        for op in result["top_cuda"][: 14 if options.prefill else 8]:
             print("   cuda", op)
         for op in result["top_cpu"][:6]:
             print("   cpu ", op)
         for function in result.get("python", [])[:25]:
             print("   py  ", function)
     options.out.mkdir(parents=True, exist_ok=True)
-    info = {**provenance(command_line()), "model": name, "context": options.context,
-            "batch": options.batch}  # fmt: skip
+    info = {**provenance(command_line()), "model": name, "context": options.context, "batch": options.batch}
     stem = "profile_prefill" if options.prefill else "profile_decode"
     (options.out / f"{stem}.json").write_text(json.dumps({**info, "results": results}, indent=1))
 

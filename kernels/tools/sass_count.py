@@ -60,20 +60,78 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
     unpack, free = unpack_asm(2, bf16), shift_free_blocks(2, bf16)
     block_h, head_blocks, _ = decode_launch._block_sizes(4, dims, block_n)
     args = (
-        bf16, (32 * dims, dims),
-        bf16, dense, bf16, dense, 64, 64,
-        bf16, dense, bf16, dense, 264, 256,
-        bf16, dense, bf16, dense, 1, 16,
-        u8, codes, bf16, meta, bf16, meta, u8, codes, bf16, meta, bf16, meta, history, 1536,
-        bf16, 128, f32, f32, f32, 0.088, 66, 2, 72, 0, torch.int64 if ring else bf16,
-    )  # fmt: skip  (the launcher's argument order)
+        bf16,
+        (32 * dims, dims),
+        bf16,
+        dense,
+        bf16,
+        dense,
+        64,
+        64,
+        bf16,
+        dense,
+        bf16,
+        dense,
+        264,
+        256,
+        bf16,
+        dense,
+        bf16,
+        dense,
+        1,
+        16,
+        u8,
+        codes,
+        bf16,
+        meta,
+        bf16,
+        meta,
+        u8,
+        codes,
+        bf16,
+        meta,
+        bf16,
+        meta,
+        history,
+        1536,
+        bf16,
+        128,
+        f32,
+        f32,
+        f32,
+        0.088,
+        66,
+        2,
+        72,
+        0,
+        torch.int64 if ring else bf16,
+    )  # the launcher's argument order
     return decode_stages._decode_stage1_kernel.warmup(
-        *args, grid=(1,), GROUP=4, HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n, DENSE_BLOCK_N=16,
-        D=dims, K_BITS=2, K_GROUPS=1, V_BITS=2, V_GROUPS=1, MAGIC=magic, OFFSET=offset, K_FREE=free, V_FREE=free,
-        K_UNPACK=unpack, V_UNPACK=unpack,
-        HAS_MASK=False, RING=ring, INTERPRETED=False, AFTER_SPAN=False, num_warps=num_warps,
+        *args,
+        grid=(1,),
+        GROUP=4,
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        DENSE_BLOCK_N=16,
+        D=dims,
+        K_BITS=2,
+        K_GROUPS=1,
+        V_BITS=2,
+        V_GROUPS=1,
+        MAGIC=magic,
+        OFFSET=offset,
+        K_FREE=free,
+        V_FREE=free,
+        K_UNPACK=unpack,
+        V_UNPACK=unpack,
+        HAS_MASK=False,
+        RING=ring,
+        INTERPRETED=False,
+        AFTER_SPAN=False,
+        num_warps=num_warps,
         num_stages=decode_launch._STAGES,
-    )  # fmt: skip
+    )
 
 
 def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_000):
@@ -88,13 +146,39 @@ def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
     words, meta = (8 * history * 8, history * 8), (8 * history, history)
     return history_kernel.warmup(
-        bf16, 32 * 128, i32, *words, i32, *words, bf16, bf16, bf16, bf16, *meta, history, 768,
-        f32, f32, f32, 137, 0.1275, torch.int64 if ring else bf16, bf16, GROUP=4, V_UNPACK=value_unpack_asm(),
-        RING=ring, PIPELINE=pipeline, LAUNCH_DEPENDENTS=True, EARLY=pipeline, PACK=halves(4), TIMED=False,
+        bf16,
+        32 * 128,
+        i32,
+        *words,
+        i32,
+        *words,
+        bf16,
+        bf16,
+        bf16,
+        bf16,
+        *meta,
+        history,
+        768,
+        f32,
+        f32,
+        f32,
+        137,
+        0.1275,
+        torch.int64 if ring else bf16,
+        bf16,
+        GROUP=4,
+        V_UNPACK=value_unpack_asm(),
+        RING=ring,
+        PIPELINE=pipeline,
+        LAUNCH_DEPENDENTS=True,
+        EARLY=pipeline,
+        PACK=halves(4),
+        TIMED=False,
         ROW_WORDS=8,
         grid=(1,),
-        num_warps=1, maxnreg=registers,
-    )  # fmt: skip  (history_into's argument order)
+        num_warps=1,
+        maxnreg=registers,
+    )  # history_into's argument order
 
 
 def print_span(registers: int) -> None:
@@ -103,9 +187,11 @@ def print_span(registers: int) -> None:
         compiled = compile_span(ring, pipeline, registers)
         sass = sass_of(compiled)
         ops = history_loop(sass)
-        print(f"ring={ring} pipeline={pipeline}: {resource_usage(compiled)}; "
-              f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
-              f"{before_loop(sass)} before the loop")  # fmt: skip
+        print(
+            f"ring={ring} pipeline={pipeline}: {resource_usage(compiled)}; "
+            f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
+            f"{before_loop(sass)} before the loop"
+        )
         print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
 
 
@@ -114,8 +200,9 @@ def resource_usage(compiled) -> str:
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", str(cubin)], capture_output=True,
-                               text=True).stdout  # fmt: skip
+        usage = subprocess.run(
+            [str(_cuobjdump()), "--dump-resource-usage", str(cubin)], capture_output=True, text=True
+        ).stdout
     return " ".join(re.findall(r"REG:\d+|STACK:\d+|LOCAL:\d+", usage))
 
 
@@ -129,7 +216,9 @@ def sass_of(compiled) -> str:
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        done = subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True
+        )
         return done.stdout
 
 
@@ -193,8 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     ops = history_loop(sass)
     total = sum(ops.values())
     per_key = total * args.warps / args.block_n
-    print(f"history loop: {total} instructions per thread per {args.block_n}-key tile at {args.warps} warps "
-          f"= {per_key:.1f} warp-instructions per key")  # fmt: skip
+    print(
+        f"history loop: {total} instructions per thread per {args.block_n}-key tile at {args.warps} warps "
+        f"= {per_key:.1f} warp-instructions per key"
+    )
     print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
 
 

@@ -56,46 +56,79 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
-from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 import tune_decode as tune  # noqa: E402
+
+from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
 from oscar_hf.kernels.decode_launch import PRODUCTION_LAUNCH, LaunchVariant  # noqa: E402
 from oscar_hf.kernels.gluon_span_variant import REGISTERS, SpanVariant  # noqa: E402
 from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
 
-def full_call_rows(kernels, x: dict, scale: float, options: argparse.Namespace, variant: dict, span_variant,
-                   baseline: bool) -> list[dict]:
+def full_call_rows(
+    kernels, x: dict, scale: float, options: argparse.Namespace, variant: dict, span_variant, baseline: bool
+) -> list[dict]:
     """The whole decode call over all four tiers (the kernel benchmark's ``oscar_triton``): Triton's
     stage 1 throughout (``baseline``), then the span (``span_variant``) with the dense tiers in splits
     of each size."""
 
     tiers = [x[name] for name in TIER_NAMES]
-    want = kernels.decode_attention_reference(x["q"], kernels.DecodeTiers.from_flat(tiers, 2, 2), sm_scale=scale).float()
+    want = kernels.decode_attention_reference(
+        x["q"], kernels.DecodeTiers.from_flat(tiers, 2, 2), sm_scale=scale
+    ).float()
 
     def row(kernel: str, settled: bool = False, launch: LaunchVariant = PRODUCTION_LAUNCH, **extra) -> dict:
         def run():
-            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=settled,
-                                                   span_variant=span_variant, launch_variant=launch)  # fmt: skip
+            return kernels.decode_attention_triton(
+                x["q"],
+                *tiers,
+                None,
+                2,
+                2,
+                scale,
+                history_settled=settled,
+                span_variant=span_variant,
+                launch_variant=launch,
+            )
 
-        return {"batch": x["q"].shape[0], "kernel": kernel, "us": tune.time_graph(run),
-                "max_abs_error": (run().float() - want).abs().max().item(), **extra}  # fmt: skip
+        return {
+            "batch": x["q"].shape[0],
+            "kernel": kernel,
+            "us": tune.time_graph(run),
+            "max_abs_error": (run().float() - want).abs().max().item(),
+            **extra,
+        }
 
     rows = [row("triton, all tiers")] if baseline else []
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     for tokens, pdl, merge_tile, merge_warps, settled in itertools.product(
-        numbers(options.dense_split_tokens), numbers(options.pdl), numbers(options.merge_tiles),
-        numbers(options.merge_warps), numbers(options.settled),
-    ):  # fmt: skip
+        numbers(options.dense_split_tokens),
+        numbers(options.pdl),
+        numbers(options.merge_tiles),
+        numbers(options.merge_warps),
+        numbers(options.settled),
+    ):
         if settled and not pdl:
             continue  # a settled history changes nothing without programmatic launches
         if not 8 <= merge_tile // (32 * merge_warps) <= 128:
             continue  # floats a thread: more spill, fewer leave most lanes idle
-        launch = LaunchVariant(span_dense_split_tokens=tokens, merge_tile=merge_tile, merge_warps=merge_warps,
-                               programmatic=bool(pdl))  # fmt: skip
+        launch = LaunchVariant(
+            span_dense_split_tokens=tokens, merge_tile=merge_tile, merge_warps=merge_warps, programmatic=bool(pdl)
+        )
         kernel = "gluon, all tiers" + ("" if pdl else ", no PDL") + (", settled" if settled else "")
-        rows.append(row(kernel, bool(settled), launch, dense_split_tokens=tokens, merge_tile=merge_tile,
-                        merge_warps=merge_warps, **variant))  # fmt: skip
+        rows.append(
+            row(
+                kernel,
+                bool(settled),
+                launch,
+                dense_split_tokens=tokens,
+                merge_tile=merge_tile,
+                merge_warps=merge_warps,
+                **variant,
+            )
+        )
         print(rows[-1], flush=True)
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return rows
@@ -109,7 +142,10 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict, span_v
     k_codes, v_codes = x["k_codes"], x["v_codes"]
     rows = RowBuffer(*k_codes.shape[:2], (64,), torch.uint8, k_codes.device)
     rows.append(torch.cat([k_codes, v_codes], dim=-1))
-    layouts = {"two buffers": x, "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:])}
+    layouts = {
+        "two buffers": x,
+        "alternating rows": dict(x, k_codes=rows.view()[..., :32], v_codes=rows.view()[..., 32:]),
+    }
     batch, splits = x["q"].shape[0], tune.splits_for(span_variant.programs_per_sm(), x["q"].shape[0])
     tiers = kernels.DecodeTiers.from_flat([x[name] for name in TIER_NAMES], 2, 2)
     want = kernels.decode_attention_reference(x["q"], tiers, sm_scale=scale).float()
@@ -120,51 +156,93 @@ def alternating_rows(kernels, span, x: dict, scale: float, variant: dict, span_v
         tiers = [inputs[n] for n in TIER_NAMES]
 
         def alone():
-            return span.history_partials(inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True,
-                                         variant=span_variant)  # fmt: skip
+            return span.history_partials(
+                inputs["q"], *packed, sm_scale=scale, splits=splits, pipeline=True, variant=span_variant
+            )
 
         def call():
-            return kernels.decode_attention_triton(inputs["q"], *tiers, None, 2, 2, scale, history_settled=True,
-                                                   span_variant=span_variant)  # fmt: skip
+            return kernels.decode_attention_triton(
+                inputs["q"], *tiers, None, 2, 2, scale, history_settled=True, span_variant=span_variant
+            )
 
-        out.append({"batch": batch, "kernel": f"gluon, staged, {name}", **variant, "splits": splits,
-                    "us": tune.time_graph(alone), "max_abs_error": float("nan")})  # fmt: skip
-        out.append({"batch": batch, "kernel": f"gluon, all tiers, settled, {name}", **variant,
-                    "us": tune.time_graph(call), "max_abs_error": (call().float() - want).abs().max().item()})  # fmt: skip
+        out.append(
+            {
+                "batch": batch,
+                "kernel": f"gluon, staged, {name}",
+                **variant,
+                "splits": splits,
+                "us": tune.time_graph(alone),
+                "max_abs_error": float("nan"),
+            }
+        )
+        out.append(
+            {
+                "batch": batch,
+                "kernel": f"gluon, all tiers, settled, {name}",
+                **variant,
+                "us": tune.time_graph(call),
+                "max_abs_error": (call().float() - want).abs().max().item(),
+            }
+        )
         print(out[-2:], flush=True)
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return out
 
 
 @triton.jit
-def _merge_floor(PM, PL, PACC, O, o_st, n_slots, D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
-                 INTERPRETED: tl.constexpr, DEPENDENT: tl.constexpr):  # fmt: skip
+def _merge_floor(
+    PM,
+    PL,
+    PACC,
+    O,
+    o_st,
+    n_slots,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
     """The merge's launch, waits and stores without its loads and arithmetic (timing only)."""
     if DEPENDENT:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    tl.store(O + tl.program_id(0) * o_st[0] + tl.program_id(1) * o_st[1] + dims, tl.zeros([BLOCK_D], O.dtype.element_ty))
+    tl.store(
+        O + tl.program_id(0) * o_st[0] + tl.program_id(1) * o_st[1] + dims, tl.zeros([BLOCK_D], O.dtype.element_ty)
+    )
 
 
 def floor_rows(kernels, x: dict, scale: float) -> list[dict]:
     """The whole call (settled) as it is, with the dense tiers empty, with the merge's floor, and both."""
     empty = x["sink_k"][:, :, :0]
-    full, dense_empty = [x[name] for name in TIER_NAMES], [empty, empty, *(x[n] for n in TIER_NAMES[2:8]),
-                                                                 empty, empty, empty, empty]  # fmt: skip
+    full, dense_empty = (
+        [x[name] for name in TIER_NAMES],
+        [empty, empty, *(x[n] for n in TIER_NAMES[2:8]), empty, empty, empty, empty],
+    )
     os.environ["OSCAR_DECODE_HISTORY"] = "gluon"
     out = []
     for turn, (tiers_name, tiers), merge_name in itertools.product(
-        range(3), (("all tiers", full), ("dense tiers empty", dense_empty)), ("merge", "merge floor"),
-    ):  # fmt: skip
+        range(3),
+        (("all tiers", full), ("dense tiers empty", dense_empty)),
+        ("merge", "merge floor"),
+    ):
         launch = PRODUCTION_LAUNCH if merge_name == "merge" else LaunchVariant(merge_kernel=_merge_floor)
 
         def call():
-            return kernels.decode_attention_triton(x["q"], *tiers, None, 2, 2, scale, history_settled=True,
-                                                   launch_variant=launch)  # fmt: skip
+            return kernels.decode_attention_triton(
+                x["q"], *tiers, None, 2, 2, scale, history_settled=True, launch_variant=launch
+            )
 
-        out.append({"batch": x["q"].shape[0], "kernel": f"gluon, {tiers_name}, {merge_name}, settled (timing only)",
-                    "turn": turn, "us": tune.time_graph(call), "max_abs_error": float("nan")})  # fmt: skip
+        out.append(
+            {
+                "batch": x["q"].shape[0],
+                "kernel": f"gluon, {tiers_name}, {merge_name}, settled (timing only)",
+                "turn": turn,
+                "us": tune.time_graph(call),
+                "max_abs_error": float("nan"),
+            }
+        )
         print(out[-1], flush=True)
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"
     return out
@@ -178,23 +256,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--programs-per-sm", default="",  # at 128 registers 10-14 were slower than 16
-                        help="programs an SM for the span alone (default: as many as its registers fit)")
+    parser.add_argument(
+        "--programs-per-sm",
+        default="",  # at 128 registers 10-14 were slower than 16
+        help="programs an SM for the span alone (default: as many as its registers fit)",
+    )
     parser.add_argument("--registers", default=str(REGISTERS), help="register caps of the span to time")
-    parser.add_argument("--merge-tiles", default=str(PRODUCTION_LAUNCH.merge_tile),
-                        help="floats of a merge program's [slots, dims] tile, for the whole call")
-    parser.add_argument("--merge-warps", default=str(PRODUCTION_LAUNCH.merge_warps), help="warps of a merge program, for the whole call")
-    parser.add_argument("--dense-split-tokens", default="16,32",  # 64 and 256 were slower
-                        help="sizes of the dense tiers' splits beside the span, for the whole call")
+    parser.add_argument(
+        "--merge-tiles",
+        default=str(PRODUCTION_LAUNCH.merge_tile),
+        help="floats of a merge program's [slots, dims] tile, for the whole call",
+    )
+    parser.add_argument(
+        "--merge-warps", default=str(PRODUCTION_LAUNCH.merge_warps), help="warps of a merge program, for the whole call"
+    )
+    parser.add_argument(
+        "--dense-split-tokens",
+        default="16,32",  # 64 and 256 were slower
+        help="sizes of the dense tiers' splits beside the span, for the whole call",
+    )
     parser.add_argument("--pdl", default="1,0", help="whole calls with programmatic launches (1), without (0)")
     parser.add_argument("--settled", default="1,0", help="whole calls with history_settled=True (1), without (0)")
     parser.add_argument("--halves", default="1", help="tiles as two halves of 32 keys (1) or one of 64 (0)")
-    parser.add_argument("--alternating-rows", action="store_true",
-                        help="also time the span and the whole call with K's and V's code rows in one buffer")
-    parser.add_argument("--one-metadata-array", action="store_true",
-                        help="also time the staged span reading its four metadata vectors from one array")
-    parser.add_argument("--floors", action="store_true",
-                        help="time only the whole call, as it is and with the dense tiers and the merge trivial")
+    parser.add_argument(
+        "--alternating-rows",
+        action="store_true",
+        help="also time the span and the whole call with K's and V's code rows in one buffer",
+    )
+    parser.add_argument(
+        "--one-metadata-array",
+        action="store_true",
+        help="also time the staged span reading its four metadata vectors from one array",
+    )
+    parser.add_argument(
+        "--floors",
+        action="store_true",
+        help="time only the whole call, as it is and with the dense tiers and the merge trivial",
+    )
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
@@ -215,10 +313,18 @@ def main() -> None:
         want = kernels.decode_attention_reference(q, tiers, sm_scale=scale).float()
 
         def triton_run():
-            return kernels.decode_attention_triton(q, empty, empty, *packed, empty, empty, empty, empty, None, 2, 2, scale)
+            return kernels.decode_attention_triton(
+                q, empty, empty, *packed, empty, empty, empty, empty, None, 2, 2, scale
+            )
 
-        rows.append({"batch": batch, "kernel": "triton", "us": tune.time_graph(triton_run),
-                     "max_abs_error": (triton_run().float() - want).abs().max().item()})  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "kernel": "triton",
+                "us": tune.time_graph(triton_run),
+                "max_abs_error": (triton_run().float() - want).abs().max().item(),
+            }
+        )
         caps = numbers(options.registers)
         for index, (registers, halves) in enumerate(itertools.product(caps, numbers(options.halves))):
             variant = {"registers": registers, "halves": 2 if halves else 1}
@@ -228,40 +334,64 @@ def main() -> None:
                 splits = tune.splits_for(per_sm, batch)
 
                 def gluon_run():
-                    return span.history_partials(q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline,
-                                                 variant=span_variant)  # fmt: skip
+                    return span.history_partials(
+                        q, *packed, sm_scale=scale, splits=splits, pipeline=pipeline, variant=span_variant
+                    )
 
                 error = (span.merge_partials(*gluon_run()) - want).abs().max().item()
-                rows.append({"batch": batch, "kernel": "gluon, staged" if pipeline else "gluon", **variant,
-                             "programs_per_sm": per_sm, "splits": splits, "us": tune.time_graph(gluon_run),
-                             "max_abs_error": error})  # fmt: skip
+                rows.append(
+                    {
+                        "batch": batch,
+                        "kernel": "gluon, staged" if pipeline else "gluon",
+                        **variant,
+                        "programs_per_sm": per_sm,
+                        "splits": splits,
+                        "us": tune.time_graph(gluon_run),
+                        "max_abs_error": error,
+                    }
+                )
                 print(rows[-1], flush=True)
             if options.one_metadata_array:
                 aliased = [packed[0], packed[1], packed[1], packed[3], packed[1], packed[1]]  # k_scale four times
                 splits = tune.splits_for(span_variant.programs_per_sm(), batch)
 
                 def aliased_run():
-                    return span.history_partials(q, *aliased, sm_scale=scale, splits=splits, pipeline=True,
-                                                 variant=span_variant)  # fmt: skip
+                    return span.history_partials(
+                        q, *aliased, sm_scale=scale, splits=splits, pipeline=True, variant=span_variant
+                    )
 
-                rows.append({"batch": batch, "kernel": "gluon, staged, one metadata array (timing only)", **variant,
-                             "splits": splits, "us": tune.time_graph(aliased_run), "max_abs_error": float("nan")})
+                rows.append(
+                    {
+                        "batch": batch,
+                        "kernel": "gluon, staged, one metadata array (timing only)",
+                        **variant,
+                        "splits": splits,
+                        "us": tune.time_graph(aliased_run),
+                        "max_abs_error": float("nan"),
+                    }
+                )
                 print(rows[-1], flush=True)
             if options.alternating_rows:
                 rows += alternating_rows(kernels, span, x, scale, variant, span_variant)
             rows += full_call_rows(kernels, x, scale, options, variant, span_variant, baseline=index == 0)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "gluon_history_timing.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
-    lines = [f"Gluon history span vs Triton stage 1, {machine_line(info['machine'])}, {info['date']}", "",
-             f"`{info['command']}`", "",
-             "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
-             "merge warps | us | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Gluon history span vs Triton stage 1, {machine_line(info['machine'])}, {info['date']}",
+        "",
+        f"`{info['command']}`",
+        "",
+        "| batch | kernel | halves | registers | programs an SM | splits | dense split tokens | merge tile | "
+        "merge warps | us | max abs error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
-                     f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
-                     f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r.get('merge_warps', '')} | "
-                     f"{r['us']:.1f} | {r['max_abs_error']:.2e} |")  # fmt: skip
+        lines.append(
+            f"| {r['batch']} | {r['kernel']} | {r.get('halves', '')} | "
+            f"{r.get('registers', '')} | {r.get('programs_per_sm', '')} | {r.get('splits', '')} | "
+            f"{r.get('dense_split_tokens', '')} | {r.get('merge_tile', '')} | {r.get('merge_warps', '')} | "
+            f"{r['us']:.1f} | {r['max_abs_error']:.2e} |"
+        )
     (options.out / "gluon_history_timing.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -24,6 +24,7 @@ Writes ``timeline_decode.json``, ``.md`` and ``.png`` with the command, machine 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -31,9 +32,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
-from benchmarks.kernel import TIER_NAMES, oscar_triton, tiered_inputs  # noqa: E402
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 import tune_decode as tune  # noqa: E402
+
+from benchmarks.kernel import TIER_NAMES, oscar_triton, tiered_inputs  # noqa: E402
 from oscar_hf.kernels.gluon_span_variant import SpanVariant, programs_per_sm  # noqa: E402
 from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
 
@@ -54,8 +58,9 @@ def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
     for count in tiles:
         x = tiered_inputs(tune.CONFIG, DENSE_ROWS + count * splits * 64, batch, torch.device("cuda"), seed=0)
         packed = [x[name] for name in TIER_NAMES[2:8]]
-        span_us = tune.time_graph(lambda: span.history_partials(x["q"], *packed, sm_scale=scale, splits=splits,
-                                                                 pipeline=True))  # fmt: skip
+        span_us = tune.time_graph(
+            functools.partial(span.history_partials, x["q"], *packed, sm_scale=scale, splits=splits, pipeline=True)
+        )
         call_us = tune.time_graph(whole_call(x)) if count * splits * 64 >= splits * 256 else None
         rows.append({"batch": batch, "tiles": count, "splits": splits, "span_us": span_us, "call_us": call_us})
         print(rows[-1], flush=True)
@@ -110,18 +115,38 @@ def program_timeline(x: dict) -> dict:
         return {q: values.quantile(p).item() for q, p in (("p10", 0.1), ("median", 0.5), ("p90", 0.9), ("max", 1.0))}
 
     return {
-        "programs": len(records), "tiles_a_program": {"min": int(tiles.min()), "max": int(tiles.max())},
-        "sm_ghz": ghz, "window_us": (ended.max() - started.min()).item() / 1e3,
-        "start_us": us(started * ghz), "end_us": us(ended * ghz),
-        "waiting_us": us(c_waited - c_start), "q_prologue_us": us(c_q - c_waited),
-        "tile_us": us((c_loop - c_q) / tiles.clamp(min=1)), "epilogue_us": us(c_end - c_loop),
+        "programs": len(records),
+        "tiles_a_program": {"min": int(tiles.min()), "max": int(tiles.max())},
+        "sm_ghz": ghz,
+        "window_us": (ended.max() - started.min()).item() / 1e3,
+        "start_us": us(started * ghz),
+        "end_us": us(ended * ghz),
+        "waiting_us": us(c_waited - c_start),
+        "q_prologue_us": us(c_q - c_waited),
+        "tile_us": us((c_loop - c_q) / tiles.clamp(min=1)),
+        "epilogue_us": us(c_end - c_loop),
         "program_us": us(c_end - c_start),
         "by_warp_slot": by_warp_slot(slot, tiles, (c_loop - c_q) / ghz / 1e3, ended / 1e3),
-        "record_fields": ["sm", "warp_slot", "tiles", "launch", "start_ns", "end_ns", "cycles_start", "cycles_waited",
-                          "cycles_q", "cycles_loop", "cycles_end"],
-        "records": [[int(v) for v in row] for row in torch.stack(
-            [sm, slot, tiles, launch, started.long(), ended.long(), *(records[:, 3:] - records[:, 3:4]).T], 1).tolist()],
-    }  # fmt: skip
+        "record_fields": [
+            "sm",
+            "warp_slot",
+            "tiles",
+            "launch",
+            "start_ns",
+            "end_ns",
+            "cycles_start",
+            "cycles_waited",
+            "cycles_q",
+            "cycles_loop",
+            "cycles_end",
+        ],
+        "records": [
+            [int(v) for v in row]
+            for row in torch.stack(
+                [sm, slot, tiles, launch, started.long(), ended.long(), *(records[:, 3:] - records[:, 3:4]).T], 1
+            ).tolist()
+        ],
+    }
 
 
 def by_warp_slot(slot: torch.Tensor, tiles: torch.Tensor, loop_us: torch.Tensor, end_us: torch.Tensor) -> list[dict]:
@@ -131,10 +156,16 @@ def by_warp_slot(slot: torch.Tensor, tiles: torch.Tensor, loop_us: torch.Tensor,
     for quarter in range(int(slot.max()) // 4 + 1):
         chosen = slot // 4 == quarter
         if chosen.any():
-            out.append({"slots": f"{4 * quarter}-{4 * quarter + 3}", "programs": int(chosen.sum()),
-                        "tiles": tiles[chosen].double().median().item(),
-                        "tile_us": (loop_us[chosen] / tiles[chosen].clamp(min=1)).median().item(),
-                        "end_us": end_us[chosen].median().item(), "last_end_us": end_us[chosen].max().item()})  # fmt: skip
+            out.append(
+                {
+                    "slots": f"{4 * quarter}-{4 * quarter + 3}",
+                    "programs": int(chosen.sum()),
+                    "tiles": tiles[chosen].double().median().item(),
+                    "tile_us": (loop_us[chosen] / tiles[chosen].clamp(min=1)).median().item(),
+                    "end_us": end_us[chosen].median().item(),
+                    "last_end_us": end_us[chosen].max().item(),
+                }
+            )
     return out
 
 
@@ -161,11 +192,16 @@ def kernel_windows(x: dict) -> dict:
     middle = complete[1:-1] or complete
     if not middle:
         return {"calls": 0, "period_us": None}
-    out = {"calls": len(complete), "period_us": (complete[-1]["span"][0] - complete[0]["span"][0]) / max(1, len(complete) - 1)}
+    out = {
+        "calls": len(complete),
+        "period_us": (complete[-1]["span"][0] - complete[0]["span"][0]) / max(1, len(complete) - 1),
+    }
     for name in names.values():
-        out[name] = {"start_us": statistics.median(c[name][0] - c["span"][0] for c in middle),
-                     "end_us": statistics.median(c[name][1] - c["span"][0] for c in middle),
-                     "duration_us": statistics.median(c[name][1] - c[name][0] for c in middle)}  # fmt: skip
+        out[name] = {
+            "start_us": statistics.median(c[name][0] - c["span"][0] for c in middle),
+            "end_us": statistics.median(c[name][1] - c["span"][0] for c in middle),
+            "duration_us": statistics.median(c[name][1] - c[name][0] for c in middle),
+        }
     return out
 
 
@@ -185,19 +221,35 @@ def plot(result: dict, path: Path) -> None:
         row = sm + slot.setdefault(sm, 0) / 16
         slot[sm] += 1
         t0 = (started - first) / 1e3
-        phases = ((c_start, c_waited, "tab:gray"), (c_waited, c_q, "tab:orange"), (c_q, c_loop, "tab:blue"),
-                  (c_loop, c_end, "tab:red"))  # fmt: skip
+        phases = (
+            (c_start, c_waited, "tab:gray"),
+            (c_waited, c_q, "tab:orange"),
+            (c_q, c_loop, "tab:blue"),
+            (c_loop, c_end, "tab:red"),
+        )
         for a, b, colour in phases:
-            gantt.plot([t0 + (a - c_start) / ghz / 1e3, t0 + (b - c_start) / ghz / 1e3], [row, row], color=colour, lw=0.4)
+            gantt.plot(
+                [t0 + (a - c_start) / ghz / 1e3, t0 + (b - c_start) / ghz / 1e3], [row, row], color=colour, lw=0.4
+            )
     gantt.set_xlabel("us from the first program's start")
     gantt.set_ylabel("SM (16 program rows each)")
-    gantt.set_title(f"span programs, batch {result['batches'][0]['batch']}, {result['context'] // 1000}K: "
-                    "wait (grey), q (orange), tiles (blue), epilogue (red)", fontsize=9)  # fmt: skip
+    gantt.set_title(
+        f"span programs, batch {result['batches'][0]['batch']}, {result['context'] // 1000}K: "
+        "wait (grey), q (orange), tiles (blue), epilogue (red)",
+        fontsize=9,
+    )
     for batch in result["batches"]:
         rows = batch["tiles"]
-        fit.plot([r["tiles"] for r in rows], [r["span_us"] for r in rows], "o-", label=f"span alone, batch {batch['batch']}")
+        fit.plot(
+            [r["tiles"] for r in rows], [r["span_us"] for r in rows], "o-", label=f"span alone, batch {batch['batch']}"
+        )
         calls = [r for r in rows if r["call_us"] is not None]
-        fit.plot([r["tiles"] for r in calls], [r["call_us"] for r in calls], "s-", label=f"whole call, batch {batch['batch']}")
+        fit.plot(
+            [r["tiles"] for r in calls],
+            [r["call_us"] for r in calls],
+            "s-",
+            label=f"whole call, batch {batch['batch']}",
+        )
     fit.axhline(25, color="k", ls=":", lw=0.8, label="target at 100K, batch 1")
     fit.set_xlabel("tiles a program (64 keys each)")
     fit.set_ylabel("us (CUDA-graph replay, median)")
@@ -210,8 +262,12 @@ def plot(result: dict, path: Path) -> None:
 def markdown(result: dict) -> str:
     lines = [f"# {result['title']}", "", f"`{result['command']}`", ""]
     for batch in result["batches"]:
-        lines += [f"## Batch {batch['batch']}", "", "| tiles a program | splits | span alone us | whole call us |",
-                  "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"## Batch {batch['batch']}",
+            "",
+            "| tiles a program | splits | span alone us | whole call us |",
+            "|---|---|---|---|",
+        ]
         for r in batch["tiles"]:
             call = "" if r["call_us"] is None else f"{r['call_us']:.1f}"
             lines.append(f"| {r['tiles']} | {r['splits']} | {r['span_us']:.1f} | {call} |")
@@ -221,25 +277,44 @@ def markdown(result: dict) -> str:
                 lines.append(f"\n{name}: {fit['us_a_tile']:.2f} us a tile, {fit['fixed_us']:.1f} us fixed")
         p = batch["programs"]
         tiles = p["tiles_a_program"]
-        lines += ["", f"Span programs at {result['context'] // 1000}K ({p['programs']}, {tiles['min']}-{tiles['max']} tiles each, "
-                  f"SM clock {p['sm_ghz']:.2f} GHz): first start to last end {p['window_us']:.1f} us.", "",
-                  "| phase | p10 us | median us | p90 us | max us |", "|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"Span programs at {result['context'] // 1000}K ({p['programs']}, {tiles['min']}-{tiles['max']} tiles each, "
+            f"SM clock {p['sm_ghz']:.2f} GHz): first start to last end {p['window_us']:.1f} us.",
+            "",
+            "| phase | p10 us | median us | p90 us | max us |",
+            "|---|---|---|---|---|",
+        ]
         for phase in ("start_us", "end_us", "waiting_us", "q_prologue_us", "tile_us", "epilogue_us", "program_us"):
             v = p[phase]
             lines.append(f"| {phase[:-3]} | {v['p10']:.2f} | {v['median']:.2f} | {v['p90']:.2f} | {v['max']:.2f} |")
-        lines += ["", "By warp slot on the SM (medians; a warp scheduler issues for its lowest slots first):", "",
-                  "| slots | programs | tiles | us a tile | end us | last end us |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "By warp slot on the SM (medians; a warp scheduler issues for its lowest slots first):",
+            "",
+            "| slots | programs | tiles | us a tile | end us | last end us |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in p["by_warp_slot"]:
-            lines.append(f"| {r['slots']} | {r['programs']} | {r['tiles']:.0f} | {r['tile_us']:.2f} | {r['end_us']:.2f} | "
-                         f"{r['last_end_us']:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {r['slots']} | {r['programs']} | {r['tiles']:.0f} | {r['tile_us']:.2f} | {r['end_us']:.2f} | "
+                f"{r['last_end_us']:.2f} |"
+            )
         k = batch["kernels"]
         if not k["calls"]:
             lines += ["", "Kernels: the profiler traced none of the graph's kernels.", ""]
             continue
-        lines += ["", f"Kernels a call (profiler, {k['calls']} calls, period {k['period_us'] or float('nan'):.1f} us):", "",
-                  "| kernel | start us | end us | duration us |", "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"Kernels a call (profiler, {k['calls']} calls, period {k['period_us'] or float('nan'):.1f} us):",
+            "",
+            "| kernel | start us | end us | duration us |",
+            "|---|---|---|---|",
+        ]
         for name in ("span", "dense", "merge"):
-            lines.append(f"| {name} | {k[name]['start_us']:.1f} | {k[name]['end_us']:.1f} | {k[name]['duration_us']:.1f} |")
+            lines.append(
+                f"| {name} | {k[name]['start_us']:.1f} | {k[name]['end_us']:.1f} | {k[name]['duration_us']:.1f} |"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -253,16 +328,20 @@ def main() -> None:
     options = parser.parse_args()
     from oscar_hf.kernels import decode_history_gluon as span
 
-    result = {**provenance(command_line()), "context": options.context,
-              "batches": []}  # fmt: skip
+    result = {**provenance(command_line()), "context": options.context, "batches": []}
     result["title"] = f"Decode call timeline, {machine_line(result['machine'])}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])
         x = tiered_inputs(tune.CONFIG, options.context, batch, torch.device("cuda"), seed=0)
-        entry = {"batch": batch, "tiles": tiles, "call_us": tune.time_graph(whole_call(x)),
-                 "span_fit": line([(r["tiles"], r["span_us"]) for r in tiles]),
-                 "call_fit": line([(r["tiles"], r["call_us"]) for r in tiles if r["call_us"] is not None]),
-                 "programs": program_timeline(x), "kernels": kernel_windows(x)}  # fmt: skip
+        entry = {
+            "batch": batch,
+            "tiles": tiles,
+            "call_us": tune.time_graph(whole_call(x)),
+            "span_fit": line([(r["tiles"], r["span_us"]) for r in tiles]),
+            "call_fit": line([(r["tiles"], r["call_us"]) for r in tiles if r["call_us"] is not None]),
+            "programs": program_timeline(x),
+            "kernels": kernel_windows(x),
+        }
         result["batches"].append(entry)
         print({k: v for k, v in entry["programs"].items() if k != "records"}, entry["kernels"], flush=True)
     options.out.mkdir(parents=True, exist_ok=True)

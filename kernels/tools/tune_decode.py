@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))  # benchmarks; sibling tools sit beside this script
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2] / "eval")
+)  # benchmarks; sibling tools sit beside this script
 from benchmarks import REPO  # noqa: E402
 from benchmarks.kernel import TIER_NAMES, decode_kernels, dense_inputs, sdpa_bf16, tiered_inputs  # noqa: E402
 from benchmarks.timing import tensor_bytes  # noqa: E402
@@ -47,7 +49,9 @@ def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
     x = tiered_inputs(CONFIG, context, batch, device, seed=0)
     args, scale = [x["q"], *(x[name] for name in TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
     kernels = decode_kernels()
-    want = kernels.decode_attention_reference(args[0], kernels.DecodeTiers.from_flat(args[1:], 2, 2), sm_scale=scale).float()
+    want = kernels.decode_attention_reference(
+        args[0], kernels.DecodeTiers.from_flat(args[1:], 2, 2), sm_scale=scale
+    ).float()
     dense = dense_inputs(CONFIG, context, batch, device, seed=0)
     rows = []
     axes = (grid["block_n"], grid["warps"], grid["stages"], grid["programs_per_sm"])
@@ -80,16 +84,22 @@ def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
 def write(results: list[dict], out: Path, info: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_kernel_tuning.json").write_text(json.dumps({**info, "results": results}, indent=1))
-    lines = [f"Decode-attention tuning, {machine_line(info['machine'])}, {info['date']}", "",
-             f"`{info['command']}`", "",
-             "| batch | context | BF16 SDPA us | default us | best us | best setting | GB/s at best |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Decode-attention tuning, {machine_line(info['machine'])}, {info['date']}",
+        "",
+        f"`{info['command']}`",
+        "",
+        "| batch | context | BF16 SDPA us | default us | best us | best setting | GB/s at best |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         best = r["best"][0]
         setting = f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, splits {best['splits']}"
         bandwidth = r["int2_bytes"] / best["us"] / 1e3
-        lines.append(f"| {r['batch']} | {r['context']} | {r['sdpa_bf16_us']:.1f} | {r['default_us']:.1f} | "
-                     f"{best['us']:.1f} | {setting} | {bandwidth:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['sdpa_bf16_us']:.1f} | {r['default_us']:.1f} | "
+            f"{best['us']:.1f} | {setting} | {bandwidth:.0f} |"
+        )
     (out / "decode_kernel_tuning.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

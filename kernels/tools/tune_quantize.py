@@ -38,35 +38,67 @@ def sweep(context: int, kv_heads: int, head_dim: int, blocks: tuple[int, ...], w
     from oscar_hf.kernels.quantize import quantize_pack_many_triton
 
     sources = [(torch.randn(1, kv_heads, context, head_dim, device="cuda") * 3).bfloat16() for _ in range(2)]
-    destinations = [QuantizedRows(torch.empty(1, kv_heads, context, head_dim // 4, dtype=torch.uint8, device="cuda"),
-                                  *(torch.empty(1, kv_heads, context, 1, dtype=torch.bfloat16, device="cuda")
-                                    for _ in range(2))) for _ in range(2)]  # fmt: skip
+    destinations = [
+        QuantizedRows(
+            torch.empty(1, kv_heads, context, head_dim // 4, dtype=torch.uint8, device="cuda"),
+            *(torch.empty(1, kv_heads, context, 1, dtype=torch.bfloat16, device="cuda") for _ in range(2)),
+        )
+        for _ in range(2)
+    ]
     read_bytes = sum(s.numel() * s.element_size() for s in sources)
     rows = []
     for (clip_name, ratios), block, num_warps in itertools.product(CLIPS.items(), blocks, warps):
+
         def run():
-            quantize_pack_many_triton(sources, destinations, 2, head_dim, False, list(ratios), torch.bfloat16,
-                                      block_rows=block, num_warps=num_warps)
+            quantize_pack_many_triton(
+                sources,
+                destinations,
+                2,
+                head_dim,
+                False,
+                list(ratios),
+                torch.bfloat16,
+                block_rows=block,
+                num_warps=num_warps,
+            )
 
         run()
-        exact = all(torch.equal(d.codes, quantize(s, 2, head_dim, clip_ratio=r).codes)
-                    for s, d, r in zip(sources, destinations, ratios))  # fmt: skip
+        exact = all(
+            torch.equal(d.codes, quantize(s, 2, head_dim, clip_ratio=r).codes)
+            for s, d, r in zip(sources, destinations, ratios)
+        )
         us = triton.testing.do_bench(run, rep=100, return_mode="median") * 1e3
-        rows.append({"clip": clip_name, "block_rows": block, "num_warps": num_warps, "us": us,
-                     "gb_per_s": read_bytes / us / 1e3, "bit_exact": exact})  # fmt: skip
+        rows.append(
+            {
+                "clip": clip_name,
+                "block_rows": block,
+                "num_warps": num_warps,
+                "us": us,
+                "gb_per_s": read_bytes / us / 1e3,
+                "bit_exact": exact,
+            }
+        )
         print(f"clip {clip_name:12s} block {block:3d} warps {num_warps}: {us:9.1f} us  exact {exact}", flush=True)
     return rows
 
 
 def to_markdown(info: dict, rows: list[dict]) -> str:
-    lines = [f"Write-kernel tuning, {machine_line(info['machine'])}, {info['date']}", "",
-             f"`{info['command']}`", "",
-             f"One layer's K and V rows of a {info['context']}-token prefill (1 x {info['kv_heads']} KV heads x "
-             f"head_dim {info['head_dim']}, bf16) to INT2 in one launch; medians of do_bench.", "",
-             "| clip | block rows | warps | µs | GB/s read | bit-exact |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Write-kernel tuning, {machine_line(info['machine'])}, {info['date']}",
+        "",
+        f"`{info['command']}`",
+        "",
+        f"One layer's K and V rows of a {info['context']}-token prefill (1 x {info['kv_heads']} KV heads x "
+        f"head_dim {info['head_dim']}, bf16) to INT2 in one launch; medians of do_bench.",
+        "",
+        "| clip | block rows | warps | µs | GB/s read | bit-exact |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in sorted(rows, key=lambda r: (r["clip"], r["us"])):
-        lines.append(f"| {row['clip']} | {row['block_rows']} | {row['num_warps']} | {row['us']:.1f} | "
-                     f"{row['gb_per_s']:.0f} | {row['bit_exact']} |")  # fmt: skip
+        lines.append(
+            f"| {row['clip']} | {row['block_rows']} | {row['num_warps']} | {row['us']:.1f} | "
+            f"{row['gb_per_s']:.0f} | {row['bit_exact']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -80,8 +112,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     options = parser.parse_args()
     rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps)
-    info = {**provenance(command_line()), "context": options.context,
-            "kv_heads": options.kv_heads, "head_dim": options.head_dim}  # fmt: skip
+    info = {
+        **provenance(command_line()),
+        "context": options.context,
+        "kv_heads": options.kv_heads,
+        "head_dim": options.head_dim,
+    }
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "quantize_kernel_tuning.json").write_text(json.dumps({**info, "results": rows}, indent=1))
     (options.out / "quantize_kernel_tuning.md").write_text(to_markdown(info, rows))

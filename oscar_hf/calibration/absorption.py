@@ -33,8 +33,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.log import get_logger
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.rotations.rotation_set import RotationSet, per_query_head
 
 logger = get_logger(__name__)
@@ -160,7 +160,9 @@ def _check_foldable(module: nn.Module, layer_id: int, head_dim: int, kv_heads: i
     _check_linear(module.o_proj, f"{where} o_proj", in_features=query_heads * head_dim)
 
 
-def _check_linear(linear: nn.Module, where: str, out_features: int | None = None, in_features: int | None = None) -> None:
+def _check_linear(
+    linear: nn.Module, where: str, out_features: int | None = None, in_features: int | None = None
+) -> None:
     """Accept only a plain floating-point ``nn.Linear`` of the expected shape."""
     markers = [m for m in _QUANTIZATION_MARKERS if hasattr(linear, m) or hasattr(getattr(linear, "weight", None), m)]
     weight = getattr(linear, "weight", None)

@@ -20,11 +20,10 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import OscarCache
-
-from oscar_hf.core.layer import OscarLayer
-from oscar_hf.config import METHODS, OscarConfig
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
+from oscar_hf.config import METHODS, OscarConfig
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.rotations.rotation_set import RotationSet
 
 KEY_BITS, VALUE_BITS = 4, 1
@@ -80,8 +79,10 @@ def allocate_bits(
     layer_ids = [i for i, layer in enumerate(probe.layers) if isinstance(layer, OscarLayer)]
     most = len(layer_ids) // value_per_key
     if not 1 <= layers <= most:
-        raise ValueError(f"--allocate-bits takes 1 to {most} layers for this model's {len(layer_ids)} quantized layers "
-                         f"(4-bit keys in N, 1-bit values in {value_per_key}N), got {layers}")  # fmt: skip
+        raise ValueError(
+            f"--allocate-bits takes 1 to {most} layers for this model's {len(layer_ids)} quantized layers "
+            f"(4-bit keys in N, 1-bit values in {value_per_key}N), got {layers}"
+        )
     base_bits = (base.key.bits, base.value.bits)
 
     def widths(key_bits: dict[int, int], value_bits: dict[int, int]) -> RotationSet:
@@ -100,19 +101,33 @@ def allocate_bits(
     key_layers = sorted(sorted(layer_ids, key=lambda i: -key_gain[i])[:layers])
     value_layers = sorted(sorted(layer_ids, key=lambda i: value_cost[i])[: value_per_key * layers])
     allocated = widths(dict.fromkeys(key_layers, KEY_BITS), dict.fromkeys(value_layers, VALUE_BITS))
-    final = _mean_kl(model, tokens, {"allocated": OscarCache(model, base, rotations=allocated)}, context, base,
-                     progress)["allocated"]  # fmt: skip
-    scores = BitAllocation(baseline, key_gain, value_cost, key_layers, value_layers, final,
-                           (context - 1 - base.sink - base.recent) * len(batches), base_bits)  # fmt: skip
+    final = _mean_kl(
+        model, tokens, {"allocated": OscarCache(model, base, rotations=allocated)}, context, base, progress
+    )["allocated"]
+    scores = BitAllocation(
+        baseline,
+        key_gain,
+        value_cost,
+        key_layers,
+        value_layers,
+        final,
+        (context - 1 - base.sink - base.recent) * len(batches),
+        base_bits,
+    )
     return allocated, scores
 
 
 def value_layers_per_key_layer(base: OscarConfig) -> int:
     """How many 1-bit value layers pay for one 4-bit key layer at ``base``'s widths; raises for a base
     the trade does not fit."""
-    fits = (base.quantized and base.rotation == "calibrated" and base.layer_bits
-            and base.key.bits < KEY_BITS and base.value.bits > VALUE_BITS
-            and (KEY_BITS - base.key.bits) % (base.value.bits - VALUE_BITS) == 0)  # fmt: skip
+    fits = (
+        base.quantized
+        and base.rotation == "calibrated"
+        and base.layer_bits
+        and base.key.bits < KEY_BITS
+        and base.value.bits > VALUE_BITS
+        and (KEY_BITS - base.key.bits) % (base.value.bits - VALUE_BITS) == 0
+    )
     if not fits:
         widths = f"K{base.key.bits} V{base.value.bits}" if base.quantized else "unquantized"
         raise ValueError(
@@ -127,8 +142,10 @@ def _rows(batches: Sequence[torch.LongTensor], config: OscarConfig) -> tuple[tor
     """The rows cut to one length and joined into one sequence of whole windows, and that length."""
     context = min(b.shape[-1] for b in batches)
     if context <= config.sink + config.recent + 1:
-        raise ValueError(f"bit allocation needs calibration rows longer than sink + recent = "
-                         f"{config.sink + config.recent} tokens; the shortest has {context}")  # fmt: skip
+        raise ValueError(
+            f"bit allocation needs calibration rows longer than sink + recent = "
+            f"{config.sink + config.recent} tokens; the shortest has {context}"
+        )
     return torch.cat([b.reshape(-1)[:context] for b in batches]), context
 
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.calibration.covariances import LayerCovariances, observe_attention, rotations_from_covariances
-from oscar_hf.config import METHODS, OscarConfig
-from oscar_hf.rotations.rotation_set import RotationSet
 from oscar_hf.calibration.teacher_forcing import quantized_key_mask
+from oscar_hf.config import METHODS, OscarConfig
+from oscar_hf.core.quantize_jobs import roundtrip_rows
+from oscar_hf.rotations.rotation_set import RotationSet
 
 CLIP_GRID = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80, 0.75)
 VARIANTS = ("UHP", "HP")
@@ -102,7 +102,10 @@ class _Search:
             key_best = min(errors.key, key=errors.key.get)
             value_best = min(errors.value, key=errors.value.get)
             result[layer_id] = LayerChoice(
-                key_best[0], key_best[1], value_best[0], value_best[1],
+                key_best[0],
+                key_best[1],
+                value_best[0],
+                value_best[1],
                 {f"{f}@{r}": e / errors.reference for (f, r), e in errors.key.items()},
                 {f"{f}@{r}": e / errors.reference for (f, r), e in errors.value.items()},
             )

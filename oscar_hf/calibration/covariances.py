@@ -27,8 +27,8 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from oscar_hf.core.attention import swapped_attention
-from oscar_hf.model_info import full_attention_layer_ids
 from oscar_hf.log import get_logger
+from oscar_hf.model_info import full_attention_layer_ids
 from oscar_hf.rotations.rotation_set import RotationSet, rotation_from_covariance
 
 logger = get_logger(__name__)
@@ -267,12 +267,15 @@ def collect_covariances(
     for layer_sums in sums.values():
         layer_sums.finish_queries()
     observe_attention(
-        model, batches, lambda layer_id, q, k, v: sums[layer_id].add_values(k, v), "OSCAR calibration 2/2 (values)", progress
+        model,
+        batches,
+        lambda layer_id, q, k, v: sums[layer_id].add_values(k, v),
+        "OSCAR calibration 2/2 (values)",
+        progress,
     )
     covariances = {layer_id: sums[layer_id].result() for layer_id in sorted(sums)}
     logger.info("calibrated %d layers on %d tokens", len(covariances), next(iter(covariances.values())).tokens)
     return covariances
-
 
 
 def rotations_from_covariances(

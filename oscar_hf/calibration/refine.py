@@ -22,11 +22,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.calibration.covariances import observe_attention
-from oscar_hf.config import METHODS, OscarConfig, TensorQuantConfig
-from oscar_hf.rotations.rotation_set import RotationSet
 from oscar_hf.calibration.teacher_forcing import quantized_key_mask
+from oscar_hf.config import METHODS, OscarConfig, TensorQuantConfig
+from oscar_hf.core.quantize_jobs import roundtrip_rows
+from oscar_hf.rotations.rotation_set import RotationSet
 
 # Clip ratios tried around the starting one once a rotation is fitted (each costs one hard evaluation).
 CLIP_OFFSETS = (0.04, 0.02, 0.0, -0.02, -0.04, -0.06, -0.08)
@@ -192,8 +192,15 @@ class RefinedMatrix:
     error_after: float
 
 
-def _hard_error(kind: str, rows: AttentionRows, rotation: torch.Tensor, spec: TensorQuantConfig, ratio: float,
-                metadata_dtype: torch.dtype, reference) -> float:
+def _hard_error(
+    kind: str,
+    rows: AttentionRows,
+    rotation: torch.Tensor,
+    spec: TensorQuantConfig,
+    ratio: float,
+    metadata_dtype: torch.dtype,
+    reference,
+) -> float:
     quantize = lambda x: roundtrip_rows(x, replace(spec, clip_ratio=ratio), metadata_dtype)  # noqa: E731
     with torch.no_grad():
         return ERRORS[kind](rows, rotation, quantize, reference).item()
@@ -261,17 +268,26 @@ def refine_rotations(
     for layer_id in tqdm(sorted(captured), desc="OSCAR rotation refinement", unit="layer", disable=not progress):
         rows = captured[layer_id]
         k_start, v_start = rotations.key.get(layer_id, eye), rotations.value.get(layer_id, eye)
-        k_fit = refine_matrix("key", rows, k_start, rotations.key_clip.get(layer_id, config.key.clip_ratio), config, settings)
-        v_fit = refine_matrix("value", rows, v_start, rotations.value_clip.get(layer_id, config.value.clip_ratio),
-                              config, settings)
+        k_fit = refine_matrix(
+            "key", rows, k_start, rotations.key_clip.get(layer_id, config.key.clip_ratio), config, settings
+        )
+        v_fit = refine_matrix(
+            "value", rows, v_start, rotations.value_clip.get(layer_id, config.value.clip_ratio), config, settings
+        )
         key[layer_id], value[layer_id] = k_fit.rotation, v_fit.rotation
         key_clip[layer_id], value_clip[layer_id] = k_fit.clip_ratio, v_fit.clip_ratio
         fits[layer_id] = {"key": k_fit, "value": v_fit}
     refined = RotationSet(
-        head_dim=rotations.head_dim, key=key, value=value,
+        head_dim=rotations.head_dim,
+        key=key,
+        value=value,
         description=f"{rotations.description}; refined on the orthogonal group by attention-output error",
-        key_eigenvalues=rotations.key_eigenvalues, value_eigenvalues=rotations.value_eigenvalues,
-        key_clip=key_clip, value_clip=value_clip, key_bits=dict(rotations.key_bits),
-        value_bits=dict(rotations.value_bits), base_bits=rotations.base_bits,
+        key_eigenvalues=rotations.key_eigenvalues,
+        value_eigenvalues=rotations.value_eigenvalues,
+        key_clip=key_clip,
+        value_clip=value_clip,
+        key_bits=dict(rotations.key_bits),
+        value_bits=dict(rotations.value_bits),
+        base_bits=rotations.base_bits,
     )
     return refined, fits

@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from oscar_hf.config import OscarConfig
 from oscar_hf.core.attention import swapped_attention
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.config import OscarConfig
+from oscar_hf.core.layer import OscarLayer
 
 TEACHER_FORCED = "oscar_teacher_forced"
 _state: dict[str, object] = {}
@@ -76,15 +76,23 @@ def _teacher_forced_attention(module, query, key, value, attention_mask, scaling
     if prefill:
         # The prefill chunk attends to its own unquantized K/V, exactly as OscarCache's first chunk does.
         mask = None if attention_mask is None else attention_mask[..., :prefill, :prefill]
-        prefilled, _ = sdpa_attention_forward(module, query[:, :, :prefill], key[:, :, :prefill],
-                                              value[:, :, :prefill], mask, scaling=scaling, **kwargs)  # fmt: skip
+        prefilled, _ = sdpa_attention_forward(
+            module, query[:, :, :prefill], key[:, :, :prefill], value[:, :, :prefill], mask, scaling=scaling, **kwargs
+        )
         outputs.append(prefilled)
     outputs.append(_mixed_attention(layer, query[:, :, prefill:], key, value, prefill, prefill, scaling))
     return torch.cat(outputs, dim=1) if prefill else outputs[0], None
 
 
-def _mixed_attention(layer: OscarLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefill: int,
-                     first: int, scaling: float | None) -> torch.Tensor:  # fmt: skip
+def _mixed_attention(
+    layer: OscarLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefill: int,
+    first: int,
+    scaling: float | None,
+) -> torch.Tensor:
     """``[B, n, Hq, D]`` attention of the decoded queries at ``first..`` over the quantized and high-precision keys."""
     keys_hp, values_hp = layer.rotate_keys(key), layer.rotate_values(value)
     keys_q, values_q = layer.history_roundtrip(keys_hp, values_hp)
@@ -100,7 +108,10 @@ def _mixed_attention(layer: OscarLayer, query: torch.Tensor, key: torch.Tensor, 
     keys = torch.cat([keys_q, keys_hp], dim=2).float().repeat_interleave(groups, dim=1)
     values = torch.cat([values_q, values_hp], dim=2).float().repeat_interleave(groups, dim=1)
     output = torch.nn.functional.scaled_dot_product_attention(
-        layer.rotate_keys(query).float(), keys, values, attn_mask=mask,
+        layer.rotate_keys(query).float(),
+        keys,
+        values,
+        attn_mask=mask,
         scale=scaling if scaling is not None else head_dim**-0.5,
     )
     output = layer.unrotate_values(output.to(query.dtype))
@@ -189,8 +200,11 @@ def position_stats_of_caches(
     starts = window_starts(token_ids.numel(), context, windows)
     sums = {label: torch.zeros(3, context - 1, dtype=torch.float64) for label in caches}
     device = next(model.parameters()).device
-    bar = tqdm(total=len(starts) * (1 + sum(c.oscar_config.quantized for c in caches.values())),
-               desc="teacher-forced passes", disable=not progress)
+    bar = tqdm(
+        total=len(starts) * (1 + sum(c.oscar_config.quantized for c in caches.values())),
+        desc="teacher-forced passes",
+        disable=not progress,
+    )
     for start in starts:
         ids = token_ids[start : start + context][None].to(device)
         bar.set_postfix_str(f"window at {start}, none")

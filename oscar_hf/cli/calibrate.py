@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits
+from oscar_hf.calibration.clip_search import LayerChoice, search_layers
 from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
 from oscar_hf.calibration.data import calibration_batches, read_calibration_files
-from oscar_hf.calibration.clip_search import LayerChoice, search_layers
-from oscar_hf.config import K_CLIP, METHODS, V_CLIP
 from oscar_hf.calibration.refine import refine_rotations
-from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
+from oscar_hf.config import K_CLIP, METHODS, V_CLIP
 from oscar_hf.provenance import provenance
+from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
 
 # Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit
 # allocation scores its teacher-forced KL on them too (2 rows of 2048 tokens: 2 x 64 passes of ~20 s on CPU).
@@ -46,8 +46,14 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         recipe = _recipe(args, rotations, choices)
     allocation: BitAllocation | None = None
     if args.allocate_bits:
-        rotations, allocation = allocate_bits(model, _search_rows(batches), rotations, args.allocate_bits,
-                                              METHODS[args.allocate_for], progress=not args.json)  # fmt: skip
+        rotations, allocation = allocate_bits(
+            model,
+            _search_rows(batches),
+            rotations,
+            args.allocate_bits,
+            METHODS[args.allocate_for],
+            progress=not args.json,
+        )
     tokens = sum(b.numel() for b in batches)
     metadata = {
         "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
@@ -80,20 +86,25 @@ def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str])
         "per_layer": _per_layer(covariances, rotations, choices),
     }
     if allocation is not None:
-        summary["bit_allocation"] = {"method": args.allocate_for,
-                                     "key_4bit_layers": allocation.key_layers, "value_1bit_layers": allocation.value_layers,
-                                     "baseline_kl": round(allocation.baseline_kl, 6),
-                                     "allocated_kl": round(allocation.allocated_kl, 6)}  # fmt: skip
+        summary["bit_allocation"] = {
+            "method": args.allocate_for,
+            "key_4bit_layers": allocation.key_layers,
+            "value_1bit_layers": allocation.value_layers,
+            "baseline_kl": round(allocation.baseline_kl, 6),
+            "allocated_kl": round(allocation.allocated_kl, 6),
+        }
     return out, summary
 
 
-def _fit(args: argparse.Namespace, model, batches: list[torch.Tensor],
-         covariances: dict[int, LayerCovariances]) -> tuple[RotationSet, dict[int, LayerChoice]]:  # fmt: skip
+def _fit(
+    args: argparse.Namespace, model, batches: list[torch.Tensor], covariances: dict[int, LayerCovariances]
+) -> tuple[RotationSet, dict[int, LayerChoice]]:
     """The rotations (and clip ratios) of the recipe ``args`` ask for, and the clip search's choices."""
     if not args.clip_search:
         return rotations_from_covariances(covariances, args.objective, args.factors, args.per_head), {}
-    rotations, choices = search_layers(model, _search_rows(batches), covariances, progress=not args.json,
-                                       per_head=args.per_head)  # fmt: skip
+    rotations, choices = search_layers(
+        model, _search_rows(batches), covariances, progress=not args.json, per_head=args.per_head
+    )
     if args.refine:
         rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
     return rotations, choices
@@ -109,8 +120,10 @@ def _recipe(args: argparse.Namespace, rotations: RotationSet, choices: dict[int,
     }
     if choices:
         recipe["layer_choices"] = {
-            str(i): {"key": f"{c.key_factors}@{rotations.key_clip[i]}",
-                     "value": f"{c.value_factors}@{rotations.value_clip[i]}"}
+            str(i): {
+                "key": f"{c.key_factors}@{rotations.key_clip[i]}",
+                "value": f"{c.value_factors}@{rotations.value_clip[i]}",
+            }
             for i, c in choices.items()
         }
     return recipe
@@ -181,23 +194,36 @@ def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet,
         if layer_id in covariances:
             q_ratio, q_share = _spread(torch.linalg.eigvalsh(covariances[layer_id].query))
             s_ratio, _ = _spread(torch.linalg.eigvalsh(covariances[layer_id].value))
-            row |= {"c_q_condition": round(q_ratio, 1), "c_q_top_share": round(q_share, 3),
-                    "c_s_condition": round(s_ratio, 1)}
+            row |= {
+                "c_q_condition": round(q_ratio, 1),
+                "c_q_top_share": round(q_share, 3),
+                "c_s_condition": round(s_ratio, 1),
+            }
         if layer_id in choices:
             c = choices[layer_id]
             # The stored ratios: the search's, or those searched again after --refine.
-            row |= {"key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
-                    "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}"}
+            row |= {
+                "key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
+                "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}",
+            }
         if rotations.key_bits or rotations.value_bits:
             base_key, base_value = rotations.base_bits
-            row |= {"key_bits": rotations.key_bits.get(layer_id, base_key),
-                    "value_bits": rotations.value_bits.get(layer_id, base_value)}
+            row |= {
+                "key_bits": rotations.key_bits.get(layer_id, base_key),
+                "value_bits": rotations.value_bits.get(layer_id, base_value),
+            }
         rows.append(row)
     return rows
 
 
-_COLUMNS = {"layer": "layer", "c_q_condition": "C_Q eigenvalue max/min", "c_q_top_share": "C_Q top share",
-            "c_s_condition": "C_S max/min", "key": "K choice", "value": "V choice"}
+_COLUMNS = {
+    "layer": "layer",
+    "c_q_condition": "C_Q eigenvalue max/min",
+    "c_q_top_share": "C_Q top share",
+    "c_s_condition": "C_S max/min",
+    "key": "K choice",
+    "value": "V choice",
+}
 
 
 def format_summary(summary: dict) -> str:
@@ -215,6 +241,9 @@ def format_summary(summary: dict) -> str:
         lines.append(line + (f" | K{row['key_bits']} V{row['value_bits']}" if widths else ""))
     if "bit_allocation" in summary:
         a = summary["bit_allocation"]
-        lines += ["", f"4-bit keys in layers {a['key_4bit_layers']}, 1-bit values in layers {a['value_1bit_layers']}: "
-                      f"calibration KL of {a['method']} {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits"]
+        lines += [
+            "",
+            f"4-bit keys in layers {a['key_4bit_layers']}, 1-bit values in layers {a['value_1bit_layers']}: "
+            f"calibration KL of {a['method']} {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits",
+        ]
     return "\n".join(lines)

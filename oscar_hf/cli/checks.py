@@ -63,11 +63,13 @@ def methods(text: str) -> list[str]:
 
 def parsed(parse: Callable[[str], object]) -> Callable[[str], object]:
     """An argparse ``type`` that turns the parser's ValueError into a clean usage error."""
+
     def convert(text: str):
         try:
             return parse(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
+
     convert.__name__ = parse.__name__
     return convert
 
@@ -120,8 +122,9 @@ def check_ctx(ctx: int, chosen: list[str]) -> None:
     """A window must reach past the sink and recent window: only positions after it see quantized keys."""
     first = max(METHODS[m].sink + METHODS[m].recent for m in chosen)
     if ctx < first + 2:
-        raise ValueError(f"--ctx {ctx} leaves no position after the sink + recent window of {first} tokens: "
-                         f"use at least {first + 2}")
+        raise ValueError(
+            f"--ctx {ctx} leaves no position after the sink + recent window of {first} tokens: use at least {first + 2}"
+        )
 
 
 def check_tasks(tasks: list[str], task_dirs: list[str], folder: Path | None) -> None:

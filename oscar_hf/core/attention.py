@@ -15,15 +15,14 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import PreTrainedModel
-from transformers import AttentionInterface, AttentionMaskInterface
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.model_info import ATTENTION_NAME
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.step_guard import waiting_cache
+from oscar_hf.model_info import ATTENTION_NAME
 
 
 @torch.compiler.disable  # it reads the cache's state on the host; compiled layers break around it
@@ -78,8 +77,12 @@ def oscar_mask(**kwargs) -> torch.Tensor | None:
     recompile for each new length."""
     positions = kwargs.get("cache_position")  # transformers before 5.24 pass these, later ones q_length
     query_tokens = kwargs.get("q_length", None if positions is None else positions.shape[0])
-    if (query_tokens == 1 and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
-            and kwargs.get("mask_function", causal_mask_function) is causal_mask_function):  # fmt: skip
+    if (
+        query_tokens == 1
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+        and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+    ):
         return None
     return sdpa_mask(**kwargs)
 

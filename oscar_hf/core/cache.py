@@ -19,18 +19,19 @@ from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.memory import LayerMemory, MemoryReport
 from oscar_hf.core.models import load_config
-from oscar_hf.model_info import ATTENTION_NAME, full_attention_layer_ids, head_dim_of, kv_heads_of
 from oscar_hf.core.quantize_jobs import quantize_jobs
-from oscar_hf.rotations.resolve import ZOO_OPTIONS, resolve_rotations
-from oscar_hf.rotations.rotation_set import RotationSet, own_kv_heads, require_power_of_two
 from oscar_hf.core.step_guard import StepGuard
 from oscar_hf.core.step_replay import StaticDecoder
 from oscar_hf.log import get_logger, warning_once
+from oscar_hf.model_info import ATTENTION_NAME, full_attention_layer_ids, head_dim_of, kv_heads_of
+from oscar_hf.rotations.resolve import ZOO_OPTIONS, resolve_rotations
+from oscar_hf.rotations.rotation_set import RotationSet, own_kv_heads, require_power_of_two
 
 logger = get_logger(__name__)
 
 # Set on a model config by oscar_hf.calibration.absorption: the fingerprint of the R_V folded into its weights.
 ABSORBED_ATTRIBUTE = "oscar_absorbed_value_rotation"
+
 
 class OscarCache(StepGuard, FrozenLayouts, Cache):
     """A transformers ``Cache`` that stores the KV cache at ~2 bits per element with OSCAR rotations.
@@ -92,8 +93,9 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         # Set when an operation that reorders or rolls back the cache thaws it, or when freezing is
         # refused for good: plain generate stops freezing the cache until reset().
         self.stays_eager = False
-        layers = [self._layer(i, rotations, head_dim) if i in quantized_ids else layer
-                  for i, layer in enumerate(stock_layers)]  # fmt: skip
+        layers = [
+            self._layer(i, rotations, head_dim) if i in quantized_ids else layer for i, layer in enumerate(stock_layers)
+        ]
         check_bit_budget(self.oscar_config, [layers[i].config for i in quantized_ids])
         self._first_oscar_layer = quantized_ids[0]
         self.head_dim, self.layer_ids = head_dim, quantized_ids
@@ -104,9 +106,12 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
 
     def _layer(self, layer_id: int, rotations: RotationSet, head_dim: int) -> OscarLayer:
         config = self.oscar_config.for_layer(
-            rotations.key_clip.get(layer_id), rotations.value_clip.get(layer_id),
-            rotations.key_bits.get(layer_id), rotations.value_bits.get(layer_id), rotations.base_bits,
-        )  # fmt: skip
+            rotations.key_clip.get(layer_id),
+            rotations.value_clip.get(layer_id),
+            rotations.key_bits.get(layer_id),
+            rotations.value_bits.get(layer_id),
+            rotations.base_bits,
+        )
         config.validate(head_dim)
         key_rotation, value_rotation = rotations.for_layer(layer_id)
         if self.values_prerotated:
@@ -154,10 +159,13 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
                 "oscar_hf.load_rotations(path_or_hub_id), or build the cache with OscarCache.from_zoo(model, path)"
             )
         if rotations is not None and config.rotation != "calibrated":
-            logger.warning("method %r does not use calibrated rotations; the rotations passed are ignored", config.method)
+            logger.warning(
+                "method %r does not use calibrated rotations; the rotations passed are ignored", config.method
+            )
         absorbed = getattr(self.text_config, ABSORBED_ATTRIBUTE, None)
-        if absorbed is not None and (config.rotation != "calibrated" or rotations is None
-                                     or rotations.value_fingerprint() != absorbed):
+        if absorbed is not None and (
+            config.rotation != "calibrated" or rotations is None or rotations.value_fingerprint() != absorbed
+        ):
             raise ValueError(
                 "this model has R_V folded into its v_proj/o_proj weights; only a calibrated method with the "
                 "same rotations it was folded with can use it (or reload the model without absorption)"
@@ -181,8 +189,14 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         widths = rotations.key_bits or rotations.value_bits
         if widths and config.layer_bits and not config.takes_widths_for(rotations.base_bits):
             # The bundled sets carry an allocation for oscar-int2: other methods use them at their own widths.
-            logger.info("the rotations' per-layer bit widths were allocated for K%d V%d; method %r (K%d V%d) keeps "
-                        "its own widths", *rotations.base_bits, config.method, config.key.bits, config.value.bits)  # fmt: skip
+            logger.info(
+                "the rotations' per-layer bit widths were allocated for K%d V%d; method %r (K%d V%d) keeps "
+                "its own widths",
+                *rotations.base_bits,
+                config.method,
+                config.key.bits,
+                config.value.bits,
+            )
         return rotations
 
     # The cache's bookkeeping (Python ints, a context variable, host-side plans) runs eagerly under

@@ -10,10 +10,10 @@ import torch
 from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.layer_attention import allowed_keys
-from oscar_hf.model_info import ATTENTION_NAME, tensor_parallel_rank
 from oscar_hf.core.step_replay import StaticDecoder, compiles_layers, route_decode_steps
 from oscar_hf.core.storage import MAX_SLACK_ROWS
 from oscar_hf.log import get_logger
+from oscar_hf.model_info import ATTENTION_NAME, tensor_parallel_rank
 
 logger = get_logger(__name__)
 
@@ -22,8 +22,12 @@ class FrozenLayouts:
     """Freezing and thawing of :class:`~oscar_hf.core.cache.OscarCache` (a mixin: it reads the cache's
     ``layers``, ``static``, ``capacity``, ``decode_graphs``, ``stays_eager`` and ``step_decoder``)."""
 
-    def start_static(self, capacity: int | None = None, attention_mask: torch.Tensor | None = None,
-                     stay_eager_if_refused: bool = False) -> bool:  # fmt: skip
+    def start_static(
+        self,
+        capacity: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        stay_eager_if_refused: bool = False,
+    ) -> bool:
         """Freeze the cache for static decoding (CUDA-graph capture); False, with the reason logged, if it
         cannot be frozen yet or at all.
 
@@ -78,8 +82,9 @@ class FrozenLayouts:
             return
         self.static.advance()
 
-    def _freeze(self, capacity: int, attention_mask: torch.Tensor | None, replay: bool = False,
-                grows: bool = False) -> bool:  # fmt: skip
+    def _freeze(
+        self, capacity: int, attention_mask: torch.Tensor | None, replay: bool = False, grows: bool = False
+    ) -> bool:
         reason = static_unsupported(self)
         sink_mask = None
         if reason is None and attention_mask is not None:
@@ -129,7 +134,9 @@ def step_decoder_for(model, cache: FrozenLayouts) -> StaticDecoder | None:
     if tensor_parallel_rank(model) is not None:
         return None
     layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
-    if cuda and (reason := graphs_unsupported(layers, cache.head_dim)) is not None:  # the torch reference reads on the host
+    if (
+        cuda and (reason := graphs_unsupported(layers, cache.head_dim)) is not None
+    ):  # the torch reference reads on the host
         logger.debug("decoding eagerly: %s", reason)
         return None
     route_decode_steps(model)

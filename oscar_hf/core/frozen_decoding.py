@@ -75,8 +75,10 @@ class ReplayedCall:
         try:
             self.graph, self.output = captured(lambda: self.fn(*self.inputs), self.pool, self.stream)
         except RuntimeError as error:
-            raise RuntimeError("capturing an OscarCache decode call in a CUDA graph failed; "
-                               "OscarCache(..., decode_graphs=False) decodes without graphs") from error  # fmt: skip
+            raise RuntimeError(
+                "capturing an OscarCache decode call in a CUDA graph failed; "
+                "OscarCache(..., decode_graphs=False) decodes without graphs"
+            ) from error
 
 
 def captured(fn: Callable[[], Any], pool: tuple | None, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -124,8 +126,9 @@ class StaticDecoding:
     ``grows``: the owner grows a full cache (:meth:`OscarCache.freeze_for_decoding`) instead of raising.
     """
 
-    def __init__(self, cache: Cache, capacity: int, sink_mask: torch.Tensor | None, replay: bool = False,
-                 grows: bool = False):  # fmt: skip
+    def __init__(
+        self, cache: Cache, capacity: int, sink_mask: torch.Tensor | None, replay: bool = False, grows: bool = False
+    ):
         self.cache = cache
         self.grows = grows
         self.layers: list[CacheLayerMixin] = list(cache.layers)
@@ -167,17 +170,28 @@ class StaticDecoding:
         """One launch per quantization format over every layer's K (and V) ring."""
         jobs: dict[tuple, list] = {}
         for layer in self.layers:
-            pairs = ((layer.config.key, layer.recent_keys, layer.history_keys),
-                     (layer.config.value, layer.recent_values, layer.history_values))  # fmt: skip
+            pairs = (
+                (layer.config.key, layer.recent_keys, layer.history_keys),
+                (layer.config.value, layer.recent_values, layer.history_values),
+            )
             for spec, ring, history in pairs:
                 key = (spec.bits, spec.group_of(layer.head_dim), spec.symmetric)
                 jobs.setdefault(key, []).append((ring.data, history.whole(), spec.clip_ratio))
         metadata_dtype = self.cache.oscar_config.metadata_dtype
         return [
-            WindowQuantizer([j[0] for j in same], [j[1] for j in same], self.block, self.window, bits, group,
-                            symmetric=symmetric, clip_ratios=[j[2] for j in same], metadata_dtype=metadata_dtype)
+            WindowQuantizer(
+                [j[0] for j in same],
+                [j[1] for j in same],
+                self.block,
+                self.window,
+                bits,
+                group,
+                symmetric=symmetric,
+                clip_ratios=[j[2] for j in same],
+                metadata_dtype=metadata_dtype,
+            )
             for (bits, group, symmetric), same in jobs.items()
-        ]  # fmt: skip
+        ]
 
     @property
     def stored_length(self) -> int:
@@ -230,8 +244,14 @@ class StaticDecoding:
             return self._attend(layer, scaling, query, keys, values)
         return call(query, keys, values)
 
-    def _attend(self, layer: CacheLayerMixin, scaling: float | None, query: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self,
+        layer: CacheLayerMixin,
+        scaling: float | None,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
         query, keys, values = layer.rotate_step(query, keys, values, into_window=False)
         # the step's advance wrote history and lengths; rotate_step ran since, so they are settled
         return layer.decode_over(query, layer.decode_tiers(keys, values, self.sink_mask, self.lengths), scaling)

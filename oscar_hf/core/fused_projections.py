@@ -39,8 +39,9 @@ class StackedProjection(torch.nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.cat([linear.weight.detach() for linear in linears]), persistent=False)
         biases = [linear.bias for linear in linears]
-        self.register_buffer("bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]),
-                             persistent=False)  # fmt: skip
+        self.register_buffer(
+            "bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]), persistent=False
+        )
         self.bounds = [0]
         for linear in linears:
             self.bounds.append(self.bounds[-1] + linear.out_features)

@@ -65,8 +65,9 @@ def generate(
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     capacity = cache.capacity or _capacity(prompt, config, cache)
     compile = compiles_layers(model) if compile is None else compile
-    decoder = StaticDecoder(model, cache, capacity, capture=capture is not False, compile=compile,
-                            fuse_projections=fuse_projections)  # fmt: skip
+    decoder = StaticDecoder(
+        model, cache, capacity, capture=capture is not False, compile=compile, fuse_projections=fuse_projections
+    )
     route_decode_steps(model)
     previous, cache.step_decoder = cache.step_decoder, decoder
     try:

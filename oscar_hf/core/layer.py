@@ -241,14 +241,22 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
         batch, q_heads, _, head_dim = query.shape
         rotated_query = query.new_empty(batch, q_heads, head_dim)
         if into_window:
-            rotated_keys, rotated_values = self.recent_keys.extend(keys.shape[2]), self.recent_values.extend(keys.shape[2])
+            rotated_keys, rotated_values = (
+                self.recent_keys.extend(keys.shape[2]),
+                self.recent_values.extend(keys.shape[2]),
+            )
         else:
             rotated_keys, rotated_values = torch.empty_like(keys), torch.empty_like(values)
         # The kernel maps each row to its KV head's R itself, so per-head rotations go as [H_kv, D, D].
         key_rotation = self.rotation_for("key", query, identity=True, expand=False)
         value_rotation = self.rotation_for("value", query, identity=True, expand=False)
-        rotate_rows([(query, key_rotation, rotated_query), (keys, key_rotation, rotated_keys),
-                     (values, value_rotation, rotated_values)])  # fmt: skip
+        rotate_rows(
+            [
+                (query, key_rotation, rotated_query),
+                (keys, key_rotation, rotated_keys),
+                (values, value_rotation, rotated_values),
+            ]
+        )
         if into_window:
             return rotated_query, self._no_rows(keys), self._no_rows(values)
         return rotated_query, rotated_keys, rotated_values

@@ -50,8 +50,10 @@ class LayerAttention:
         transformers passes them to attention functions. ``[B, T, Hq, D]``."""
         if self.static is not None:  # a frozen cache: shape-stable, nothing read on the host
             if not plain_decode:
-                raise ValueError("static decoding computes plain softmax attention of one token (no soft-capping, "
-                                 "learned sinks or dropout)")  # fmt: skip
+                raise ValueError(
+                    "static decoding computes plain softmax attention of one token (no soft-capping, "
+                    "learned sinks or dropout)"
+                )
             return self.static.attend(self, query, kwargs.get("scaling"))
         new_keys, new_values, plan = self.begin_step(attention_mask)
         if plain_decode:
@@ -81,15 +83,32 @@ class LayerAttention:
         self.finish_step(new_keys, new_values, plan)
         return output
 
-    def decode_tiers(self, new_keys: torch.Tensor, new_values: torch.Tensor, key_mask: torch.Tensor | None = None,
-                     lengths: torch.Tensor | None = None) -> DecodeTiers:  # fmt: skip
+    def decode_tiers(
+        self,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> DecodeTiers:
         """The layer's tiers and the new rows as a decode step reads them: the stored rows, or with
         ``lengths`` (a frozen layer) every allocated row, whose valid ones the lengths say."""
         frozen = lengths is not None
         history_k, history_v = (h.whole() if frozen else h.packed() for h in (self.history_keys, self.history_values))
         recent_k, recent_v = (r.data if frozen else r.view() for r in (self.recent_keys, self.recent_values))
-        return DecodeTiers(self.sink_keys.view(), self.sink_values.view(), history_k, history_v, recent_k, recent_v,
-                           new_keys, new_values, self.config.key.bits, self.config.value.bits, key_mask, lengths)  # fmt: skip
+        return DecodeTiers(
+            self.sink_keys.view(),
+            self.sink_values.view(),
+            history_k,
+            history_v,
+            recent_k,
+            recent_v,
+            new_keys,
+            new_values,
+            self.config.key.bits,
+            self.config.value.bits,
+            key_mask,
+            lengths,
+        )
 
     def decode_over(self, query: torch.Tensor, tiers: DecodeTiers, scaling: float | None) -> torch.Tensor:
         """``[B, 1, Hq, D]``: the rotated ``query`` attends over ``tiers``, mapped back by R_V^T."""

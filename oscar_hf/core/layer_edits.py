@@ -41,8 +41,10 @@ class EditedLayer:
         """
         tokens_to_remove = operator.index(tokens_to_remove)
         if tokens_to_remove > 0 and not positive_crop_keeps_length():
-            raise ValueError(f"crop({tokens_to_remove}): transformers {transformers.__version__} takes a negative "
-                             "count of tokens to remove, as its own cache layers do")
+            raise ValueError(
+                f"crop({tokens_to_remove}): transformers {transformers.__version__} takes a negative "
+                "count of tokens to remove, as its own cache layers do"
+            )
         self._require_idle("crop")
         self._leave_static(stay_eager=True)
         length = self.get_seq_length()

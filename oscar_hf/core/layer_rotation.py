@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.rotations.rotation_set import per_query_head
 from oscar_hf.kernels.rotate import rotate_rows
+from oscar_hf.rotations.rotation_set import per_query_head
 
 
 def _rotate(states: torch.Tensor, rotation: torch.Tensor | None, heads_axis: int = 1) -> torch.Tensor:

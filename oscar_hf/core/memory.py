@@ -49,8 +49,12 @@ class LayerMemory:
     def in_bf16(self) -> "LayerMemory":
         """This layer with its windows (or dense K/V) held in BF16, as a GPU runs the model; codes and
         metadata keep their own formats."""
-        return replace(self, dtype_bytes=BF16_BYTES, sink_bytes=self.sink_bytes * BF16_BYTES // self.dtype_bytes,
-                       recent_bytes=self.recent_bytes * BF16_BYTES // self.dtype_bytes)
+        return replace(
+            self,
+            dtype_bytes=BF16_BYTES,
+            sink_bytes=self.sink_bytes * BF16_BYTES // self.dtype_bytes,
+            recent_bytes=self.recent_bytes * BF16_BYTES // self.dtype_bytes,
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -133,11 +137,16 @@ class MemoryReport:
         }
 
     def to_dict(self) -> dict:
-        return {**self.summary(), "layers": [asdict(layer) | {"total_bytes": layer.total_bytes} for layer in self.layers]}
+        return {
+            **self.summary(),
+            "layers": [asdict(layer) | {"total_bytes": layer.total_bytes} for layer in self.layers],
+        }
 
     def to_markdown(self) -> str:
         """A per-layer table followed by the totals."""
-        head = "| layer | kind | sink | history | recent | codes B | metadata B | sink B | recent B | total B | BF16 B |"
+        head = (
+            "| layer | kind | sink | history | recent | codes B | metadata B | sink B | recent B | total B | BF16 B |"
+        )
         rows = [head, "|" + "---|" * 11]
         for m in self.layers:
             rows.append(
@@ -164,21 +173,30 @@ class MemoryReport:
         text = f"{self.method}: {s['tokens']:,} tokens, {_mib(self.total_bytes)}"
         wide = {layer.dtype_bytes for layer in self.layers if layer.dtype_bytes != BF16_BYTES}
         if wide:  # a float32 model (the CPU default) stores its windows in float32
-            text += (f" with the model's float{8 * max(wide)} windows ({_mib(bf16.total_bytes)} with BF16 windows, "
-                     "as a bf16 model holds them)")
+            text += (
+                f" with the model's float{8 * max(wide)} windows ({_mib(bf16.total_bytes)} with BF16 windows, "
+                "as a bf16 model holds them)"
+            )
         if round(bf16.compression, 2) == 1:
             text += f": {bf16.bits_per_element:.2f} bits/element, as a BF16 DynamicCache."
         else:
-            text += (f": {bf16.bits_per_element:.2f} bits/element, {bf16.compression:.1f}x smaller than a BF16 "
-                     f"DynamicCache ({_mib(bf16.bf16_bytes)}).")
+            text += (
+                f": {bf16.bits_per_element:.2f} bits/element, {bf16.compression:.1f}x smaller than a BF16 "
+                f"DynamicCache ({_mib(bf16.bf16_bytes)})."
+            )
         quantized = [layer for layer in self.layers if layer.history_tokens]
         if quantized:
             windows = max(layer.sink_tokens + layer.recent_tokens for layer in quantized)
-            history_bits = 8 * sum(layer.code_bytes + layer.metadata_bytes for layer in quantized) / sum(
-                layer.history_tokens * layer.elements_per_token for layer in quantized)
-            text += (f"\n  {windows:,} of the {s['tokens']:,} tokens are the uncompressed sink and recent window; "
-                     f"the quantized history costs {history_bits:.2f} bits/element, so the cache approaches "
-                     f"{8 * BF16_BYTES / history_bits:.1f}x smaller than BF16 as the context grows.")
+            history_bits = (
+                8
+                * sum(layer.code_bytes + layer.metadata_bytes for layer in quantized)
+                / sum(layer.history_tokens * layer.elements_per_token for layer in quantized)
+            )
+            text += (
+                f"\n  {windows:,} of the {s['tokens']:,} tokens are the uncompressed sink and recent window; "
+                f"the quantized history costs {history_bits:.2f} bits/element, so the cache approaches "
+                f"{8 * BF16_BYTES / history_bits:.1f}x smaller than BF16 as the context grows."
+            )
         return text
 
 

@@ -105,7 +105,10 @@ def cache_dir() -> Path:
 
 # dtype names of the command line and lm-eval's model args; "auto" lets load_model choose.
 DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 
 

@@ -28,12 +28,19 @@ def quantize_jobs(jobs: list[QuantizeJob], metadata_dtype: torch.dtype) -> None:
     by_format: dict[tuple, list[QuantizeJob]] = {}
     for job in jobs:
         spec = job.spec
-        by_format.setdefault((spec.bits, spec.group_of(job.rows.shape[-1]), spec.symmetric, job.rows.shape), []).append(job)
+        by_format.setdefault((spec.bits, spec.group_of(job.rows.shape[-1]), spec.symmetric, job.rows.shape), []).append(
+            job
+        )
     for (bits, group, symmetric, _), same in by_format.items():
         quantize_pack_into(
-            [job.rows for job in same], [job.target for job in same], bits, group, symmetric=symmetric,
-            clip_ratios=[job.spec.clip_ratio for job in same], metadata_dtype=metadata_dtype,
-        )  # fmt: skip
+            [job.rows for job in same],
+            [job.target for job in same],
+            bits,
+            group,
+            symmetric=symmetric,
+            clip_ratios=[job.spec.clip_ratio for job in same],
+            metadata_dtype=metadata_dtype,
+        )
 
 
 def quantize_rows(rows: torch.Tensor, spec: TensorQuantConfig, metadata_dtype: torch.dtype) -> QuantizedRows:

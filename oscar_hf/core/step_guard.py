@@ -87,17 +87,23 @@ class StepGuard:
 
     def _check_step_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape != value_states.shape:
-            raise ValueError(f"key and value states differ in shape: {tuple(key_states.shape)} and {tuple(value_states.shape)}")
+            raise ValueError(
+                f"key and value states differ in shape: {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
         if key_states.shape[-1] != self.head_dim:
-            raise ValueError(f"this OscarCache was made for head_dim {self.head_dim}, but the model gives {key_states.shape[-1]}")
+            raise ValueError(
+                f"this OscarCache was made for head_dim {self.head_dim}, but the model gives {key_states.shape[-1]}"
+            )
         first = self.layers[self._first_oscar_layer]
         if first.is_initialized:
             given = (key_states.shape[0], key_states.shape[1], key_states.dtype, key_states.device)
             held = (first.sink_keys.data.shape[0], first.sink_keys.data.shape[1], first.dtype, first.device)
             for what, got, want in zip(("batch size", "KV heads", "dtype", "device"), given, held):
                 if got != want:
-                    raise ValueError(f"this OscarCache holds {what} {want}, but the step gives {got}; "
-                                     "use a fresh cache (or cache.reset()) for a different batch or model")  # fmt: skip
+                    raise ValueError(
+                        f"this OscarCache holds {what} {want}, but the step gives {got}; "
+                        "use a fresh cache (or cache.reset()) for a different batch or model"
+                    )
         if self.oscar_config.check_finite:
             check_finite_states(key_states, "key")
             check_finite_states(value_states, "value")
@@ -123,8 +129,10 @@ class StepGuard:
         """A layer raised during the step in progress: the layers before it have stored the step."""
         self._release_step()
         if self._step_open:
-            self._break(f"layer {layer_idx} raised {type(error).__name__} ({error}) after "
-                        f"{self._finished_layers} of {len(self.layer_ids)} quantized layers had stored the step")  # fmt: skip
+            self._break(
+                f"layer {layer_idx} raised {type(error).__name__} ({error}) after "
+                f"{self._finished_layers} of {len(self.layer_ids)} quantized layers had stored the step"
+            )
 
     def _fail_step(self, reason: str) -> None:
         self._release_step()
@@ -143,14 +151,20 @@ class StepGuard:
     def require_intact(self) -> None:
         """Raise if a failed step left the layers out of step (they cannot be trusted until ``reset()``)."""
         if self._step_open and any(getattr(layer, "has_pending", False) for layer in self.layers):
-            self._break("a forward pass gave OscarCache key/value states that no attention used: the model's "
-                        "attention must go through attn_implementation='oscar' for every layer")  # fmt: skip
+            self._break(
+                "a forward pass gave OscarCache key/value states that no attention used: the model's "
+                "attention must go through attn_implementation='oscar' for every layer"
+            )
         elif self._step_open:  # a step began and never finished: its error was raised elsewhere
-            self._break(f"a forward pass stopped after {self._finished_layers} of {len(self.layer_ids)} "
-                        "quantized layers had stored its tokens")  # fmt: skip
+            self._break(
+                f"a forward pass stopped after {self._finished_layers} of {len(self.layer_ids)} "
+                "quantized layers had stored its tokens"
+            )
         if self.broken is not None:
-            raise CacheBrokenError(f"this OscarCache cannot be used any more: {self.broken}. Call cache.reset() "
-                                   "(or make a new cache) and run the prompt again.")  # fmt: skip
+            raise CacheBrokenError(
+                f"this OscarCache cannot be used any more: {self.broken}. Call cache.reset() "
+                "(or make a new cache) and run the prompt again."
+            )
 
     def check_model(self, config: PretrainedConfig) -> None:
         """Refuse a model other than the one the cache was made for (its full-attention layers, head_dim
@@ -161,6 +175,8 @@ class StepGuard:
         ours = (self.layer_ids, self.head_dim, kv_heads_of(self.text_config))
         for what, got, want in zip(("full-attention layers", "head_dim", "KV heads"), theirs, ours):
             if got != want:
-                self._fail_step(f"this OscarCache was made for a model with {what} {want}, but is used with one "
-                                f"with {what} {got}; build the cache from this model")  # fmt: skip
+                self._fail_step(
+                    f"this OscarCache was made for a model with {what} {want}, but is used with one "
+                    f"with {what} {got}; build the cache from this model"
+                )
         self._model_checked = True

@@ -38,8 +38,17 @@ from oscar_hf.log import get_logger
 logger = get_logger(__name__)
 
 # Arguments generate passes to a decode step that the captured step reproduces (others go eager).
-_STEP_ARGUMENTS = {"input_ids", "attention_mask", "position_ids", "use_cache", "return_dict", "logits_to_keep",
-                   "past_key_values", "cache", "cache_position"}  # fmt: skip
+_STEP_ARGUMENTS = {
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "use_cache",
+    "return_dict",
+    "logits_to_keep",
+    "past_key_values",
+    "cache",
+    "cache_position",
+}
 
 
 class StaticDecoder:
@@ -172,8 +181,14 @@ class StaticDecoder:
         """Whether a step of these shapes ran in this process (its kernels compiled, the layers' code
         compiled, cuBLAS initialised), so that the first step can be captured at once; marks them as run."""
         static = self.cache.static
-        shapes = (tuple(self.input_ids.shape), static.sink_rows, static.history_capacity, static.sink_mask is None,
-                  self.compile, self.fuse_projections)  # fmt: skip
+        shapes = (
+            tuple(self.input_ids.shape),
+            static.sink_rows,
+            static.history_capacity,
+            static.sink_mask is None,
+            self.compile,
+            self.fuse_projections,
+        )
         seen = _warm_shapes.setdefault(self.model, set())
         if not self.capture or shapes not in seen:
             seen.add(shapes)
@@ -205,8 +220,14 @@ class StaticDecoder:
     def _run(self) -> torch.Tensor:
         """The step a graph captures: forward on the static inputs, then the next position."""
         with torch.no_grad(), self._compiled_layers():
-            output = self.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=True,
-                                        logits_to_keep=1, return_dict=True, **{self.keyword: self.cache})  # fmt: skip
+            output = self.eager_forward(
+                input_ids=self.input_ids,
+                position_ids=self.position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                return_dict=True,
+                **{self.keyword: self.cache},
+            )
         self.position_ids.add_(1)
         return output.logits
 
@@ -243,8 +264,10 @@ def _compile_mode(compile: bool | str) -> str | None:
     if isinstance(compile, bool):
         return None
     if compile not in COMPILE_MODES:
-        raise ValueError(f"compile={compile!r}: use True, False or one of {COMPILE_MODES} (modes that capture "
-                         "CUDA graphs themselves cannot run inside the step's graph)")  # fmt: skip
+        raise ValueError(
+            f"compile={compile!r}: use True, False or one of {COMPILE_MODES} (modes that capture "
+            "CUDA graphs themselves cannot run inside the step's graph)"
+        )
     return compile
 
 

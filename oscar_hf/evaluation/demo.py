@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from oscar_hf.core.cache import OscarCache
-from oscar_hf.model_info import head_dim_of
-from oscar_hf.core.compat import cache_keyword
 from oscar_hf.config import METHODS
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.memory import MemoryReport, bits_per_element
+from oscar_hf.model_info import head_dim_of
 from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 QUESTION = "According to the guide, what is the name of the lighthouse keeper's dog?"
@@ -49,7 +49,9 @@ def filled_context(tokenizer: PreTrainedTokenizerBase, tokens: int, text_file: P
 
 
 @torch.no_grad()
-def prefill_report(model: PreTrainedModel, input_ids: torch.Tensor, method: str, rotations: MethodRotations) -> MemoryReport:
+def prefill_report(
+    model: PreTrainedModel, input_ids: torch.Tensor, method: str, rotations: MethodRotations
+) -> MemoryReport:
     """Prefill ``input_ids`` into a fresh cache of ``method`` and return its memory report."""
     cache = OscarCache(model, method, rotations=rotations_for(rotations, method))
     model(input_ids.to(model.device), use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
@@ -147,19 +149,39 @@ class Demo:
     def memory_rows(self) -> list[dict]:
         """KV bytes per method with BF16 windows, as a GPU holds them: at this prompt (measured) and at
         PROJECTED_TOKENS (projected from the same layers)."""
-        rows = [{"tokens": self.prompt_tokens, "measured": True,
-                 "bytes": {run.method: run.memory.in_bf16().total_bytes for run in self.runs}}]
+        rows = [
+            {
+                "tokens": self.prompt_tokens,
+                "measured": True,
+                "bytes": {run.method: run.memory.in_bf16().total_bytes for run in self.runs},
+            }
+        ]
         for tokens in PROJECTED_TOKENS:
-            rows.append({"tokens": tokens, "measured": False, "bytes": {
-                run.method: run.memory.projected_bytes(METHODS[run.method], tokens, self.head_dim) for run in self.runs}})
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "measured": False,
+                    "bytes": {
+                        run.method: run.memory.projected_bytes(METHODS[run.method], tokens, self.head_dim)
+                        for run in self.runs
+                    },
+                }
+            )
         return rows
 
     def to_dict(self) -> dict:
         reference = self.runs[0].answer
-        return {"prompt_tokens": self.prompt_tokens, "device": self.device, "dtype": self.dtype,
-                "warmup_seconds": self.warmup_seconds, "kv_memory_bf16": self.memory_rows(),
-                "runs": [{**run.to_dict(), "same_answer_as_none": first_difference(reference, run.answer) is None}
-                         for run in self.runs]}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "device": self.device,
+            "dtype": self.dtype,
+            "warmup_seconds": self.warmup_seconds,
+            "kv_memory_bf16": self.memory_rows(),
+            "runs": [
+                {**run.to_dict(), "same_answer_as_none": first_difference(reference, run.answer) is None}
+                for run in self.runs
+            ],
+        }
 
 
 def run_demo(
@@ -187,8 +209,9 @@ def run_demo(
             warmup_seconds[method] = round(time.perf_counter() - start, 3)
     runs = [run_method(model, tokenizer, prompt, method, rotations, max_new_tokens) for method in methods]
     head_dim = head_dim_of(model)
-    return Demo(prompt.shape[1], head_dim, str(model.device), str(model.dtype).removeprefix("torch."), runs,
-                warmup_seconds)
+    return Demo(
+        prompt.shape[1], head_dim, str(model.device), str(model.dtype).removeprefix("torch."), runs, warmup_seconds
+    )
 
 
 def first_difference(reference: str, answer: str) -> tuple[int, str, str] | None:
@@ -214,9 +237,12 @@ def _answers(demo: Demo) -> list[str]:
         lines += [f"{run.method} ({_describe(run.method, demo.dtype)}):", f"  {' '.join(run.answer.split())}"]
         if run is not demo.runs[0]:
             difference = first_difference(reference, run.answer)
-            lines.append("  Same answer as none: yes." if difference is None else
-                         f'  Same answer as none: NO. Word {difference[0]} is "{difference[2]}" '
-                         f'where none says "{difference[1]}".')
+            lines.append(
+                "  Same answer as none: yes."
+                if difference is None
+                else f'  Same answer as none: NO. Word {difference[0]} is "{difference[2]}" '
+                f'where none says "{difference[1]}".'
+            )
     return lines
 
 
@@ -228,8 +254,10 @@ def _memory(demo: Demo) -> list[str]:
     rows = demo.memory_rows()
     labels = [f"{row['tokens']:,} tokens ({'this prompt' if row['measured'] else 'projected'})" for row in rows]
     width = max(map(len, labels)) + 2
-    lines = [f"KV-cache memory as a GPU holds it (BF16 windows; none = an uncompressed BF16 cache), head_dim {demo.head_dim}:",
-             f"  {'':<18}" + "".join(f"{label:<{width}}" for label in labels)]
+    lines = [
+        f"KV-cache memory as a GPU holds it (BF16 windows; none = an uncompressed BF16 cache), head_dim {demo.head_dim}:",
+        f"  {'':<18}" + "".join(f"{label:<{width}}" for label in labels),
+    ]
     for run in demo.runs:
         cells = []
         for row in rows:
@@ -247,36 +275,48 @@ def _head_dim_note(demo: Demo) -> list[str]:
     method = "oscar-int2" if "oscar-int2" in quantized else quantized[0]
     config, tokens = METHODS[method], PROJECTED_TOKENS[-1]
     here, wide = bits_per_element(config, tokens, demo.head_dim), bits_per_element(config, tokens, 128)
-    return [f"  Each quantized token carries a 16-bit scale and zero per head, spread over head_dim channels: at "
-            f"{tokens:,} tokens {method} takes {here:.2f} bits per element here (head_dim {demo.head_dim}) "
-            f"and {wide:.2f} at head_dim 128, {16 / wide:.1f}x smaller than BF16 (e.g. Qwen3-8B)."]
+    return [
+        f"  Each quantized token carries a 16-bit scale and zero per head, spread over head_dim channels: at "
+        f"{tokens:,} tokens {method} takes {here:.2f} bits per element here (head_dim {demo.head_dim}) "
+        f"and {wide:.2f} at head_dim 128, {16 / wide:.1f}x smaller than BF16 (e.g. Qwen3-8B)."
+    ]
 
 
 def _speed(demo: Demo) -> list[str]:
     if demo.warmup_seconds:
         warm = "; ".join(f"{m} {s:.1f} s" for m, s in demo.warmup_seconds.items())
-        lines = [f"Speed on {demo.device} ({demo.dtype}), after a warm-up run of each cache that compiled its "
-                 f"layers and kernels ({warm}):"]
+        lines = [
+            f"Speed on {demo.device} ({demo.dtype}), after a warm-up run of each cache that compiled its "
+            f"layers and kernels ({warm}):"
+        ]
     else:
         lines = [f"Speed on {demo.device} ({demo.dtype}):"]
     for run in demo.runs:
         setup = "" if run.setup_seconds is None else f", first decode step {run.setup_seconds:.2f} s"
-        decode = ("too few tokens to time decoding" if run.decode_tokens_per_second is None
-                  else f"{'then ' if setup else ''}decode {run.decode_tokens_per_second:.1f} tokens/s")
+        decode = (
+            "too few tokens to time decoding"
+            if run.decode_tokens_per_second is None
+            else f"{'then ' if setup else ''}decode {run.decode_tokens_per_second:.1f} tokens/s"
+        )
         lines.append(f"  {run.method:<18}prefill {run.prefill_seconds:.2f} s{setup}, {decode}")
     if demo.device.startswith("cuda"):
         lines.append("  (the first decode step of a new cache freezes it and captures the step in a CUDA graph)")
     elif any(METHODS[run.method].quantized for run in demo.runs):
-        lines.append("  On a CPU the quantized caches run the torch reference, which dequantizes the history at every "
-                     "step, so they decode slower than none; on a GPU the decode kernels read the packed history "
-                     "directly and attend faster than an uncompressed cache.")
+        lines.append(
+            "  On a CPU the quantized caches run the torch reference, which dequantizes the history at every "
+            "step, so they decode slower than none; on a GPU the decode kernels read the packed history "
+            "directly and attend faster than an uncompressed cache."
+        )
     return lines
 
 
 def format_demo(demo: Demo) -> str:
     """The demo as a short report: both answers and whether they agree, KV memory, speed."""
     window = METHODS["oscar-int2"]
-    head = [f"A {demo.prompt_tokens:,}-token prompt: a document, then this question. The answer is in the middle of "
-            f"the document; a 2-bit cache keeps only the first {window.sink} and last {window.recent} tokens "
-            "uncompressed.", f"  {QUESTION}"]
+    head = [
+        f"A {demo.prompt_tokens:,}-token prompt: a document, then this question. The answer is in the middle of "
+        f"the document; a 2-bit cache keeps only the first {window.sink} and last {window.recent} tokens "
+        "uncompressed.",
+        f"  {QUESTION}",
+    ]
     return "\n".join(head + [""] + _answers(demo) + [""] + _memory(demo) + [""] + _speed(demo))

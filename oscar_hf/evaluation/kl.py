@@ -9,13 +9,12 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import OscarCache
-
-from oscar_hf.core.layer import OscarLayer
-from oscar_hf.model_info import head_dim_of
-from oscar_hf.core.memory import mean_bits_per_element
-from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.core.layer import OscarLayer
+from oscar_hf.core.memory import mean_bits_per_element
+from oscar_hf.model_info import head_dim_of
+from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 
 @dataclass
@@ -70,7 +69,9 @@ def evaluate_caches(
     if first >= context - 1:
         raise ValueError(f"context {context} leaves no position after sink + recent = {first}")
     if any((c.oscar_config.sink, c.oscar_config.recent) != (config.sink, config.recent) for c in caches.values()):
-        raise ValueError("all compared caches must use the same sink and recent window, so they score the same positions")
+        raise ValueError(
+            "all compared caches must use the same sink and recent window, so they score the same positions"
+        )
     stats, starts = position_stats_of_caches(model, token_ids, caches, context, windows, progress)
     head_dim = head_dim_of(next(iter(caches.values())).text_config)
     return [
@@ -101,5 +102,7 @@ def _score(method: str, stats: torch.Tensor, windows: int, bpe: float) -> Method
 def scores_to_markdown(scores: Sequence[MethodScore]) -> str:
     rows = ["| method | BPE | perplexity | KL from none (nats) | top-1 agreement |", "|---|---|---|---|---|"]
     for s in scores:
-        rows.append(f"| {s.method} | {s.bits_per_element:.2f} | {s.perplexity:.3f} | {s.kl_from_none:.4f} | {s.top1_agreement:.3f} |")
+        rows.append(
+            f"| {s.method} | {s.bits_per_element:.2f} | {s.perplexity:.3f} | {s.kl_from_none:.4f} | {s.top1_agreement:.3f} |"
+        )
     return "\n".join(rows)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.core.cache import OscarCache
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
+from oscar_hf.core.cache import OscarCache
 from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.provenance import machine_line, provenance_line
 from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
@@ -53,8 +53,15 @@ def buckets(stats: torch.Tensor, width: int) -> list[dict]:
     for start in range(0, positions, width):
         chunk = stats[:, start : start + width]
         nll, kl, top1 = chunk.mean(dim=1).tolist()
-        out.append({"start": start, "end": start + chunk.shape[1], "kl": round(kl, 6),
-                    "top1_agreement": round(top1, 4), "perplexity": round(math.exp(nll), 4)})
+        out.append(
+            {
+                "start": start,
+                "end": start + chunk.shape[1],
+                "kl": round(kl, 6),
+                "top1_agreement": round(top1, 4),
+                "perplexity": round(math.exp(nll), 4),
+            }
+        )
     return out
 
 
@@ -65,8 +72,12 @@ def at_contexts(stats: torch.Tensor, first: int, contexts: Sequence[int]) -> dic
         if not first < c - 1 <= stats.shape[1]:
             continue
         nll, kl, top1 = stats[:, first : c - 1].mean(dim=1).tolist()
-        out[str(c)] = {"kl": round(kl, 6), "top1_agreement": round(top1, 4), "perplexity": round(math.exp(nll), 4),
-                       "positions": c - 1 - first}
+        out[str(c)] = {
+            "kl": round(kl, 6),
+            "top1_agreement": round(top1, 4),
+            "perplexity": round(math.exp(nll), 4),
+            "positions": c - 1 - first,
+        }
     return out
 
 
@@ -99,22 +110,41 @@ def _nats(x: float) -> str:
 def kl_curve_markdown(result: dict) -> str:
     methods = result["methods"]
     contexts = list(next(iter(result["at_context"].values())))
-    rows = [f"Mean KL(p_BF16 || p_method) in nats over positions {result['first_scored']}..C-2 "
-            "(what `eval kl --ctx C` scores), by context C (top-1 agreement in brackets):", "",
-            "| method | " + " | ".join(tokens_label(int(c)) for c in contexts) + " |", "|---|" + "---|" * len(contexts)]
+    rows = [
+        f"Mean KL(p_BF16 || p_method) in nats over positions {result['first_scored']}..C-2 "
+        "(what `eval kl --ctx C` scores), by context C (top-1 agreement in brackets):",
+        "",
+        "| method | " + " | ".join(tokens_label(int(c)) for c in contexts) + " |",
+        "|---|" + "---|" * len(contexts),
+    ]
     for m in methods:
         cells = result["at_context"][m]
-        rows.append(f"| {m} | " + " | ".join(f"{_nats(cells[c]['kl'])} ({cells[c]['top1_agreement']:.3f})" for c in contexts) + " |")
+        rows.append(
+            f"| {m} | "
+            + " | ".join(f"{_nats(cells[c]['kl'])} ({cells[c]['top1_agreement']:.3f})" for c in contexts)
+            + " |"
+        )
     curve = result["curves"][methods[0]]
-    rows += ["", f"Per bucket of {result['bucket']} positions (KL in nats; position p sees p + 1 tokens):", "",
-             "| positions | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    rows += [
+        "",
+        f"Per bucket of {result['bucket']} positions (KL in nats; position p sees p + 1 tokens):",
+        "",
+        "| positions | " + " | ".join(methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
     for i, b in enumerate(curve):
-        rows.append(f"| {b['start']}-{b['end'] - 1} | " + " | ".join(_nats(result['curves'][m][i]['kl']) for m in methods) + " |")
-    meta = (f"\n\n{provenance_line(result)}, "
-            f"{result['seconds']} s; model {result['model']}, text {result['text']} ({result['text_tokens']} tokens), "
-            f"{len(result['window_starts'])} window(s) of {result['ctx']} tokens at {result['window_starts']}, "
-            "teacher-forced with the step-by-step decoding schedule; positions before "
-            f"{result['first_scored']} (sink + recent) see no quantized key.")
+        rows.append(
+            f"| {b['start']}-{b['end'] - 1} | "
+            + " | ".join(_nats(result["curves"][m][i]["kl"]) for m in methods)
+            + " |"
+        )
+    meta = (
+        f"\n\n{provenance_line(result)}, "
+        f"{result['seconds']} s; model {result['model']}, text {result['text']} ({result['text_tokens']} tokens), "
+        f"{len(result['window_starts'])} window(s) of {result['ctx']} tokens at {result['window_starts']}, "
+        "teacher-forced with the step-by-step decoding schedule; positions before "
+        f"{result['first_scored']} (sink + recent) see no quantized key."
+    )
     return "\n".join(rows) + meta + "\n"
 
 
@@ -141,8 +171,11 @@ def plot_kl_curve(result: dict, path: Path) -> None:
     ax_kl.set_ylabel("KL(p_BF16 || p_method), nats (log)")
     ax_top1.set_ylabel("top-1 agreement with BF16")
     ax_kl.legend(fontsize=8)
-    fig.suptitle(f"KL from BF16 vs context, {result['model']} on {Path(result['text']).name}\n"
-                 f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}", fontsize=8)
+    fig.suptitle(
+        f"KL from BF16 vs context, {result['model']} on {Path(result['text']).name}\n"
+        f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -38,14 +38,14 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.models.utils_hf import stop_sequences_criteria
 
+from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
+from oscar_hf.config import METHODS
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.config import METHODS
-from oscar_hf.log import get_logger
 from oscar_hf.core.models import DTYPES, load_model
-from oscar_hf.rotations.rotation_set import RotationSet
-from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
+from oscar_hf.log import get_logger
 from oscar_hf.rotations.resolve import resolve_rotations
+from oscar_hf.rotations.rotation_set import RotationSet
 
 logger = get_logger(__name__)
 
@@ -72,10 +72,10 @@ class StopAfterThinking(transformers.StoppingCriteria):
     def _found_marker(self, row: torch.Tensor) -> bool:
         if isinstance(self.think_end, int):
             return int(row[-1]) == self.think_end
-        return self.think_end in self.tokenizer.decode(row[-self.marker_lookback:])
+        return self.think_end in self.tokenizer.decode(row[-self.marker_lookback :])
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        generated = input_ids[:, self.prompt_length:]
+        generated = input_ids[:, self.prompt_length :]
         for i in range(generated.shape[0]):
             if self.done[i] or generated.shape[1] == 0:
                 continue
@@ -125,8 +125,10 @@ class OscarLM(HFLM):
         elif tokenizer is None:
             raise ValueError("pass tokenizer= together with an already loaded model")
         if pretrained.config._attn_implementation != "oscar":
-            logger.warning("the model runs attn_implementation=%r, not 'oscar'; OscarCache then hands it "
-                           "dequantized copies", pretrained.config._attn_implementation)
+            logger.warning(
+                "the model runs attn_implementation=%r, not 'oscar'; OscarCache then hands it dequantized copies",
+                pretrained.config._attn_implementation,
+            )
         if isinstance(think_end_token, str) and think_end_token.isdigit():
             think_end_token = int(think_end_token)
         super().__init__(pretrained=pretrained, tokenizer=tokenizer, think_end_token=think_end_token, **kwargs)
@@ -135,8 +137,13 @@ class OscarLM(HFLM):
         self.gen_cap = int(max_gen_toks) if max_gen_toks else None
         self.rotations = self._resolve_rotations(rotations)
         self.caches_created = 0
-        logger.info("lm-eval model 'oscar': method=%s sink=%d recent=%d keyword=%s", method, self.sink,
-                    self.recent, cache_keyword(self.model))
+        logger.info(
+            "lm-eval model 'oscar': method=%s sink=%d recent=%d keyword=%s",
+            method,
+            self.sink,
+            self.recent,
+            cache_keyword(self.model),
+        )
 
     def _resolve_rotations(self, rotations: RotationSet | str | None) -> RotationSet | None:
         """None for methods without calibrated rotations; else ``rotations`` (a set, a directory or a hub
@@ -219,4 +226,3 @@ class OscarLM(HFLM):
             "oscar_sink": self.sink,
             "oscar_recent": self.recent,
         }
-

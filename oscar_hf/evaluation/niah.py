@@ -25,9 +25,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from oscar_hf.core.models import model_context
 from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.log import get_logger
-from oscar_hf.core.models import model_context
 from oscar_hf.provenance import machine_line, provenance_line
 from oscar_hf.rotations.rotation_set import MethodRotations
 
@@ -46,12 +46,56 @@ QUESTION = "What is the special magic number for {key} mentioned in the provided
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 
 CITIES = (
-    "Amsterdam", "Athens", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota", "Boston", "Brussels",
-    "Budapest", "Buenos Aires", "Cairo", "Cape Town", "Chicago", "Copenhagen", "Dakar", "Dublin",
-    "Edinburgh", "Helsinki", "Istanbul", "Jakarta", "Kyoto", "Lagos", "Lima", "Lisbon", "London",
-    "Madrid", "Manila", "Melbourne", "Mexico City", "Montreal", "Moscow", "Mumbai", "Nairobi",
-    "Oslo", "Paris", "Prague", "Reykjavik", "Rome", "Santiago", "Seoul", "Singapore", "Stockholm",
-    "Sydney", "Tokyo", "Toronto", "Vancouver", "Vienna", "Warsaw", "Zurich",
+    "Amsterdam",
+    "Athens",
+    "Bangkok",
+    "Barcelona",
+    "Beijing",
+    "Berlin",
+    "Bogota",
+    "Boston",
+    "Brussels",
+    "Budapest",
+    "Buenos Aires",
+    "Cairo",
+    "Cape Town",
+    "Chicago",
+    "Copenhagen",
+    "Dakar",
+    "Dublin",
+    "Edinburgh",
+    "Helsinki",
+    "Istanbul",
+    "Jakarta",
+    "Kyoto",
+    "Lagos",
+    "Lima",
+    "Lisbon",
+    "London",
+    "Madrid",
+    "Manila",
+    "Melbourne",
+    "Mexico City",
+    "Montreal",
+    "Moscow",
+    "Mumbai",
+    "Nairobi",
+    "Oslo",
+    "Paris",
+    "Prague",
+    "Reykjavik",
+    "Rome",
+    "Santiago",
+    "Seoul",
+    "Singapore",
+    "Stockholm",
+    "Sydney",
+    "Tokyo",
+    "Toronto",
+    "Vancouver",
+    "Vienna",
+    "Warsaw",
+    "Zurich",
 )
 _PLACEHOLDER = "\x00HAYSTACK\x00"
 _SENTENCE_END = re.compile(r"[.!?]['\")\]]*\s*$")
@@ -102,8 +146,9 @@ def haystack_files(data_dir: Path | None, haystack: str = "essays") -> list[Path
     if haystack not in HAYSTACKS:
         raise NeedleError(f"unknown haystack {haystack!r}; choose from {sorted(HAYSTACKS)}")
     if data_dir is None:
-        raise NeedleError("no data directory: pass --data-dir or set $OSCAR_HF_DATA_DIR "
-                          f"(the folder holding {HAYSTACKS[haystack]}/)")
+        raise NeedleError(
+            f"no data directory: pass --data-dir or set $OSCAR_HF_DATA_DIR (the folder holding {HAYSTACKS[haystack]}/)"
+        )
     folder = Path(data_dir) / HAYSTACKS[haystack]
     files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
     if not files:
@@ -193,8 +238,9 @@ def build_prompt(
     needle_ids = encode(tokenizer, " " + NEEDLE.format(key=needle.key, value=needle.value))
     room = length - len(before) - len(after) - len(needle_ids)
     if room < 1:
-        raise NeedleError(f"length {length} is too short: instruction, needle and question alone take "
-                          f"{length - room} tokens")
+        raise NeedleError(
+            f"length {length} is too short: instruction, needle and question alone take {length - room} tokens"
+        )
     offset = haystack.sentence_start(random.Random(f"haystack-{seed}").randrange(len(haystack)))
     ids, ends = haystack.window(offset, room)
     cut = round(depth / 100 * room)
@@ -207,9 +253,15 @@ def build_prompt(
     assert len(input_ids) == length, (len(input_ids), length)
     start = len(before) + cut
     return NeedlePrompt(
-        input_ids=input_ids, needle=needle, length=length, depth=depth,
-        needle_start=start, needle_end=start + len(needle_ids),
-        haystack_start=len(before), haystack_end=length - len(after), seed=seed,
+        input_ids=input_ids,
+        needle=needle,
+        length=length,
+        depth=depth,
+        needle_start=start,
+        needle_end=start + len(needle_ids),
+        haystack_start=len(before),
+        haystack_end=length - len(after),
+        seed=seed,
     )
 
 
@@ -284,8 +336,10 @@ def check_lengths(lengths: Sequence[int], context: int | None, max_new_tokens: i
         return
     too_long = [n for n in lengths if n + max_new_tokens > context]
     if too_long:
-        raise NeedleError(f"length(s) {too_long} plus {max_new_tokens} new tokens exceed the model's context of "
-                          f"{context} tokens; the longest prompt that fits is {context - max_new_tokens}")
+        raise NeedleError(
+            f"length(s) {too_long} plus {max_new_tokens} new tokens exceed the model's context of "
+            f"{context} tokens; the longest prompt that fits is {context - max_new_tokens}"
+        )
 
 
 @torch.no_grad()
@@ -318,13 +372,28 @@ def run_niah(
                     run = run_method(model, tokenizer, ids, method, rotations, max_new_tokens)
                     extracted = extract_number(run.answer)
                     trial = Trial(
-                        method=method, length=length, depth=depth, seed=seed, key=prompt.needle.key,
-                        expected=prompt.needle.value, answer=run.answer, extracted=extracted,
-                        correct=is_correct(run.answer, prompt.needle), needle_position=prompt.needle_start,
-                        actual_depth=round(prompt.actual_depth, 2), prefill_seconds=run.prefill_seconds,
+                        method=method,
+                        length=length,
+                        depth=depth,
+                        seed=seed,
+                        key=prompt.needle.key,
+                        expected=prompt.needle.value,
+                        answer=run.answer,
+                        extracted=extracted,
+                        correct=is_correct(run.answer, prompt.needle),
+                        needle_position=prompt.needle_start,
+                        actual_depth=round(prompt.actual_depth, 2),
+                        prefill_seconds=run.prefill_seconds,
                     )
-                    logger.info("%s length %d depth %g seed %d: %r (%s)", method, length, depth, seed, run.answer,
-                                "correct" if trial.correct else f"expected {prompt.needle.value}")
+                    logger.info(
+                        "%s length %d depth %g seed %d: %r (%s)",
+                        method,
+                        length,
+                        depth,
+                        seed,
+                        run.answer,
+                        "correct" if trial.correct else f"expected {prompt.needle.value}",
+                    )
                     trials.append(trial)
                     bar.update()
     bar.close()
@@ -370,22 +439,32 @@ def niah_result(trials: Sequence[Trial], meta: dict, settings: dict) -> dict:
 def niah_markdown(result: dict) -> str:
     methods, lengths, depths = result["methods"], result["lengths"], result["depths"]
     head = "| method | " + " | ".join(f"{tokens_label(n)} ({n} tokens)" for n in lengths) + " | all |"
-    rows = ["Accuracy (exact match of the 7-digit number), all depths and needles:", "", head,
-            "|---|" + "---|" * (len(lengths) + 1)]
+    rows = [
+        "Accuracy (exact match of the 7-digit number), all depths and needles:",
+        "",
+        head,
+        "|---|" + "---|" * (len(lengths) + 1),
+    ]
     for m in methods:
         s = result["summary"][m]
         rows.append(f"| {m} | " + " | ".join(f"{s[str(n)]:.2f}" for n in lengths) + f" | {s['all']:.2f} |")
-    rows += ["", "Per depth (rows: method and length; columns: needle depth in % of the haystack):", "",
-             "| method | length | " + " | ".join(f"{d:g}%" for d in depths) + " |",
-             "|---|---|" + "---|" * len(depths)]
+    rows += [
+        "",
+        "Per depth (rows: method and length; columns: needle depth in % of the haystack):",
+        "",
+        "| method | length | " + " | ".join(f"{d:g}%" for d in depths) + " |",
+        "|---|---|" + "---|" * len(depths),
+    ]
     for m in methods:
         for n in lengths:
             cell = result["accuracy"][m][str(n)]
             rows.append(f"| {m} | {tokens_label(n)} | " + " | ".join(f"{cell[f'{d:g}']:.2f}" for d in depths) + " |")
-    meta = (f"\n\n{provenance_line(result)}, "
-            f"{result['seconds']} s; model {result['model']}, haystack: {result['haystack']}, "
-            f"{len(result['seeds'])} needle(s) per cell (seeds {result['seeds']}), greedy, "
-            f"{result['max_new_tokens']} new tokens, chat template: {result['chat']}.")
+    meta = (
+        f"\n\n{provenance_line(result)}, "
+        f"{result['seconds']} s; model {result['model']}, haystack: {result['haystack']}, "
+        f"{len(result['seeds'])} needle(s) per cell (seeds {result['seeds']}), greedy, "
+        f"{result['max_new_tokens']} new tokens, chat template: {result['chat']}."
+    )
     return "\n".join(rows) + meta + "\n"
 
 
@@ -400,8 +479,13 @@ def plot_niah(result: dict, path: Path) -> None:
     methods, lengths, depths = result["methods"], result["lengths"], result["depths"]
     cols = min(3, len(methods))
     rows = -(-len(methods) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1, 0.4 * len(depths) * rows + 1.4 * rows + 1),
-                             squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(3.4 * cols + 1, 0.4 * len(depths) * rows + 1.4 * rows + 1),
+        squeeze=False,
+        layout="constrained",
+    )
     image = None
     for ax, method in zip(axes.flat, methods):
         grid = np.array([[result["accuracy"][method][str(n)][f"{d:g}"] for n in lengths] for d in depths])
@@ -415,10 +499,13 @@ def plot_niah(result: dict, path: Path) -> None:
         ax.set_xlabel("prompt length (tokens)")
         if ax in axes[:, 0]:
             ax.set_ylabel("needle depth (% of haystack)")
-    for ax in list(axes.flat)[len(methods):]:
+    for ax in list(axes.flat)[len(methods) :]:
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-    fig.suptitle(f"Needle in a haystack, {result['model']}: {len(result['seeds'])} needle(s) per cell\n"
-                 f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}", fontsize=8)
+    fig.suptitle(
+        f"Needle in a haystack, {result['model']}: {len(result['seeds'])} needle(s) per cell\n"
+        f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}",
+        fontsize=8,
+    )
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -35,10 +35,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from oscar_hf.core.cache import OscarCache
-from oscar_hf.log import get_logger
-from oscar_hf.evaluation.niah import NUMBER, NeedlePrompt, encode, extract_number
 from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
+from oscar_hf.core.cache import OscarCache
+from oscar_hf.evaluation.niah import NUMBER, NeedlePrompt, encode, extract_number
+from oscar_hf.log import get_logger
 
 logger = get_logger(__name__)
 
@@ -64,8 +64,9 @@ def eos_ids(model: PreTrainedModel) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-def step(walk: GreedyWalk, greedy: Sequence[int], tokenizer: PreTrainedTokenizerBase, stop: set[int],
-         max_new_tokens: int) -> None:  # fmt: skip
+def step(
+    walk: GreedyWalk, greedy: Sequence[int], tokenizer: PreTrainedTokenizerBase, stop: set[int], max_new_tokens: int
+) -> None:
     """Advance ``walk`` by one verified pass: ``greedy[j]`` is the argmax after ``prompt + draft[:j]``.
 
     Sets ``correct`` when the answer is decided, else the next ``draft`` (see the module docstring).
@@ -93,8 +94,9 @@ def step(walk: GreedyWalk, greedy: Sequence[int], tokenizer: PreTrainedTokenizer
     walk.draft = (generated + encode(tokenizer, continuation))[:max_new_tokens]
 
 
-def _verify(model: PreTrainedModel, cache: OscarCache, batch: list[GreedyWalk], first: bool,
-            device: torch.device) -> tuple[torch.Tensor, list[list[int]]]:  # fmt: skip
+def _verify(
+    model: PreTrainedModel, cache: OscarCache, batch: list[GreedyWalk], first: bool, device: torch.device
+) -> tuple[torch.Tensor, list[list[int]]]:
     """One pass over the batch's drafts: log-probabilities and ``greedy[row][j]``, the argmax before ``draft[j]``.
 
     A first pass prefills the prompts and keeps each undecided row's prompt K/V; a later pass runs
@@ -107,11 +109,14 @@ def _verify(model: PreTrainedModel, cache: OscarCache, batch: list[GreedyWalk], 
         logits = teacher_forced_logits(model, ids, cache, prompt_length, draft_length + 1, past)
         past.crop(-draft_length)
         for row, walk in enumerate(batch):
-            walk.prefix = [(layer.keys[row : row + 1].clone(), layer.values[row : row + 1].clone()) for layer in past.layers]
+            walk.prefix = [
+                (layer.keys[row : row + 1].clone(), layer.values[row : row + 1].clone()) for layer in past.layers
+            ]
     else:
         for index in range(len(batch[0].prefix)):
-            past.update(torch.cat([w.prefix[index][0] for w in batch]), torch.cat([w.prefix[index][1] for w in batch]),
-                        index)  # fmt: skip
+            past.update(
+                torch.cat([w.prefix[index][0] for w in batch]), torch.cat([w.prefix[index][1] for w in batch]), index
+            )
         ids = torch.tensor([w.draft for w in batch], device=device)
         logits = teacher_forced_logits(model, ids, cache, prompt_length, past_key_values=past)
         logits = torch.cat([logits[:, :1], logits], dim=1)  # position 0: the verified first token's placeholder
@@ -203,19 +208,41 @@ def score_prompts(
             chosen = [p for p in prompts if p.length == length]
             walks = [GreedyWalk(p.input_ids, p.needle.value, encode(tokenizer, " " + p.needle.value)) for p in chosen]
             started = time.perf_counter()
-            score_walks(model, tokenizer, walks, cache, max_new_tokens, batch_size, progress,
-                        f"needles {label} at {length} tokens")  # fmt: skip
+            score_walks(
+                model,
+                tokenizer,
+                walks,
+                cache,
+                max_new_tokens,
+                batch_size,
+                progress,
+                f"needles {label} at {length} tokens",
+            )
             seconds[label][length] = round(time.perf_counter() - started, 2)
             for prompt, walk in zip(chosen, walks):
                 trial = ForcedTrial(
-                    recipe=label, length=length, depth=prompt.depth, seed=prompt.seed, expected=prompt.needle.value,
-                    correct=bool(walk.correct), answer_logprob=round(walk.answer_logprob, 4),
-                    answer=tokenizer.decode(walk.answer, skip_special_tokens=True), passes=walk.passes,
-                    needle_position=prompt.needle_start, actual_depth=round(prompt.actual_depth, 2),
-                )  # fmt: skip
-                logger.info("%s length %d depth %g seed %d: %r, log p %.2f (%s)", label, length, prompt.depth,
-                            prompt.seed, trial.answer, trial.answer_logprob,
-                            "correct" if trial.correct else f"expected {trial.expected}")  # fmt: skip
+                    recipe=label,
+                    length=length,
+                    depth=prompt.depth,
+                    seed=prompt.seed,
+                    expected=prompt.needle.value,
+                    correct=bool(walk.correct),
+                    answer_logprob=round(walk.answer_logprob, 4),
+                    answer=tokenizer.decode(walk.answer, skip_special_tokens=True),
+                    passes=walk.passes,
+                    needle_position=prompt.needle_start,
+                    actual_depth=round(prompt.actual_depth, 2),
+                )
+                logger.info(
+                    "%s length %d depth %g seed %d: %r, log p %.2f (%s)",
+                    label,
+                    length,
+                    prompt.depth,
+                    prompt.seed,
+                    trial.answer,
+                    trial.answer_logprob,
+                    "correct" if trial.correct else f"expected {trial.expected}",
+                )
                 trials.append(trial)
     return trials, seconds
 
@@ -227,8 +254,11 @@ def needle_summary(trials: Sequence[ForcedTrial]) -> dict[str, dict]:
     """
 
     def aggregate(group: list[ForcedTrial]) -> dict:
-        return {"exact_match": round(sum(t.correct for t in group) / len(group), 4),
-                "answer_logprob": round(sum(t.answer_logprob for t in group) / len(group), 4), "trials": len(group)}
+        return {
+            "exact_match": round(sum(t.correct for t in group) / len(group), 4),
+            "answer_logprob": round(sum(t.answer_logprob for t in group) / len(group), 4),
+            "trials": len(group),
+        }
 
     out: dict[str, dict] = {}
     for recipe in dict.fromkeys(t.recipe for t in trials):
@@ -237,8 +267,10 @@ def needle_summary(trials: Sequence[ForcedTrial]) -> dict[str, dict]:
         out[recipe] = {
             "by_length": {str(n): aggregate([t for t in mine if t.length == n]) for n in lengths},
             "by_depth": {
-                str(n): {f"{d:g}": aggregate([t for t in mine if t.length == n and t.depth == d])["exact_match"]
-                         for d in sorted({t.depth for t in mine})}
+                str(n): {
+                    f"{d:g}": aggregate([t for t in mine if t.length == n and t.depth == d])["exact_match"]
+                    for d in sorted({t.depth for t in mine})
+                }
                 for n in lengths
             },
             "all": aggregate(mine),

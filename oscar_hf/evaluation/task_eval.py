@@ -23,11 +23,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from oscar_hf.config import METHODS
-from oscar_hf.log import get_logger
 from oscar_hf.core.memory import bits_per_element
+from oscar_hf.log import get_logger
 from oscar_hf.model_info import head_dim_of
-from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 from oscar_hf.provenance import machine_line
+from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 logger = get_logger(__name__)
 
@@ -110,11 +110,17 @@ def run_one(lm, spec, lm_eval_task: str, task_manager, key: RunKey, limit: int |
         bootstrap_iters=0,
     )
     elapsed = time.time() - start
-    metrics = {k: v for k, v in output["results"][lm_eval_task].items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics = {
+        k: v
+        for k, v in output["results"][lm_eval_task].items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     filter_name = spec.metric.split(",")[1] if "," in spec.metric else "none"
-    samples = [_sample_record(spec, s) for s in output.get("samples", {}).get(lm_eval_task, [])
-               if s.get("filter", "none") == filter_name]
+    samples = [
+        _sample_record(spec, s)
+        for s in output.get("samples", {}).get(lm_eval_task, [])
+        if s.get("filter", "none") == filter_name
+    ]
     score = metrics.get(spec.metric)
     if score is None:
         raise KeyError(f"task {key.task}: metric {spec.metric!r} not in lm-eval's results {sorted(metrics)}")
@@ -172,9 +178,16 @@ def run_tasks(
     out_dir = Path(out_dir)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     gen_kwargs = generation_kwargs(max_gen_toks, temperature)
-    settings = {"limit": limit, "max_gen_toks": max_gen_toks, "temperature": temperature, "sink": sink,
-                "recent": recent, "batch_size": batch_size, "think_end_token": think_end_token,
-                "data_dir": str(data_dir) if data_dir else None}
+    settings = {
+        "limit": limit,
+        "max_gen_toks": max_gen_toks,
+        "temperature": temperature,
+        "sink": sink,
+        "recent": recent,
+        "batch_size": batch_size,
+        "think_end_token": think_end_token,
+        "data_dir": str(data_dir) if data_dir else None,
+    }
     keys = [RunKey(m, t, s) for m in methods for t in tasks for s in range(seeds)]
     todo = [k for k in keys if not run_path(out_dir, k).exists()]
     _check_resumable(out_dir, [k for k in keys if k not in todo], settings)
@@ -190,19 +203,36 @@ def run_tasks(
             if key.method not in wrappers:
                 wrappers.clear()  # one wrapper at a time around the one model
                 wrappers[key.method] = OscarLM(
-                    pretrained=model, tokenizer=tokenizer, method=key.method, rotations=rotations_for(rotations, key.method), sink=sink,
-                    recent=recent, max_gen_toks=max_gen_toks, batch_size=batch_size, think_end_token=think_end_token,
+                    pretrained=model,
+                    tokenizer=tokenizer,
+                    method=key.method,
+                    rotations=rotations_for(rotations, key.method),
+                    sink=sink,
+                    recent=recent,
+                    max_gen_toks=max_gen_toks,
+                    batch_size=batch_size,
+                    think_end_token=think_end_token,
                 )
-            record = run_one(wrappers[key.method], specs[key.task], names[key.task], task_manager, key, limit, gen_kwargs)
+            record = run_one(
+                wrappers[key.method], specs[key.task], names[key.task], task_manager, key, limit, gen_kwargs
+            )
             record.update({"settings": settings, **(environment or {})})
             path = run_path(out_dir, key)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(record, indent=2) + "\n")
             tmp.replace(path)  # a run file exists only once the run finished
-            logger.info("%s %s seed %d: %s = %.4f (%.0f s)", key.method, key.task, key.seed, record["metric"],
-                        record["score"], record["seconds"])
-    return write_summary(out_dir, methods, tasks, seeds, head_dim=_head_dim(model), environment=environment,
-                         settings=settings)
+            logger.info(
+                "%s %s seed %d: %s = %.4f (%.0f s)",
+                key.method,
+                key.task,
+                key.seed,
+                record["metric"],
+                record["score"],
+                record["seconds"],
+            )
+    return write_summary(
+        out_dir, methods, tasks, seeds, head_dim=_head_dim(model), environment=environment, settings=settings
+    )
 
 
 RESUME_SETTINGS = ("limit", "max_gen_toks", "temperature", "sink", "recent", "think_end_token")
@@ -212,11 +242,16 @@ def _check_resumable(out_dir: Path, done: list[RunKey], settings: dict) -> None:
     """Refuse to mix runs made with other settings into one table (a resumed run must match them)."""
     for key in done:
         old = json.loads(run_path(out_dir, key).read_text()).get("settings", {})
-        differ = {name: (old.get(name), settings.get(name)) for name in RESUME_SETTINGS
-                  if name in old and old.get(name) != settings.get(name)}
+        differ = {
+            name: (old.get(name), settings.get(name))
+            for name in RESUME_SETTINGS
+            if name in old and old.get(name) != settings.get(name)
+        }
         if differ:
-            raise ValueError(f"{run_path(out_dir, key)} was made with other settings (file, now): {differ}; "
-                             "use another --out, or delete the run files to redo them")
+            raise ValueError(
+                f"{run_path(out_dir, key)} was made with other settings (file, now): {differ}; "
+                "use another --out, or delete the run files to redo them"
+            )
 
 
 def _head_dim(model) -> int:
@@ -224,7 +259,9 @@ def _head_dim(model) -> int:
     return head_dim_of(model)
 
 
-def load_runs(out_dir: str | Path, methods: list[str], tasks: list[str], seeds: int) -> dict[tuple[str, str], list[float]]:
+def load_runs(
+    out_dir: str | Path, methods: list[str], tasks: list[str], seeds: int
+) -> dict[tuple[str, str], list[float]]:
     """(method, task) -> the scores of the finished seeds found in ``out_dir``."""
     scores: dict[tuple[str, str], list[float]] = {}
     for method in methods:
@@ -238,6 +275,7 @@ def load_runs(out_dir: str | Path, methods: list[str], tasks: list[str], seeds: 
 
 def same_output_rates(out_dir: str | Path, methods: list[str], tasks: list[str], seeds: int) -> dict[str, float]:
     """Method -> the fraction of samples whose whole generation equals BF16's (``none``), same task, seed and doc."""
+
     def digests(method):
         found = {}
         for task in tasks:
@@ -262,8 +300,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summary_rows(scores: dict, methods: list[str], tasks: list[str], head_dim: int, sink: int = 64,
-                 recent: int = 256) -> list[dict]:
+def summary_rows(
+    scores: dict, methods: list[str], tasks: list[str], head_dim: int, sink: int = 64, recent: int = 256
+) -> list[dict]:
     """One row per method: per-task mean/std (in %), mean over tasks, drop vs ``none``, BPE at 128K."""
     rows = []
     for method in methods:
@@ -275,9 +314,16 @@ def summary_rows(scores: dict, methods: list[str], tasks: list[str], head_dim: i
                 cells[task] = {"mean": mean, "std": std, "seeds": len(values)}
         complete = len(cells) == len(tasks)
         average = statistics.fmean(c["mean"] for c in cells.values()) if complete else None
-        rows.append({"method": method, "tasks": cells, "average": average,
-                     "bpe": bits_per_element(METHODS[method].with_overrides(sink=sink, recent=recent), BPE_CONTEXT,
-                                             head_dim)})
+        rows.append(
+            {
+                "method": method,
+                "tasks": cells,
+                "average": average,
+                "bpe": bits_per_element(
+                    METHODS[method].with_overrides(sink=sink, recent=recent), BPE_CONTEXT, head_dim
+                ),
+            }
+        )
     base = next((r["average"] for r in rows if r["method"] == BASELINE), None)
     for row in rows:
         row["drop_vs_bf16"] = (row["average"] - base) if row["average"] is not None and base is not None else None
@@ -296,10 +342,14 @@ def table_markdown(rows: list[dict], tasks: list[str]) -> str:
     head = ["method", *tasks, "avg", "Δ vs BF16", "same output as BF16", "BPE@128K"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        values = [row["method"], *(cell(row["tasks"].get(t)) for t in tasks), number(row["average"]),
-                  number(row["drop_vs_bf16"], signed=True),
-                  "-" if row.get("same_output_as_bf16") is None else f"{100 * row['same_output_as_bf16']:.0f}%",
-                  f"{row['bpe']:.2f}"]
+        values = [
+            row["method"],
+            *(cell(row["tasks"].get(t)) for t in tasks),
+            number(row["average"]),
+            number(row["drop_vs_bf16"], signed=True),
+            "-" if row.get("same_output_as_bf16") is None else f"{100 * row['same_output_as_bf16']:.0f}%",
+            f"{row['bpe']:.2f}",
+        ]
         lines.append("| " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -327,8 +377,16 @@ def bar_chart(rows: list[dict], tasks: list[str], path: str | Path, title: str) 
     plt.close(fig)
 
 
-def write_summary(out_dir: str | Path, methods: list[str], tasks: list[str], seeds: int, *, head_dim: int,
-                  environment: dict | None = None, settings: dict | None = None) -> dict:
+def write_summary(
+    out_dir: str | Path,
+    methods: list[str],
+    tasks: list[str],
+    seeds: int,
+    *,
+    head_dim: int,
+    environment: dict | None = None,
+    settings: dict | None = None,
+) -> dict:
     """Rebuild ``table.md``, ``summary.json`` and ``accuracy.png`` from the run files in ``out_dir``."""
     out_dir = Path(out_dir)
     scores = load_runs(out_dir, methods, tasks, seeds)
@@ -341,14 +399,21 @@ def write_summary(out_dir: str | Path, methods: list[str], tasks: list[str], see
         row["same_output_as_bf16_by_task"] = {task: rates.get(row["method"]) for task, rates in by_task.items()}
     table = table_markdown(rows, tasks)
     env = environment or {}
-    header = [f"Command: `{env.get('command', '?')}`", f"Machine: {machine_line(env['machine']) if 'machine' in env else '?'}",
-              f"Date: {env.get('date', '?')}", f"Settings: {json.dumps(settings or {})}",
-              f"Scores in %, mean ± std over {seeds} seed(s); \"same output as BF16\": share of samples whose whole "
-              f"generation equals the `none` run's (same task, seed, example); BPE = KV bits per element at 128K "
-              f"context, head_dim {head_dim}."]
+    header = [
+        f"Command: `{env.get('command', '?')}`",
+        f"Machine: {machine_line(env['machine']) if 'machine' in env else '?'}",
+        f"Date: {env.get('date', '?')}",
+        f"Settings: {json.dumps(settings or {})}",
+        f'Scores in %, mean ± std over {seeds} seed(s); "same output as BF16": share of samples whose whole '
+        f"generation equals the `none` run's (same task, seed, example); BPE = KV bits per element at 128K "
+        f"context, head_dim {head_dim}.",
+    ]
     (out_dir / "table.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
     summary = {**env, "settings": settings, "methods": methods, "tasks": tasks, "seeds": seeds, "rows": rows}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    title = textwrap.fill(env.get("command", ""), 120) + f"\n{machine_line(env['machine']) if 'machine' in env else ''}, {env.get('date', '')}"
+    title = (
+        textwrap.fill(env.get("command", ""), 120)
+        + f"\n{machine_line(env['machine']) if 'machine' in env else ''}, {env.get('date', '')}"
+    )
     bar_chart(rows, tasks, out_dir / "accuracy.png", title)
     return {**summary, "table": table}

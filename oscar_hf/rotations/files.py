@@ -26,7 +26,6 @@ from oscar_hf._version import __version__
 from oscar_hf.log import get_logger
 from oscar_hf.rotations.rotation_set import RotationSet
 
-
 logger = get_logger(__name__)
 
 FORMAT = "oscar-hf-rotations"
@@ -45,8 +44,16 @@ _FIELDS = {
     "value_bits": "value_bits",
 }
 _TENSOR_KEY = re.compile(r"layers\.(\d+)\.(" + "|".join(_FIELDS) + ")")
-_RESERVED_KEYS = ("format", "format_version", "head_dim", "kv_heads", "layer_ids", "description", "library_version",
-                  "base_bits")
+_RESERVED_KEYS = (
+    "format",
+    "format_version",
+    "head_dim",
+    "kv_heads",
+    "layer_ids",
+    "description",
+    "library_version",
+    "base_bits",
+)
 
 
 def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict[str, Any] | None = None) -> Path:
@@ -74,8 +81,11 @@ def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict
         **({"kv_heads": rotations.kv_heads} if rotations.per_head else {}),
         "layer_ids": layer_ids_of(rotations),
         "description": rotations.description,
-        **({"base_bits": dict(zip(("key", "value"), rotations.base_bits))}
-           if rotations.key_bits or rotations.value_bits else {}),
+        **(
+            {"base_bits": dict(zip(("key", "value"), rotations.base_bits))}
+            if rotations.key_bits or rotations.value_bits
+            else {}
+        ),
         "library_version": __version__,
         **metadata,
     }
@@ -133,8 +143,9 @@ def load_ours(directory: Path, per_head: bool | None = None) -> RotationSet:
     base = config.get("base_bits", {"key": 2, "value": 2})
     if not isinstance(base, dict) or set(base) != {"key", "value"}:
         raise ValueError(f"{path.parent / CONFIG_FILE}: base_bits must be {{'key': bits, 'value': bits}}, got {base!r}")
-    rotations = RotationSet(head_dim=head_dim, description=config.get("description", ""),
-                            base_bits=(base["key"], base["value"]), **tables)  # fmt: skip
+    rotations = RotationSet(
+        head_dim=head_dim, description=config.get("description", ""), base_bits=(base["key"], base["value"]), **tables
+    )
     if rotations.kv_heads != config.get("kv_heads"):
         raise ValueError(
             f"{path} has rotations for {rotations.kv_heads or 'no'} separate KV heads but {CONFIG_FILE} says "

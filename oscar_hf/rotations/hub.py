@@ -22,13 +22,17 @@ from huggingface_hub.utils import validate_repo_id
 from oscar_hf._version import __version__
 from oscar_hf.log import get_logger
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_ours, save_rotations
-from oscar_hf.rotations.official import OFFICIAL_KEY_FILE, OFFICIAL_VALUE_FILE, OFFICIAL_KEY_PATTERN, OFFICIAL_VALUE_PATTERN, holds_official, load_official
+from oscar_hf.rotations.official import (
+    OFFICIAL_KEY_FILE,
+    OFFICIAL_KEY_PATTERN,
+    OFFICIAL_VALUE_FILE,
+    OFFICIAL_VALUE_PATTERN,
+    holds_official,
+    load_official,
+)
 from oscar_hf.rotations.rotation_set import RotationSet
 
-
 logger = get_logger(__name__)
-
-
 
 
 class RotationsNotFoundError(FileNotFoundError):
@@ -68,8 +72,13 @@ def load_rotations(
     repo_id, patterns = str(name_or_path), _hub_patterns(subfolder)
     folder = subfolder.strip("/") if subfolder else None
     snapshot = download(
-        repo_id, patterns, folder=folder, local=f"DIR/{folder}" if folder else "DIR",
-        revision=revision, local_files_only=local_files_only, cache_dir=cache_dir,
+        repo_id,
+        patterns,
+        folder=folder,
+        local=f"DIR/{folder}" if folder else "DIR",
+        revision=revision,
+        local_files_only=local_files_only,
+        cache_dir=cache_dir,
     )
     directory = snapshot / subfolder if subfolder else snapshot
     if not directory.is_dir() or not any(directory.iterdir()):
@@ -157,7 +166,8 @@ def download(
         )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
         reason = (
-            "offline mode is on (HF_HUB_OFFLINE=1 or local_files_only=True)" if offline
+            "offline mode is on (HF_HUB_OFFLINE=1 or local_files_only=True)"
+            if offline
             else "the Hugging Face hub is unreachable"
         )
         message = _unreachable_message(repo_id, patterns, folder, local, revision, reason)
@@ -180,7 +190,8 @@ def _unreachable_message(
         f"{reason}, and the local hub cache does not hold {patterns} (there is no local directory {repo_id!r} "
         f"either). Download them where the hub is reachable (`hf download {repo_id}{options} --local-dir DIR`), "
         f"copy DIR here and pass the local directory instead: OscarCache.from_zoo(model, {local!r}) or "
-        f"oscar_hf.rotations.hub.load_rotations({local!r})" + ("; or unset HF_HUB_OFFLINE." if "offline" in reason else ".")
+        f"oscar_hf.rotations.hub.load_rotations({local!r})"
+        + ("; or unset HF_HUB_OFFLINE." if "offline" in reason else ".")
     )
 
 

@@ -18,7 +18,6 @@ from oscar_hf.log import get_logger
 from oscar_hf.rotations.files import save_rotations
 from oscar_hf.rotations.rotation_set import RotationSet, format_layer_ids
 
-
 logger = get_logger(__name__)
 
 OFFICIAL_KEY_FILE = "k_rotation_qqt_r_h_pbr.pt"
@@ -108,8 +107,12 @@ def _read_official_dir(directory: Path, per_head: bool | None = None) -> tuple[R
         key_eigenvalues=key_eigenvalues,
         value_eigenvalues=value_eigenvalues,
     )
-    info = {"key_objective": key_objective, "value_objective": value_objective,
-            "key_file": key_path.name, "value_file": value_path.name}
+    info = {
+        "key_objective": key_objective,
+        "value_objective": value_objective,
+        "key_file": key_path.name,
+        "value_file": value_path.name,
+    }
     return rotations, info
 
 
@@ -128,8 +131,11 @@ def _official_file(directory: Path, pattern: str, preferred: str, per_head_name:
         raise FileNotFoundError(
             f"{directory} holds no {preferred} (a RotationZoo folder <Model>/<calibration>/ holds "
             f"{OFFICIAL_KEY_FILE} and {OFFICIAL_VALUE_FILE}"
-            + (f", and may hold {OFFICIAL_PER_HEAD_KEY_FILE} and {OFFICIAL_PER_HEAD_VALUE_FILE})" if per_head is False
-               else ")")
+            + (
+                f", and may hold {OFFICIAL_PER_HEAD_KEY_FILE} and {OFFICIAL_PER_HEAD_VALUE_FILE})"
+                if per_head is False
+                else ")"
+            )
         )
     if len(files) == 1:
         return files[0]
@@ -187,9 +193,7 @@ def _official_layer_id(path: Path, key: Any, entry: Any) -> int:
     return layer_id
 
 
-def _official_entry(
-    path: Path, layer_id: int, entry: Any, per_head: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _official_entry(path: Path, layer_id: int, entry: Any, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rotation, eigenvalues or None) of one layer: ``[D, D]`` and ``[D]``, or per KV head ``[H_kv, D, D]``
     and ``[H_kv, D]`` (eigenvalues may also be absent there)."""
     rotation = entry.get("rotation") if isinstance(entry, dict) else None
@@ -197,7 +201,9 @@ def _official_entry(
         raise ValueError(f"{path}: layer {layer_id} has no 'rotation' tensor")
     if rotation.ndim != 2 + per_head or rotation.shape[-1] != rotation.shape[-2]:
         expected = "[H_kv, D, D] (per_kv_head)" if per_head else "[D, D]"
-        raise ValueError(f"{path}: the rotation of layer {layer_id} has shape {tuple(rotation.shape)}, expected {expected}")
+        raise ValueError(
+            f"{path}: the rotation of layer {layer_id} has shape {tuple(rotation.shape)}, expected {expected}"
+        )
     eigenvalues = entry.get("eigenvalues")  # absent in the identity files; informational only
     if eigenvalues is None:
         return rotation.to(torch.float32), None

@@ -11,14 +11,13 @@ from typing import Any
 import huggingface_hub
 from transformers import PretrainedConfig, PreTrainedModel
 
-from oscar_hf.model_info import head_dim_of
 from oscar_hf.config import OscarConfig, resolve_method
 from oscar_hf.log import get_logger
+from oscar_hf.model_info import head_dim_of
 from oscar_hf.rotations.files import CONFIG_FILE, load_rotation_config
 from oscar_hf.rotations.hub import download, hub_offline, load_rotations
 from oscar_hf.rotations.official import OFFICIAL_KEY_PATTERN, OFFICIAL_VALUE_PATTERN, holds_official
 from oscar_hf.rotations.rotation_set import RotationSet
-
 
 logger = get_logger(__name__)
 
@@ -167,8 +166,10 @@ def _recipe_set(sets: dict[str, dict[str, Any]], method: OscarConfig, model: str
         if names:
             return names[0]
     kind = "made without the clip search" if method.shared_rotations else "clip-searched"
-    raise ValueError(f"no {kind} rotations are bundled for {model or 'this model'} (bundled for it: {sorted(sets)}); "
-                     "calibrate them with `oscar-hf calibrate`")
+    raise ValueError(
+        f"no {kind} rotations are bundled for {model or 'this model'} (bundled for it: {sorted(sets)}); "
+        "calibrate them with `oscar-hf calibrate`"
+    )
 
 
 def _base_bits(config: dict[str, Any]) -> tuple[int, int]:

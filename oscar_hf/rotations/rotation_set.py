@@ -23,7 +23,15 @@ from oscar_hf.quant import SUPPORTED_BITS
 ORTHOGONALITY_TOLERANCE = 1e-3
 FACTOR_CHOICES = ("UHP", "UH", "UP", "HP", "H", "U", "")
 # The reference script's names for the same compositions (compute_kv_rotation.py --composition).
-COMPOSITION_NAMES = {"UHP": "r_h_pbr", "UH": "r_h", "UP": "br", "HP": "h_pbr", "H": "hadamard", "U": "plain", "": "identity"}
+COMPOSITION_NAMES = {
+    "UHP": "r_h_pbr",
+    "UH": "r_h",
+    "UP": "br",
+    "HP": "h_pbr",
+    "H": "hadamard",
+    "U": "plain",
+    "": "identity",
+}
 
 
 def is_power_of_two(n: int) -> bool:
@@ -98,7 +106,9 @@ def rotation_from_covariance(covariance: torch.Tensor, factors: str = "UHP") -> 
 def check_orthogonal(rotation: torch.Tensor, name: str, tolerance: float = ORTHOGONALITY_TOLERANCE) -> None:
     """Raise ``ValueError`` unless ``rotation`` is a square orthogonal matrix (max |R^T R - I| <= tolerance)."""
     if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1]:
-        raise ValueError(f"{name}: a rotation must be a square [head_dim, head_dim] matrix, got {tuple(rotation.shape)}")
+        raise ValueError(
+            f"{name}: a rotation must be a square [head_dim, head_dim] matrix, got {tuple(rotation.shape)}"
+        )
     r = rotation.to(torch.float64)
     error = (r.T @ r - torch.eye(r.shape[0], dtype=torch.float64)).abs().max().item()
     if not error <= tolerance:
@@ -150,9 +160,10 @@ class RotationSet:
     base_bits: tuple[int, int] = (2, 2)
 
     def __post_init__(self) -> None:
-        if (len(self.base_bits) != 2
-                or any(b not in SUPPORTED_BITS or isinstance(b, bool) for b in self.base_bits)):  # fmt: skip
-            raise ValueError(f"base_bits must be (key bits, value bits), each one of {SUPPORTED_BITS}, got {self.base_bits!r}")
+        if len(self.base_bits) != 2 or any(b not in SUPPORTED_BITS or isinstance(b, bool) for b in self.base_bits):
+            raise ValueError(
+                f"base_bits must be (key bits, value bits), each one of {SUPPORTED_BITS}, got {self.base_bits!r}"
+            )
         self.base_bits = (int(self.base_bits[0]), int(self.base_bits[1]))
         for kind, table in (("key_clip", self.key_clip), ("value_clip", self.value_clip)):
             for layer_id, ratio in table.items():
@@ -219,10 +230,18 @@ class RotationSet:
             return {i: t[start:stop] if t.ndim == per_head_ndim else t for i, t in table.items()}
 
         return RotationSet(
-            self.head_dim, pick(self.key, 3), pick(self.value, 3), self.description,
-            pick(self.key_eigenvalues, 2), pick(self.value_eigenvalues, 2), dict(self.key_clip), dict(self.value_clip),
-            dict(self.key_bits), dict(self.value_bits), self.base_bits,
-        )  # fmt: skip
+            self.head_dim,
+            pick(self.key, 3),
+            pick(self.value, 3),
+            self.description,
+            pick(self.key_eigenvalues, 2),
+            pick(self.value_eigenvalues, 2),
+            dict(self.key_clip),
+            dict(self.value_clip),
+            dict(self.key_bits),
+            dict(self.value_bits),
+            self.base_bits,
+        )
 
     def as_per_head(self, kv_heads: int) -> "RotationSet":
         """The same rotations with every shared ``[D, D]`` repeated into ``[kv_heads, D, D]``."""
@@ -233,10 +252,18 @@ class RotationSet:
             return {i: t.expand(kv_heads, *t.shape).clone() if t.ndim == shared_ndim else t for i, t in table.items()}
 
         return RotationSet(
-            self.head_dim, expand(self.key, 2), expand(self.value, 2), self.description,
-            expand(self.key_eigenvalues, 1), expand(self.value_eigenvalues, 1), dict(self.key_clip),
-            dict(self.value_clip), dict(self.key_bits), dict(self.value_bits), self.base_bits,
-        )  # fmt: skip
+            self.head_dim,
+            expand(self.key, 2),
+            expand(self.value, 2),
+            self.description,
+            expand(self.key_eigenvalues, 1),
+            expand(self.value_eigenvalues, 1),
+            dict(self.key_clip),
+            dict(self.value_clip),
+            dict(self.key_bits),
+            dict(self.value_bits),
+            self.base_bits,
+        )
 
     def value_fingerprint(self) -> str:
         """A short hash of all R_V (every head's), to recognise the rotations a model's weights were folded with."""
@@ -246,8 +273,14 @@ class RotationSet:
             digest.update(self.value[layer_id].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
 
-    def check_model(self, head_dim: int, layer_ids: list[int], kv_heads: int | None = None, model: str = "the model",
-                    source: str = "the rotations") -> None:  # fmt: skip
+    def check_model(
+        self,
+        head_dim: int,
+        layer_ids: list[int],
+        kv_heads: int | None = None,
+        model: str = "the model",
+        source: str = "the rotations",
+    ) -> None:
         """Raise a clear error unless this set fits a model: its ``head_dim``, its ``kv_heads`` (per-head
         rotations) and an R_K and an R_V for exactly its quantized full-attention ``layer_ids``. The one
         check wherever a set meets a model (:meth:`check_fits` reads the three from its config)."""
@@ -259,10 +292,16 @@ class RotationSet:
                 "(under tensor parallelism each rank takes its own heads: RotationSet.select_kv_heads)"
             )
         present, expected = sorted(set(self.key) | set(self.value)), sorted(layer_ids)
-        gaps = [(what, ids) for what, ids in (
-            ("missing", sorted(set(expected) - set(present))), ("extra", sorted(set(present) - set(expected))),
-            ("without R_K", sorted(set(self.value) - set(self.key))), ("without R_V", sorted(set(self.key) - set(self.value))),
-        ) if ids]  # fmt: skip
+        gaps = [
+            (what, ids)
+            for what, ids in (
+                ("missing", sorted(set(expected) - set(present))),
+                ("extra", sorted(set(present) - set(expected))),
+                ("without R_K", sorted(set(self.value) - set(self.key))),
+                ("without R_V", sorted(set(self.key) - set(self.value))),
+            )
+            if ids
+        ]
         if gaps:
             raise ValueError(
                 f"{source} cover layers {format_layer_ids(present)} but the full-attention layers of {model} are "

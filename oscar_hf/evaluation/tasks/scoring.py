@@ -43,8 +43,14 @@ def run_program(program: str, timeout_s: float = HUMANEVAL_TIMEOUT_S) -> bool:
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(program)
         try:
-            done = subprocess.run([sys.executable, "-I", path], cwd=folder, capture_output=True, timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
+            done = subprocess.run(
+                [sys.executable, "-I", path],
+                cwd=folder,
+                capture_output=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+                env={"PATH": os.environ.get("PATH", "")},
+            )
         except subprocess.TimeoutExpired:
             return False
         return done.returncode == 0
@@ -60,8 +66,12 @@ def extracted_answer(task: str, response: str) -> str:
     if task == "gpqa_diamond":
         return gpqa_letter(response)
     if task in ("aime25", "math500"):
-        from lm_eval.tasks.minerva_math.utils import (get_unnormalized_answer, last_boxed_only_string,
-                                                      normalize_final_answer, remove_boxed)
+        from lm_eval.tasks.minerva_math.utils import (
+            get_unnormalized_answer,
+            last_boxed_only_string,
+            normalize_final_answer,
+            remove_boxed,
+        )
 
         boxed = last_boxed_only_string(response)
         if boxed is not None:
