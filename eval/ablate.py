@@ -51,8 +51,9 @@ from oscar_hf.calibration.refine import refine_rotations  # noqa: E402
 from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
 from oscar_hf.core.memory import bits_per_element  # noqa: E402
 from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
+from oscar_hf.evaluation.haystack import Haystack, build_prompt, haystack_files, read_haystack  # noqa: E402
 from oscar_hf.evaluation.kl import evaluate_caches  # noqa: E402
-from oscar_hf.evaluation.niah import Haystack, build_prompt, check_lengths, haystack_files, read_haystack  # noqa: E402
+from oscar_hf.evaluation.niah import check_lengths  # noqa: E402
 from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
 from oscar_hf.evaluation.report import tokens_label, write_outputs  # noqa: E402
 from oscar_hf.log import get_logger  # noqa: E402

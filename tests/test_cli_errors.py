@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import oscar_hf.cli.main as cli
+import oscar_hf.core.models
 from oscar_hf.cli.main import main
 from tests.conftest import tiny_model
 
@@ -30,10 +30,10 @@ def paths(tmp_path) -> dict[str, str]:
 
 @pytest.fixture
 def no_model(monkeypatch):
-    def refuse(args):
+    def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr(oscar_hf.core.models, "load_model", refuse)  # every command loads through it
 
 
 def _error(argv: list[str], capsys) -> tuple[int, str]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from oscar_hf import METHODS, OscarCache
-from oscar_hf.cli.main import _rotations_for, main
+from oscar_hf.cli.common import rotations_for
+from oscar_hf.cli.main import main
 from oscar_hf.core.memory import bits_per_element
 from oscar_hf.core.models import load_model
 from oscar_hf.evaluation.data import WIKITEXT2_TEST, data_dir
@@ -23,7 +24,7 @@ DATA = data_dir()  # CI passes the data folder as $OSCAR_HF_DATA_DIR
 @pytest.fixture(scope="module")
 def smollm():
     model, tokenizer = load_model("default")
-    return model, tokenizer, _rotations_for("default", None, methods=["oscar-int2"])["oscar-int2"]
+    return model, tokenizer, rotations_for("default", None, methods=["oscar-int2"])["oscar-int2"]
 
 
 def chat(tokenizer, text):

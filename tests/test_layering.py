@@ -33,7 +33,7 @@ LAYERS = ["leaf", "kernels", "rotations", "core", "calibration", "evaluation", "
 # Lines a module may have: past the first number a warning, past the second a failure. Kernels run
 # longer (a launch's arguments one per line, as the formatter writes them).
 SIZE_LIMITS = {"kernels": (600, 800)}
-MODULE_LIMITS = (400, 600)
+MODULE_LIMITS = (400, 500)
 
 
 def module_name(path: Path) -> str:

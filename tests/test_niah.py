@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from oscar_hf import OscarCache
 from oscar_hf.cli.main import main
 from oscar_hf.evaluation.data import data_dir
-from oscar_hf.evaluation.niah import (
+from oscar_hf.evaluation.haystack import (
     ANSWER_PREFIX,
     INSTRUCTION,
     NEEDLE,
@@ -21,19 +21,21 @@ from oscar_hf.evaluation.niah import (
     Haystack,
     Needle,
     NeedleError,
-    Trial,
-    accuracy_table,
     build_prompt,
-    check_lengths,
     extract_number,
     haystack_files,
     is_correct,
+    read_haystack,
+)
+from oscar_hf.evaluation.niah import (
+    Trial,
+    accuracy_table,
+    check_lengths,
     niah_markdown,
     niah_result,
     parse_depths,
     parse_lengths,
     plot_niah,
-    read_haystack,
     run_niah,
     summary,
 )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, RotationSet
-from oscar_hf.evaluation.niah import (
+from oscar_hf.evaluation.haystack import (
     Haystack,
     Needle,
     build_prompt,

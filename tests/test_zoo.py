@@ -784,15 +784,15 @@ def test_the_paper_recipe_ignores_searched_clips_and_refuses_per_head_rotations(
 
 
 def test_the_cli_takes_the_bundled_set_of_each_methods_recipe() -> None:
-    from oscar_hf.cli.main import _rotations_for
+    from oscar_hf.cli.common import rotations_for
 
     plain = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
     searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
-    sets = _rotations_for("default", None, methods=["none", "oscar-int2", "oscar-int2-paper"])
+    sets = rotations_for("default", None, methods=["none", "oscar-int2", "oscar-int2-paper"])
     assert set(sets) == {"oscar-int2", "oscar-int2-paper"}
     assert torch.equal(sets["oscar-int2-paper"].key[3], plain.key[3]) and sets["oscar-int2-paper"].key_clip == {}
     assert torch.equal(sets["oscar-int2"].key[3], searched.key[3]) and len(sets["oscar-int2"].key_clip) == 30
-    own = _rotations_for("default", None, methods=["oscar-k4v2"])["oscar-k4v2"]
+    own = rotations_for("default", None, methods=["oscar-k4v2"])["oscar-k4v2"]
     assert own.base_bits == (2, 2)  # no set allocated against K4 V2: the 2-bit one, whose widths it ignores
 
 

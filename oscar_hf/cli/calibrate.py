@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import resource
 import sys
 import time
@@ -17,7 +18,10 @@ from oscar_hf.calibration.clip_search import LayerChoice, search_layers
 from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
 from oscar_hf.calibration.data import calibration_batches, read_calibration_files
 from oscar_hf.calibration.refine import refine_rotations
+from oscar_hf.cli import checks
+from oscar_hf.cli.common import environment, load
 from oscar_hf.config import K_CLIP, METHODS, V_CLIP
+from oscar_hf.core.models import DTYPES
 from oscar_hf.provenance import provenance
 from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
 
@@ -247,3 +251,112 @@ def format_summary(summary: dict) -> str:
             f"calibration KL of {a['method']} {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits",
         ]
     return "\n".join(lines)
+
+
+def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
+    from oscar_hf.cli.calibrate import existing_set, format_summary, run_calibration
+
+    if args.clip_search and (args.objective != "qqt_sst" or args.factors != "UHP"):
+        raise ValueError(
+            "the clip search chooses between U·H·P and H·P itself: add --no-clip-search to pick "
+            "--objective and --factors"
+        )
+    if args.refine and not args.clip_search:
+        raise ValueError("--refine starts from the clip search's rotations and ratios; drop --no-clip-search")
+    if args.allocate_bits and not args.clip_search:
+        raise ValueError(
+            "--allocate-bits ranks layers against the clip search's rotations and ratios; drop --no-clip-search"
+        )
+    if args.from_rotations and not args.allocate_bits:
+        raise ValueError(
+            "--from-rotations takes a saved set's rotations and clip ratios to allocate bit widths "
+            "anew: add --allocate-bits N"
+        )
+    if args.from_rotations and (args.refine or args.per_head or not args.clip_search):
+        raise ValueError(
+            "--from-rotations keeps the saved set's rotations: drop --refine, --per-head and --no-clip-search"
+        )
+    if args.allocate_for != "oscar-int2":
+        from oscar_hf.calibration.bit_allocation import value_layers_per_key_layer
+
+        if not args.allocate_bits:
+            raise ValueError(
+                "--allocate-for names the method an --allocate-bits allocation is for; add --allocate-bits N"
+            )
+        value_layers_per_key_layer(METHODS[args.allocate_for])
+    checks.check_files(args.data, "--data")
+    checks.check_output(args.out, "--out", folder=True)
+    if args.from_rotations:
+        try:  # a readable oscar-hf set, before the model loads
+            existing_set(args.from_rotations)
+        except (FileNotFoundError, ValueError) as error:
+            raise ValueError(f"--from-rotations: {error}") from None
+    model, tokenizer = load(args)
+    _, summary = run_calibration(args, model, tokenizer, argv)
+    print(json.dumps({**environment(argv), **summary}) if args.json else format_summary(summary))
+
+
+def add_calibrate_command(commands) -> None:
+    """``oscar-hf calibrate``, on ``commands`` (the top-level subparsers)."""
+    calibrate = commands.add_parser("calibrate", help="fit OSCAR rotations (and clip ratios) to a model")
+    calibrate.add_argument(
+        "--model", default="default", help="'default' (SmolLM2-135M-Instruct), a hub id or a local dir"
+    )
+    calibrate.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
+    calibrate.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="text files (documents) and/or .jsonl files (one prompt or chat per line), read in place",
+    )
+    calibrate.add_argument("--tokens", type=checks.positive_int, default=20000, help="calibration token budget")
+    calibrate.add_argument("--out", required=True, help="directory to write the rotations to")
+    calibrate.add_argument(
+        "--clip-search",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="choose each layer's clip ratios and rotation variant (U·H·P or H·P) by attention-output "
+        "error, the recipe oscar-int2 is best with (default); --no-clip-search: plain "
+        "--factors rotations and the fixed clips, the paper's recipe (oscar-int2-paper)",
+    )
+    calibrate.add_argument(
+        "--refine",
+        action="store_true",
+        help="after the clip search, fit each R_K/R_V on the orthogonal group to the quantized "
+        "attention-output error and search its clip ratio again (slower)",
+    )
+    calibrate.add_argument(
+        "--allocate-bits",
+        type=checks.non_negative_int,
+        default=0,
+        metavar="N",
+        help="after --clip-search, store 4-bit keys in the N layers where they cut the calibration "
+        "KL most and 1-bit values in the layers where they cost least, as many as keep the "
+        "history bits of the --allocate-for method (2N for oscar-int2, N for oscar-k3v2)",
+    )
+    calibrate.add_argument(
+        "--allocate-for",
+        choices=sorted(METHODS),
+        default="oscar-int2",
+        metavar="METHOD",
+        help="the method whose widths --allocate-bits trades against (oscar-int2 or oscar-k3v2; "
+        "default oscar-int2); only that method takes the stored widths",
+    )
+    calibrate.add_argument(
+        "--from-rotations",
+        metavar="DIR",
+        help="with --allocate-bits: start from a saved set's rotations and clip ratios instead of "
+        "calibrating them (e.g. to allocate widths for another method from the same set)",
+    )
+    calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
+    calibrate.add_argument("--seq-len", type=checks.positive_int, default=2048)
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--objective", choices=["qqt_sst", "ktk_vtv"], default="qqt_sst")
+    calibrate.add_argument("--factors", choices=["UHP", "UH", "UP", "HP", "H", "U", ""], default="UHP")
+    calibrate.add_argument(
+        "--per-head",
+        action="store_true",
+        help="one rotation per KV head, from that head's own C_Q and C_S (default: one per layer)",
+    )
+    calibrate.add_argument("--json", action="store_true")
+    calibrate.set_defaults(handler=cmd_calibrate)

@@ -1,6 +1,6 @@
 """Needle-in-a-haystack scores from teacher-forced passes instead of generation.
 
-A trial is a prompt from :func:`oscar_hf.evaluation.niah.build_prompt`; real use prefills it in one chunk and
+A trial is a prompt from :func:`oscar_hf.evaluation.haystack.build_prompt`; real use prefills it in one chunk and
 decodes the answer against the cache that chunk left (:func:`~oscar_hf.calibration.teacher_forcing.teacher_forced_logits`
 with ``prefill`` = the prompt's length reproduces that schedule in one pass). Two scores come from it:
 
@@ -10,7 +10,7 @@ with ``prefill`` = the prompt's length reproduces that schedule in one pass). Tw
 * **exact match**, decided as greedy generation would: the pass verifies a *draft* of the answer
   (``" " + number``) like speculative decoding: greedy decoding follows the draft as long as each
   draft token is the argmax given the tokens before it. Where the argmax leaves the draft, the greedy
-  text so far is judged the way :func:`oscar_hf.evaluation.niah.is_correct` judges a generated answer (the first
+  text so far is judged the way :func:`oscar_hf.evaluation.haystack.is_correct` judges a generated answer (the first
   number in it, commas removed): a wrong digit or a finished wrong number is a miss, an EOS ends the
   answer; a detour that can still lead to the right number (a lead-in such as ``":"``, or a thousands
   comma) becomes the next draft, verified by another pass of that trial only. That pass reuses the
@@ -37,7 +37,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 from oscar_hf.core.cache import OscarCache
-from oscar_hf.evaluation.niah import NUMBER, NeedlePrompt, encode, extract_number
+from oscar_hf.evaluation.haystack import NUMBER, NeedlePrompt, encode, extract_number
 from oscar_hf.log import get_logger
 
 logger = get_logger(__name__)
