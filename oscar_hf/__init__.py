@@ -11,7 +11,7 @@ importable from here::
 
 from oscar_hf._version import __version__
 from oscar_hf.calibration.absorption import absorb_value_rotations
-from oscar_hf.calibration.covariances import calibrate
+from oscar_hf.calibration.recipe import Calibration, Recipe, calibrate
 from oscar_hf.calibration.teacher_forcing import teacher_forced_logits
 from oscar_hf.config import METHODS, OscarConfig, TensorQuantConfig
 from oscar_hf.core import attention  # noqa: F401  (registers attn_implementation="oscar")
@@ -37,6 +37,8 @@ __all__ = [
     "OscarConfig",
     "OscarLayer",
     "RotationSet",
+    "Calibration",
+    "Recipe",
     "StaticDecoder",
     "TensorQuantConfig",
     "__version__",

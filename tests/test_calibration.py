@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar_hf.calibration import covariances as calibration
-from oscar_hf.calibration.covariances import CALIBRATION_ATTENTION, calibrate, collect_covariances
+from oscar_hf.calibration.covariances import CALIBRATION_ATTENTION, collect_covariances, fit_rotations
 from oscar_hf.rotations.files import CONFIG_FILE, TENSORS_FILE, load_rotation_config, save_rotations
 from oscar_hf.rotations.hub import load_rotations
 from oscar_hf.rotations.resolve import DEFAULT_PAPER_ROTATIONS, DEFAULT_ROTATIONS, bundled_rotations_dir
@@ -166,7 +166,7 @@ def test_batch_split_does_not_matter() -> None:
 def test_calibrate_returns_orthogonal_rotations() -> None:
     model = tiny_llama()
     batches = [random_rows(2, 16)]
-    rotations = calibrate(model, batches, progress=False)
+    rotations = fit_rotations(model, batches, progress=False)
     covariances = collect_covariances(model, batches, progress=False)
     assert rotations.head_dim == HEAD_DIM
     assert sorted(rotations.key) == sorted(rotations.value) == [0, 1]
@@ -193,9 +193,9 @@ def test_per_head_targets_and_rotations() -> None:
             assert torch.equal(actual, actual.mT)
         assert relative_error(layer.key_gram, key_grams.mean(0)) < 1e-10
         assert relative_error(c_q[0], c_q[1]) > 1e-2  # the heads differ, so per-head R differ from the pooled one
-    rotations = calibrate(model, batches, progress=False, per_head=True)
+    rotations = fit_rotations(model, batches, progress=False, per_head=True)
     assert rotations.per_head and rotations.kv_heads == 2 and "one per KV head" in rotations.description
-    shared = calibrate(model, batches, progress=False)
+    shared = fit_rotations(model, batches, progress=False)
     for layer_id, layer in covariances.items():
         assert rotations.key[layer_id].shape == rotations.value[layer_id].shape == (2, HEAD_DIM, HEAD_DIM)
         assert rotations.key_eigenvalues[layer_id].shape == (2, HEAD_DIM)
@@ -214,7 +214,7 @@ def test_only_full_attention_layers_are_calibrated() -> None:
     model = tiny_gemma3()
     covariances = collect_covariances(model, [random_rows(1, 16)], progress=False)
     assert sorted(covariances) == [1, 3]
-    rotations = calibrate(model, [random_rows(1, 16)], progress=False)
+    rotations = fit_rotations(model, [random_rows(1, 16)], progress=False)
     assert sorted(rotations.key) == sorted(rotations.value) == [1, 3]
 
 
@@ -234,7 +234,7 @@ def test_calibration_attention_keeps_the_forward_and_its_masks() -> None:
 def test_attention_implementation_is_restored() -> None:
     model = tiny_llama("eager")
     model.train()
-    calibrate(model, [random_rows(1, 8)], progress=False)
+    fit_rotations(model, [random_rows(1, 8)], progress=False)
     assert model.config._attn_implementation == "eager"
     assert model.training and calibration._active_recorder is None
 

@@ -188,7 +188,7 @@ AFTER_LOADING = [
     ),
     (
         ["calibrate", "--data", "{text}", "--out", "{folder}/rotations"],
-        "oscar-hf calibrate: --clip-search needs calibration rows longer than",
+        "oscar-hf calibrate: the clip search needs calibration rows longer than",
     ),
     (
         ["calibrate", "--data", "{folder}/bad.jsonl", "--out", "{folder}/rotations"],

@@ -151,3 +151,43 @@ def test_calibrate_command_per_head(tmp_path, capsys):
     rotations = load_rotations(out)
     assert rotations.kv_heads == 2 and len(rotations.key_clip) == 2
     assert load_rotation_config(out)["source_grouping"] == "per_kv_head"
+
+
+def test_the_calibrate_function_makes_what_the_command_makes(tmp_path, capsys):
+    """``oscar_hf.calibrate`` with a Recipe is the command's calibration: the same rotations, clips and
+    choices from the same data, and a config that records the recipe and the data by file name and hash."""
+    import oscar_hf
+    from oscar_hf.cli.main import main
+    from oscar_hf.core.models import load_model
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
+
+    model_dir, data = saved_tiny_model(tmp_path)
+    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400"]
+         + ["--out", str(tmp_path / "command"), "--json"])  # fmt: skip
+    capsys.readouterr()
+    model, tokenizer = load_model(str(model_dir))
+    result = oscar_hf.calibrate(model, tokenizer, [data], oscar_hf.Recipe(tokens=800, seq_len=400), progress=False)
+    command, function = load_rotations(tmp_path / "command"), load_rotations(result.save(tmp_path / "function"))
+    for layer_id in command.key:
+        assert torch.equal(command.key[layer_id], function.key[layer_id])
+        assert torch.equal(command.value[layer_id], function.value[layer_id])
+    assert command.key_clip == function.key_clip and command.value_clip == function.value_clip
+    config = load_rotation_config(tmp_path / "function")
+    assert config["recipe"] == {**oscar_hf.Recipe().to_dict(), "tokens": 800, "seq_len": 400}
+    assert list(config["calibration_data"]["files"]) == [data.name] and str(tmp_path) not in json.dumps(
+        config["recipe"]
+    )
+    assert config["layer_choices"] == load_rotation_config(tmp_path / "command")["layer_choices"]
+
+
+def test_a_recipe_refuses_what_cannot_be_made():
+    import oscar_hf
+
+    with pytest.raises(ValueError, match="chooses between U·H·P and H·P itself"):
+        oscar_hf.Recipe(factors="H")
+    with pytest.raises(ValueError, match="allocate_bits starts from the clip search"):
+        oscar_hf.Recipe(clip_search=False, allocate_bits=2)
+    with pytest.raises(ValueError, match="objective must be one of"):
+        oscar_hf.Recipe(clip_search=False, objective="kv")
+    assert oscar_hf.Recipe(clip_search=False, factors="H").to_dict()["factors"] == "H"

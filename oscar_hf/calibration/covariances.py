@@ -313,7 +313,7 @@ def _rotations(target: torch.Tensor, factors: str) -> tuple[torch.Tensor, torch.
     return torch.stack(rotations), torch.stack(eigenvalues)
 
 
-def calibrate(
+def fit_rotations(
     model: PreTrainedModel,
     batches: Sequence[torch.LongTensor],
     factors: str = "UHP",

@@ -1,223 +1,33 @@
-"""``oscar-hf calibrate``: rotations (and optionally per-layer clip ratios and bit widths) for any model, in one command."""
+"""``oscar-hf calibrate``: a thin command line over :func:`oscar_hf.calibration.recipe.calibrate`."""
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import resource
-import sys
-import time
-from collections.abc import Iterable
-from pathlib import Path
 
-import torch
-
-from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits
-from oscar_hf.calibration.clip_search import LayerChoice, search_layers
-from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
-from oscar_hf.calibration.data import calibration_batches, read_calibration_files
-from oscar_hf.calibration.refine import refine_rotations
+from oscar_hf.calibration.recipe import Recipe, calibrate, existing_set
 from oscar_hf.cli import checks
 from oscar_hf.cli.common import environment, load
-from oscar_hf.config import K_CLIP, METHODS, V_CLIP
+from oscar_hf.config import METHODS
 from oscar_hf.core.models import DTYPES
-from oscar_hf.provenance import provenance
-from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
-
-# Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit
-# allocation scores its teacher-forced KL on them too (2 rows of 2048 tokens: 2 x 64 passes of ~20 s on CPU).
-SEARCH_ROWS = 2
 
 
-def run_calibration(args: argparse.Namespace, model, tokenizer, argv: list[str]) -> tuple[Path, dict]:
-    """Calibrate, save to ``args.out`` and return the directory and a JSON-ready summary."""
-    from oscar_hf.core.models import DEFAULT_MODEL, DEFAULT_MODEL_ID
-    from oscar_hf.rotations.files import save_rotations
-    from oscar_hf.rotations.resolve import model_signature
-
-    started = time.perf_counter()
-    files = [Path(p) for p in args.data]
-    texts = read_calibration_files(files, tokenizer, chat=args.chat)
-    batches = calibration_batches(tokenizer, texts, args.tokens, args.seq_len, args.seed)
-    covariances: dict[int, LayerCovariances] = {}
-    choices: dict[int, LayerChoice] = {}
-    if args.from_rotations:
-        rotations, recipe = existing_set(args.from_rotations)
-    else:
-        covariances = collect_covariances(model, batches, progress=not args.json)
-        rotations, choices = _fit(args, model, batches, covariances)
-        recipe = _recipe(args, rotations, choices)
-    allocation: BitAllocation | None = None
-    if args.allocate_bits:
-        rotations, allocation = allocate_bits(
-            model,
-            _search_rows(batches),
-            rotations,
-            args.allocate_bits,
-            METHODS[args.allocate_for],
-            progress=not args.json,
-        )
-    tokens = sum(b.numel() for b in batches)
-    metadata = {
-        "model_id": DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model,
-        "model_signature": model_signature(model),
-        **recipe,
-        "group_size": rotations.head_dim,
-        "sink": METHODS["oscar-int2"].sink,
-        "recent": METHODS["oscar-int2"].recent,
-        "calibration_data": {
-            "files": _file_hashes(files),
-            "documents": len(texts.documents),
-            "prompts": len(texts.prompts),
-            "chat_template": args.chat,
-            "seq_len": args.seq_len,
-            "rows": len(batches),
-            "seed": args.seed,
-        },
-        "tokens": tokens,
-        **provenance("oscar-hf " + " ".join(argv)),
-    }
-    if allocation is not None:
-        metadata["bit_allocation"] = allocation.to_dict()
-    out = save_rotations(rotations, args.out, metadata)
-    summary = {
-        "out": str(out),
-        "layers": len(rotations.key),
-        "tokens": tokens,
-        "seconds": round(time.perf_counter() - started, 1),
-        "peak_rss_mib": round(_peak_rss_mib(), 1),
-        "per_layer": _per_layer(covariances, rotations, choices),
-    }
-    if allocation is not None:
-        summary["bit_allocation"] = {
-            "method": args.allocate_for,
-            "key_4bit_layers": allocation.key_layers,
-            "value_1bit_layers": allocation.value_layers,
-            "baseline_kl": round(allocation.baseline_kl, 6),
-            "allocated_kl": round(allocation.allocated_kl, 6),
-        }
-    return out, summary
-
-
-def _fit(
-    args: argparse.Namespace, model, batches: list[torch.Tensor], covariances: dict[int, LayerCovariances]
-) -> tuple[RotationSet, dict[int, LayerChoice]]:
-    """The rotations (and clip ratios) of the recipe ``args`` ask for, and the clip search's choices."""
-    if not args.clip_search:
-        return rotations_from_covariances(covariances, args.objective, args.factors, args.per_head), {}
-    rotations, choices = search_layers(
-        model, _search_rows(batches), covariances, progress=not args.json, per_head=args.per_head
+def recipe_of(args: argparse.Namespace) -> Recipe:
+    """The recipe the command's flags ask for (a ValueError for a combination that cannot be made)."""
+    return Recipe(
+        clip_search=args.clip_search,
+        refine=args.refine,
+        per_head=args.per_head,
+        objective=args.objective,
+        factors=args.factors,
+        allocate_bits=args.allocate_bits,
+        allocate_for=args.allocate_for,
+        from_rotations=args.from_rotations,
+        tokens=args.tokens,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        chat=args.chat,
     )
-    if args.refine:
-        rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=not args.json)
-    return rotations, choices
-
-
-def _recipe(args: argparse.Namespace, rotations: RotationSet, choices: dict[int, LayerChoice]) -> dict:
-    """The metadata that says how the rotations and clip ratios were made."""
-    recipe = {
-        "objective": args.objective,
-        "composition": _composition(args),
-        "source_grouping": "per_kv_head" if args.per_head else "layer",
-        "clip": "per-layer (clip search)" if args.clip_search else {"key": K_CLIP, "value": V_CLIP},
-    }
-    if choices:
-        recipe["layer_choices"] = {
-            str(i): {
-                "key": f"{c.key_factors}@{rotations.key_clip[i]}",
-                "value": f"{c.value_factors}@{rotations.value_clip[i]}",
-            }
-            for i, c in choices.items()
-        }
-    return recipe
-
-
-# What --from-rotations carries over from the set it starts from: how its rotations and clips were made.
-_RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_choices")
-
-
-def existing_set(path: str) -> tuple[RotationSet, dict]:
-    """A saved set's rotations and clip ratios (its bit widths are replaced by the allocation) and the metadata
-    of how they were made."""
-    from oscar_hf.rotations.files import load_rotation_config
-    from oscar_hf.rotations.hub import load_rotations
-
-    config = load_rotation_config(path)
-    rotations = load_rotations(path)
-    recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
-    made = {key: config.get(key) for key in ("command", "calibration_data", "tokens")}
-    recipe["rotations_from"] = {**made, "files": _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())}
-    return rotations, recipe
-
-
-def _file_hashes(files: Iterable[Path]) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
-
-
-def _composition(args: argparse.Namespace) -> str:
-    if not args.clip_search:
-        return COMPOSITION_NAMES[args.factors]
-    chosen = "per-layer r_h_pbr or h_pbr (clip search)"
-    return chosen + " refined on the orthogonal group" if args.refine else chosen
-
-
-def _refine_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The search rows of the longest length: refinement stacks its rows, so they must be equally long."""
-    rows = _search_rows(batches)
-    return [r for r in rows if r.shape[1] == rows[0].shape[1]]
-
-
-def _search_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The longest rows: the search needs keys old enough to have left the BF16 window."""
-    needed = METHODS["oscar-int2"].sink + METHODS["oscar-int2"].recent + METHODS["oscar-int2"].block
-    rows = sorted(batches, key=lambda b: b.shape[1], reverse=True)[:SEARCH_ROWS]
-    if rows[0].shape[1] <= needed:
-        raise ValueError(
-            f"--clip-search needs calibration rows longer than {needed} tokens (sink + recent window); the longest "
-            f"has {rows[0].shape[1]}. Add document (.txt) data or raise --seq-len."
-        )
-    return [r for r in rows if r.shape[1] > needed]
-
-
-def _peak_rss_mib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
-
-
-def _spread(eigenvalues: torch.Tensor) -> tuple[float, float]:
-    """(largest / smallest eigenvalue, largest eigenvalue's share of the trace)."""
-    values = eigenvalues.double().clamp_min(1e-30)
-    return float(values.max() / values.min()), float(values.max() / values.sum())
-
-
-def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet, choices: dict) -> list[dict]:
-    rows = []
-    for layer_id in sorted(rotations.key):
-        row: dict = {"layer": layer_id}
-        if layer_id in covariances:
-            q_ratio, q_share = _spread(torch.linalg.eigvalsh(covariances[layer_id].query))
-            s_ratio, _ = _spread(torch.linalg.eigvalsh(covariances[layer_id].value))
-            row |= {
-                "c_q_condition": round(q_ratio, 1),
-                "c_q_top_share": round(q_share, 3),
-                "c_s_condition": round(s_ratio, 1),
-            }
-        if layer_id in choices:
-            c = choices[layer_id]
-            # The stored ratios: the search's, or those searched again after --refine.
-            row |= {
-                "key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
-                "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}",
-            }
-        if rotations.key_bits or rotations.value_bits:
-            base_key, base_value = rotations.base_bits
-            row |= {
-                "key_bits": rotations.key_bits.get(layer_id, base_key),
-                "value_bits": rotations.value_bits.get(layer_id, base_value),
-            }
-        rows.append(row)
-    return rows
 
 
 _COLUMNS = {
@@ -254,36 +64,9 @@ def format_summary(summary: dict) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
-    from oscar_hf.cli.calibrate import existing_set, format_summary, run_calibration
+    from oscar_hf.core.models import DEFAULT_MODEL, DEFAULT_MODEL_ID
 
-    if args.clip_search and (args.objective != "qqt_sst" or args.factors != "UHP"):
-        raise ValueError(
-            "the clip search chooses between U·H·P and H·P itself: add --no-clip-search to pick "
-            "--objective and --factors"
-        )
-    if args.refine and not args.clip_search:
-        raise ValueError("--refine starts from the clip search's rotations and ratios; drop --no-clip-search")
-    if args.allocate_bits and not args.clip_search:
-        raise ValueError(
-            "--allocate-bits ranks layers against the clip search's rotations and ratios; drop --no-clip-search"
-        )
-    if args.from_rotations and not args.allocate_bits:
-        raise ValueError(
-            "--from-rotations takes a saved set's rotations and clip ratios to allocate bit widths "
-            "anew: add --allocate-bits N"
-        )
-    if args.from_rotations and (args.refine or args.per_head or not args.clip_search):
-        raise ValueError(
-            "--from-rotations keeps the saved set's rotations: drop --refine, --per-head and --no-clip-search"
-        )
-    if args.allocate_for != "oscar-int2":
-        from oscar_hf.calibration.bit_allocation import value_layers_per_key_layer
-
-        if not args.allocate_bits:
-            raise ValueError(
-                "--allocate-for names the method an --allocate-bits allocation is for; add --allocate-bits N"
-            )
-        value_layers_per_key_layer(METHODS[args.allocate_for])
+    recipe = recipe_of(args)
     checks.check_files(args.data, "--data")
     checks.check_output(args.out, "--out", folder=True)
     if args.from_rotations:
@@ -292,7 +75,10 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
         except (FileNotFoundError, ValueError) as error:
             raise ValueError(f"--from-rotations: {error}") from None
     model, tokenizer = load(args)
-    _, summary = run_calibration(args, model, tokenizer, argv)
+    model_id = DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model
+    command = "oscar-hf " + " ".join(argv)
+    result = calibrate(model, tokenizer, args.data, recipe, model_id, command, progress=not args.json)
+    summary = {"out": str(result.save(args.out)), **result.summary}
     print(json.dumps({**environment(argv), **summary}) if args.json else format_summary(summary))
 
 

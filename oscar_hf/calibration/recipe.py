@@ -1,0 +1,321 @@
+"""One calibration function: a :class:`Recipe` (validated once) and :func:`calibrate`, which fits a model's
+rotations (and clip ratios, and per-layer bit widths) on calibration files and returns them with the
+metadata a saved set records. ``oscar-hf calibrate`` is a thin command line over it.
+
+Example::
+
+    recipe = Recipe(allocate_bits=6)  # the bundled oscar-int2 set's recipe
+    result = calibrate(model, tokenizer, ["book1.txt", "prompts.jsonl"], recipe)
+    result.save("my-rotations")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import resource
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits, value_layers_per_key_layer
+from oscar_hf.calibration.clip_search import LayerChoice, search_layers
+from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
+from oscar_hf.calibration.data import calibration_batches, read_calibration_files
+from oscar_hf.calibration.refine import refine_rotations
+from oscar_hf.config import K_CLIP, METHODS, V_CLIP
+from oscar_hf.provenance import provenance
+from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
+
+# Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit
+# allocation scores its teacher-forced KL on them too (2 rows of 2048 tokens: 2 x 64 passes of ~20 s on CPU).
+SEARCH_ROWS = 2
+OBJECTIVES = ("qqt_sst", "ktk_vtv")
+# What from_rotations carries over from the set it starts from: how its rotations and clips were made.
+_RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_choices")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a rotation set is made. The defaults are the bundled ``oscar-int2`` set's recipe without the bit
+    allocation; ``clip_search=False`` is the paper's (``oscar-int2-paper``).
+
+    Args:
+        clip_search: choose each layer's clip ratios and rotation variant (U·H·P or H·P) by the
+            attention-output error.
+        refine: after the clip search, fit each R_K / R_V on the orthogonal group to the quantized
+            attention-output error and search its clip ratio again (slower).
+        per_head: one rotation per KV head, from that head's own C_Q and C_S.
+        objective, factors: the covariances and the composition of plain rotations (without the clip search).
+        allocate_bits: after the clip search, 4-bit keys in this many layers where they cut the calibration
+            KL most and 1-bit values where they cost least, at ``allocate_for``'s history bits.
+        allocate_for: the method the allocation trades against (``oscar-int2`` or ``oscar-k3v2``).
+        from_rotations: a saved set to take rotations and clip ratios from (with ``allocate_bits``).
+        tokens, seq_len, seed, chat: the calibration token budget, row length, sampling seed, and whether
+            ``.jsonl`` prompts are rendered with the chat template.
+
+    Raises:
+        ValueError: a combination that cannot be made (each message names the command line's flag too).
+    """
+
+    clip_search: bool = True
+    refine: bool = False
+    per_head: bool = False
+    objective: str = "qqt_sst"
+    factors: str = "UHP"
+    allocate_bits: int = 0
+    allocate_for: str = "oscar-int2"
+    from_rotations: str | None = None
+    tokens: int = 20000
+    seq_len: int = 2048
+    seed: int = 0
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, not {self.objective!r}")
+        if self.factors not in COMPOSITION_NAMES:
+            raise ValueError(f"factors must be one of {sorted(COMPOSITION_NAMES)}, not {self.factors!r}")
+        if min(self.tokens, self.seq_len) < 1 or self.allocate_bits < 0:
+            raise ValueError("tokens and seq_len must be positive and allocate_bits not negative")
+        if self.clip_search and (self.objective != "qqt_sst" or self.factors != "UHP"):
+            raise ValueError(
+                "the clip search chooses between U·H·P and H·P itself: set clip_search=False (--no-clip-search) "
+                "to pick the objective and factors"
+            )
+        needs_search = {"refine": self.refine, "allocate_bits": self.allocate_bits}
+        for name in (name for name, value in needs_search.items() if value and not self.clip_search):
+            raise ValueError(
+                f"{name} starts from the clip search's rotations and ratios: keep clip_search=True "
+                "(drop --no-clip-search)"
+            )
+        if self.from_rotations and not self.allocate_bits:
+            raise ValueError(
+                "from_rotations takes a saved set's rotations and clip ratios to allocate bit widths anew: "
+                "set allocate_bits (add --allocate-bits N)"
+            )
+        if self.from_rotations and (self.refine or self.per_head):
+            raise ValueError(
+                "from_rotations keeps the saved set's rotations: drop refine and per_head (--refine, --per-head)"
+            )
+        if self.allocate_for not in METHODS:
+            raise ValueError(f"allocate_for must be one of {sorted(METHODS)}, not {self.allocate_for!r}")
+        if self.allocate_for != "oscar-int2":
+            if not self.allocate_bits:
+                raise ValueError(
+                    "allocate_for names the method a bit allocation is for: set allocate_bits (add --allocate-bits N)"
+                )
+            value_layers_per_key_layer(METHODS[self.allocate_for])  # raises for a method it cannot allocate for
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` made: the rotations, the metadata a saved set records (recipe, data by file
+    name and hash, model, provenance) and a summary (time, memory, per-layer choices)."""
+
+    rotations: RotationSet
+    metadata: dict
+    summary: dict
+
+    def save(self, out: str | Path) -> Path:
+        """Write the set to ``out`` (:func:`oscar_hf.rotations.files.save_rotations`); returns the folder."""
+        from oscar_hf.rotations.files import save_rotations
+
+        return save_rotations(self.rotations, out, self.metadata)
+
+
+def calibrate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: Sequence[str | Path],
+    recipe: Recipe = Recipe(),
+    model_id: str | None = None,
+    command: str | None = None,
+    progress: bool = True,
+) -> Calibration:
+    """Fit ``model``'s rotations to the calibration files ``data`` (``.txt`` documents, ``.jsonl`` prompts or
+    chats, read in place) as ``recipe`` says. ``model_id`` (default: the model's name) and ``command``
+    (default: this call) are what the metadata records."""
+    from oscar_hf.rotations.resolve import model_signature
+
+    started = time.perf_counter()
+    files = [Path(p) for p in data]
+    texts = read_calibration_files(files, tokenizer, chat=recipe.chat)
+    batches = calibration_batches(tokenizer, texts, recipe.tokens, recipe.seq_len, recipe.seed)
+    covariances: dict[int, LayerCovariances] = {}
+    choices: dict[int, LayerChoice] = {}
+    if recipe.from_rotations:
+        rotations, made = existing_set(recipe.from_rotations)
+    else:
+        covariances = collect_covariances(model, batches, progress=progress)
+        rotations, choices = _fit(recipe, model, batches, covariances, progress)
+        made = _how_made(recipe, rotations, choices)
+    allocation: BitAllocation | None = None
+    if recipe.allocate_bits:
+        allocation_method = METHODS[recipe.allocate_for]
+        rotations, allocation = allocate_bits(
+            model, _search_rows(batches), rotations, recipe.allocate_bits, allocation_method, progress=progress
+        )
+    tokens = sum(b.numel() for b in batches)
+    metadata = {
+        "model_id": model_id or model.config._name_or_path,
+        "model_signature": model_signature(model),
+        **made,
+        "recipe": recipe.to_dict(),
+        "group_size": rotations.head_dim,
+        "sink": METHODS["oscar-int2"].sink,
+        "recent": METHODS["oscar-int2"].recent,
+        "calibration_data": {
+            "files": _file_hashes(files),
+            "documents": len(texts.documents),
+            "prompts": len(texts.prompts),
+            "chat_template": recipe.chat,
+            "seq_len": recipe.seq_len,
+            "rows": len(batches),
+            "seed": recipe.seed,
+        },
+        "tokens": tokens,
+        **provenance(command or f"oscar_hf.calibrate(model, tokenizer, data, {recipe!r})"),
+    }
+    if allocation is not None:
+        metadata["bit_allocation"] = allocation.to_dict()
+    summary = {
+        "layers": len(rotations.key),
+        "tokens": tokens,
+        "seconds": round(time.perf_counter() - started, 1),
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "per_layer": _per_layer(covariances, rotations, choices),
+    }
+    if allocation is not None:
+        summary["bit_allocation"] = {
+            "method": recipe.allocate_for,
+            "key_4bit_layers": allocation.key_layers,
+            "value_1bit_layers": allocation.value_layers,
+            "baseline_kl": round(allocation.baseline_kl, 6),
+            "allocated_kl": round(allocation.allocated_kl, 6),
+        }
+    return Calibration(rotations, metadata, summary)
+
+
+def _fit(
+    recipe: Recipe, model, batches: list[torch.Tensor], covariances: dict[int, LayerCovariances], progress: bool
+) -> tuple[RotationSet, dict[int, LayerChoice]]:
+    """The rotations (and clip ratios) of ``recipe``, and the clip search's choices."""
+    if not recipe.clip_search:
+        return rotations_from_covariances(covariances, recipe.objective, recipe.factors, recipe.per_head), {}
+    rotations, choices = search_layers(
+        model, _search_rows(batches), covariances, progress=progress, per_head=recipe.per_head
+    )
+    if recipe.refine:
+        rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=progress)
+    return rotations, choices
+
+
+def _how_made(recipe: Recipe, rotations: RotationSet, choices: dict[int, LayerChoice]) -> dict:
+    """The metadata that says how the rotations and clip ratios were made."""
+    made = {
+        "objective": recipe.objective,
+        "composition": _composition(recipe),
+        "source_grouping": "per_kv_head" if recipe.per_head else "layer",
+        "clip": "per-layer (clip search)" if recipe.clip_search else {"key": K_CLIP, "value": V_CLIP},
+    }
+    if choices:
+        made["layer_choices"] = {
+            str(i): {
+                "key": f"{c.key_factors}@{rotations.key_clip[i]}",
+                "value": f"{c.value_factors}@{rotations.value_clip[i]}",
+            }
+            for i, c in choices.items()
+        }
+    return made
+
+
+def existing_set(path: str) -> tuple[RotationSet, dict]:
+    """A saved set's rotations and clip ratios (its bit widths are replaced by the allocation) and the metadata
+    of how they were made."""
+    from oscar_hf.rotations.files import load_rotation_config
+    from oscar_hf.rotations.hub import load_rotations
+
+    config = load_rotation_config(path)
+    rotations = load_rotations(path)
+    recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
+    made = {key: config.get(key) for key in ("command", "calibration_data", "tokens")}
+    recipe["rotations_from"] = {**made, "files": _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())}
+    return rotations, recipe
+
+
+def _file_hashes(files: Iterable[Path]) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+def _composition(recipe: Recipe) -> str:
+    if not recipe.clip_search:
+        return COMPOSITION_NAMES[recipe.factors]
+    chosen = "per-layer r_h_pbr or h_pbr (clip search)"
+    return chosen + " refined on the orthogonal group" if recipe.refine else chosen
+
+
+def _refine_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The search rows of the longest length: refinement stacks its rows, so they must be equally long."""
+    rows = _search_rows(batches)
+    return [r for r in rows if r.shape[1] == rows[0].shape[1]]
+
+
+def _search_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The longest rows: the search needs keys old enough to have left the BF16 window."""
+    needed = METHODS["oscar-int2"].sink + METHODS["oscar-int2"].recent + METHODS["oscar-int2"].block
+    rows = sorted(batches, key=lambda b: b.shape[1], reverse=True)[:SEARCH_ROWS]
+    if rows[0].shape[1] <= needed:
+        raise ValueError(
+            f"the clip search needs calibration rows longer than {needed} tokens (sink + recent window); the longest "
+            f"has {rows[0].shape[1]}. Add document (.txt) data or raise seq_len (--seq-len)."
+        )
+    return [r for r in rows if r.shape[1] > needed]
+
+
+def _peak_rss_mib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def _spread(eigenvalues: torch.Tensor) -> tuple[float, float]:
+    """(largest / smallest eigenvalue, largest eigenvalue's share of the trace)."""
+    values = eigenvalues.double().clamp_min(1e-30)
+    return float(values.max() / values.min()), float(values.max() / values.sum())
+
+
+def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet, choices: dict) -> list[dict]:
+    rows = []
+    for layer_id in sorted(rotations.key):
+        row: dict = {"layer": layer_id}
+        if layer_id in covariances:
+            q_ratio, q_share = _spread(torch.linalg.eigvalsh(covariances[layer_id].query))
+            s_ratio, _ = _spread(torch.linalg.eigvalsh(covariances[layer_id].value))
+            row |= {
+                "c_q_condition": round(q_ratio, 1),
+                "c_q_top_share": round(q_share, 3),
+                "c_s_condition": round(s_ratio, 1),
+            }
+        if layer_id in choices:
+            c = choices[layer_id]
+            # The stored ratios: the search's, or those searched again after --refine.
+            row |= {
+                "key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
+                "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}",
+            }
+        if rotations.key_bits or rotations.value_bits:
+            base_key, base_value = rotations.base_bits
+            row |= {
+                "key_bits": rotations.key_bits.get(layer_id, base_key),
+                "value_bits": rotations.value_bits.get(layer_id, base_value),
+            }
+        rows.append(row)
+    return rows
