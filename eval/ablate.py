@@ -16,10 +16,10 @@ A config holds (every section but ``model`` and ``variants`` is optional):
   the log-probability of the number, one forward pass per trial in the common case;
 * ``variants`` (recipes): ``{"label", "method"}`` plus where the rotations come from, one of
   ``"rotations"`` (``"default"``: the set bundled for the model, or a directory) or
-  ``"calibration"`` (a name above) with ``"calibrate"`` (keyword arguments of
-  ``rotations_from_covariances``, e.g. ``{"objective": "ktk_vtv", "factors": "HP"}``) or
-  ``"clip_search"`` (true, or keyword arguments of ``clip_search.search_layers``; it searches on
-  the two longest calibration batches); and ``"overrides"``: OscarConfig fields, nested ones as
+  ``"calibration"`` (a name above) made by the library's recipe (:func:`oscar_hf.calibration.recipe.fit`):
+  ``"calibrate"`` (:class:`~oscar_hf.calibration.recipe.Recipe` fields, e.g. ``{"objective": "ktk_vtv",
+  "factors": "HP"}``), ``"clip_search"`` and ``"refine"`` (true or false; the search measures the
+  variant's own method); and ``"overrides"``: OscarConfig fields, nested ones as
   dicts (``{"recent": 128, "key": {"group_size": 32, "clip_ratio": 0.0}}``, dtypes by name).
 
 Every recipe gets its bits per element at each evaluated length and at 128K tokens for head_dim 128.
@@ -44,10 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
 from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.calibration.clip_search import search_layers  # noqa: E402
-from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances  # noqa: E402
+from oscar_hf.calibration.covariances import collect_covariances  # noqa: E402
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
-from oscar_hf.calibration.refine import refine_rotations  # noqa: E402
+from oscar_hf.calibration.recipe import Recipe, fit  # noqa: E402
 from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
 from oscar_hf.core.memory import bits_per_element  # noqa: E402
 from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
@@ -151,27 +150,20 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         raise ValueError(f"variant {label!r}: give either rotations or calibration, not both")
     if "calibration" not in variant and ("calibrate" in variant or "clip_search" in variant):
         raise ValueError(f"variant {label!r}: calibrate and clip_search need a calibration")
-    if variant.get("refine") and not variant.get("clip_search"):
-        raise ValueError(f"variant {label!r}: refine starts from the clip search's rotations; set clip_search too")
     rotations = None
     if "rotations" in variant:
         rotations = resolve_rotations(model, variant["rotations"], method=config)
     elif "calibration" in variant:
         covariances, batches = calibrations[variant["calibration"]]
-        search = variant.get("clip_search")
-        if search:
-            if "calibrate" in variant:
-                raise ValueError(
-                    f"variant {label!r}: clip_search builds its own rotations; put its options in clip_search"
-                )
-            options = search if isinstance(search, dict) else {}
-            longest = sorted(batches, key=lambda b: -b.shape[1])[:2]
-            rotations, _ = search_layers(model, longest, covariances, config=config, **options)
-            if variant.get("refine"):  # refinement stacks its rows, so they must be equally long
-                rows = [r for r in longest if r.shape[1] == longest[0].shape[1]]
-                rotations, _ = refine_rotations(model, rows, rotations, config=config)
-        else:
-            rotations = rotations_from_covariances(covariances, **variant.get("calibrate", {}))
+        try:  # the library's recipe, validated as oscar_hf.calibrate validates it
+            recipe = Recipe(
+                clip_search=bool(variant.get("clip_search")),
+                refine=bool(variant.get("refine")),
+                **variant.get("calibrate", {}),
+            )
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"variant {label!r}: {error}") from None
+        rotations, _ = fit(recipe, model, batches, covariances, config, progress=False)
     return OscarCache(model, config, rotations=rotations)
 
 

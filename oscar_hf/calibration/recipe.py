@@ -28,7 +28,7 @@ from oscar_hf.calibration.clip_search import LayerChoice, search_layers
 from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
 from oscar_hf.calibration.data import calibration_batches, read_calibration_files
 from oscar_hf.calibration.refine import refine_rotations
-from oscar_hf.config import K_CLIP, METHODS, V_CLIP
+from oscar_hf.config import K_CLIP, METHODS, V_CLIP, OscarConfig
 from oscar_hf.provenance import provenance
 from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
 
@@ -156,7 +156,7 @@ def calibrate(
         rotations, made = existing_set(recipe.from_rotations)
     else:
         covariances = collect_covariances(model, batches, progress=progress)
-        rotations, choices = _fit(recipe, model, batches, covariances, progress)
+        rotations, choices = fit(recipe, model, batches, covariances, progress=progress)
         made = _how_made(recipe, rotations, choices)
     allocation: BitAllocation | None = None
     if recipe.allocate_bits:
@@ -205,17 +205,23 @@ def calibrate(
     return Calibration(rotations, metadata, summary)
 
 
-def _fit(
-    recipe: Recipe, model, batches: list[torch.Tensor], covariances: dict[int, LayerCovariances], progress: bool
+def fit(
+    recipe: Recipe,
+    model: PreTrainedModel,
+    batches: list[torch.Tensor],
+    covariances: dict[int, LayerCovariances],
+    config: OscarConfig = METHODS["oscar-int2"],
+    progress: bool = True,
 ) -> tuple[RotationSet, dict[int, LayerChoice]]:
-    """The rotations (and clip ratios) of ``recipe``, and the clip search's choices."""
+    """The rotations (and clip ratios) ``recipe`` makes from ``covariances`` and calibration rows ``batches``,
+    with the clip search's choices; ``config``: the method whose quantization the search measures."""
     if not recipe.clip_search:
         return rotations_from_covariances(covariances, recipe.objective, recipe.factors, recipe.per_head), {}
-    rotations, choices = search_layers(
-        model, _search_rows(batches), covariances, progress=progress, per_head=recipe.per_head
-    )
-    if recipe.refine:
-        rotations, _ = refine_rotations(model, _refine_rows(batches), rotations, progress=progress)
+    rows = _search_rows(batches, config)
+    rotations, choices = search_layers(model, rows, covariances, config, progress=progress, per_head=recipe.per_head)
+    if recipe.refine:  # refinement stacks its rows, so they must be equally long
+        rows = [r for r in rows if r.shape[1] == rows[0].shape[1]]
+        rotations, _ = refine_rotations(model, rows, rotations, config=config, progress=progress)
     return rotations, choices
 
 
@@ -263,15 +269,9 @@ def _composition(recipe: Recipe) -> str:
     return chosen + " refined on the orthogonal group" if recipe.refine else chosen
 
 
-def _refine_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The search rows of the longest length: refinement stacks its rows, so they must be equally long."""
-    rows = _search_rows(batches)
-    return [r for r in rows if r.shape[1] == rows[0].shape[1]]
-
-
-def _search_rows(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+def _search_rows(batches: list[torch.Tensor], config: OscarConfig = METHODS["oscar-int2"]) -> list[torch.Tensor]:
     """The longest rows: the search needs keys old enough to have left the BF16 window."""
-    needed = METHODS["oscar-int2"].sink + METHODS["oscar-int2"].recent + METHODS["oscar-int2"].block
+    needed = config.sink + config.recent + config.block
     rows = sorted(batches, key=lambda b: b.shape[1], reverse=True)[:SEARCH_ROWS]
     if rows[0].shape[1] <= needed:
         raise ValueError(
