@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from oscar_hf.calibration.recipe import Recipe, calibrate, existing_set
@@ -13,21 +14,9 @@ from oscar_hf.core.models import DTYPES
 
 
 def recipe_of(args: argparse.Namespace) -> Recipe:
-    """The recipe the command's flags ask for (a ValueError for a combination that cannot be made)."""
-    return Recipe(
-        clip_search=args.clip_search,
-        refine=args.refine,
-        per_head=args.per_head,
-        objective=args.objective,
-        factors=args.factors,
-        allocate_bits=args.allocate_bits,
-        allocate_for=args.allocate_for,
-        from_rotations=args.from_rotations,
-        tokens=args.tokens,
-        seq_len=args.seq_len,
-        seed=args.seed,
-        chat=args.chat,
-    )
+    """The recipe the command's flags ask for (each field is the flag of its name; a ValueError for a
+    combination that cannot be made)."""
+    return Recipe(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Recipe)})
 
 
 _COLUMNS = {
