@@ -178,7 +178,7 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         if rotations is None:
             raise ValueError(
                 f"method {config.method!r} uses calibrated rotations: pass rotations= "
-                "(OscarCache.from_zoo(...), oscar_hf.rotations.hub.load_rotations(...) or oscar_hf.calibration.covariances.calibrate(...))"
+                "(OscarCache.from_zoo(...), oscar_hf.rotations.hub.load_rotations(...) or oscar_hf.calibrate(...).rotations)"
             )
         if config.shared_rotations and rotations.per_head:
             raise ValueError(

@@ -198,7 +198,7 @@ def _no_bundled_message(name: str, signature: dict[str, Any], sets: dict[str, di
     return (
         f"no rotations are bundled for {name or 'this model'} ({signature}); bundled sets: {bundled}. "
         "Calibrate rotations for it (`oscar-hf calibrate`, see `oscar-hf calibrate --help`, or "
-        "oscar_hf.calibration.covariances.calibrate(model, batches) and oscar_hf.rotations.files.save_rotations(rotations, DIR)) "
+        "oscar_hf.calibrate(model, tokenizer, files).save(DIR)) "
         "and pass the directory, OscarCache.from_zoo(model, DIR); or pass a hub repo id, e.g. "
         f"OscarCache.from_zoo(model, {ROTATION_ZOO!r}) for the models of the official RotationZoo."
     )
