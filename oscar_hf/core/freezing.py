@@ -59,17 +59,17 @@ class FrozenLayouts:
         ``decode_graphs`` asks for it (see the constructor); the attention function calls this.
 
         That step's update already ran eagerly (its demotions included), so only its ring slot is
-        reserved here. The frozen cache grows instead of filling up: MAX_SLACK_ROWS more history rows,
-        as the eager cache's buffers would. Called when the cache cannot be frozen yet (before its
+        reserved here. The frozen cache grows instead of filling up, by whole MAX_SLACK_ROWS buckets
+        (:meth:`_grown_capacity`). Called when the cache cannot be frozen yet (before its
         sink is complete) it tries again next step; refused for good (padding after the sink,
         several devices...), it stays eager (the reason is logged at debug level).
         """
         if layer_idx != self._first_oscar_layer or self.stays_eager or self.decode_graphs is False:
             return
+        if self.step_decoder is not None:  # it freezes the cache itself; this step it could not
+            return
         device = self.layers[layer_idx].device
         if (self.decode_graphs is None and device.type != "cuda") or static_not_yet(self):
-            return
-        if self.step_decoder is not None:  # it freezes the cache itself; this step it could not
             return
         oscar_layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
         if device.type == "cuda" and (reason := graphs_unsupported(oscar_layers, self.head_dim)) is not None:

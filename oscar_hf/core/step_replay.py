@@ -145,15 +145,16 @@ class StaticDecoder:
 
     def step(self, kwargs: dict) -> torch.Tensor | None:
         """Logits ``[B, 1, vocab]`` of one decode step, or None when the cache cannot be static now."""
-        self.cache.require_intact()  # a replay runs none of the cache's checks
-        if self.cache.stays_eager:  # refused for good, reordered or rolled back: until reset()
+        cache = self.cache  # one weak-reference lookup a step
+        cache.require_intact()  # a replay runs none of the cache's checks
+        if cache.stays_eager:  # refused for good, reordered or rolled back: until reset()
             return None
         ids = kwargs["input_ids"]
-        static = self.cache.static
+        static = cache.static
         if static is not None and self.input_ids is not None and static.grows and static.full():
             self.stop()  # a growing cache: freeze again with more rows, capture again
-        if self.cache.static is None or self.input_ids is None:  # (re)freeze: new buffers, a new graph
-            if not self.cache.start_static(self.capacity, kwargs.get("attention_mask"), stay_eager_if_refused=True):
+        if cache.static is None or self.input_ids is None:  # (re)freeze: new buffers, a new graph
+            if not cache.start_static(self.capacity, kwargs.get("attention_mask"), stay_eager_if_refused=True):
                 return None
             if self.fuse_projections and self.fusion is None:
                 self.fusion = contextlib.ExitStack()
@@ -169,11 +170,11 @@ class StaticDecoder:
             return self._run().clone()
         if self.graph is None:
             self._capture()
-        self.cache.static.advance_host()  # the replay runs no Python: mirror its lengths here
+        cache.static.advance_host()  # the replay runs no Python: mirror its lengths here
         try:
             self.graph.replay()
         except BaseException as error:  # the mirror has advanced; what the device holds is unknown
-            self.cache.mark_broken(f"a replayed decode step raised {type(error).__name__} ({error})")
+            cache.mark_broken(f"a replayed decode step raised {type(error).__name__} ({error})")
             raise
         return self.logits.clone()
 
