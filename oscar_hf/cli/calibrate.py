@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 from oscar_hf.calibration.recipe import Recipe, calibrate, existing_set
 from oscar_hf.cli import checks
@@ -65,7 +66,8 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
             raise ValueError(f"--from-rotations: {error}") from None
     model, tokenizer = load(args)
     model_id = DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model
-    command = "oscar-hf " + " ".join(argv)
+    # A saved set is shared: it names its data by file name (and hash, in calibration_data), never by a path of this machine.
+    command = "oscar-hf " + " ".join(Path(a).name if Path(a).is_absolute() else a for a in argv)
     result = calibrate(model, tokenizer, args.data, recipe, model_id, command, progress=not args.json)
     summary = {"out": str(result.save(args.out)), **result.summary}
     print(json.dumps({**environment(argv), **summary}) if args.json else format_summary(summary))
