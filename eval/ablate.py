@@ -1,6 +1,6 @@
 """Compare cache recipes by memory, held-out KL and perplexity and needle retrieval, driven by a JSON config.
 
-    python eval/ablate.py --config eval/configs/quality.json [--device cuda --dtype bfloat16] [--out STEM]
+    python -m eval.ablate --config eval/configs/quality.json [--device cuda --dtype bfloat16] [--out STEM]
 
 A config holds (every section but ``model`` and ``variants`` is optional):
 
@@ -34,32 +34,29 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from oscar_hf import OscarCache
+from oscar_hf.calibration.covariances import collect_covariances
+from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
+from oscar_hf.calibration.recipe import Recipe, fit
+from oscar_hf.config import METHODS, OscarConfig, resolve_method
+from oscar_hf.core.memory import bits_per_element
+from oscar_hf.core.models import DTYPES, load_model, model_context
+from oscar_hf.evaluation.haystack import Haystack, build_prompt, haystack_files, read_haystack
+from oscar_hf.evaluation.kl import evaluate_caches
+from oscar_hf.evaluation.niah import check_lengths
+from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts
+from oscar_hf.evaluation.report import tokens_label, write_outputs
+from oscar_hf.log import get_logger
+from oscar_hf.model_info import head_dim_of
+from oscar_hf.provenance import command_line, machine_line, provenance, provenance_line
+from oscar_hf.rotations.resolve import resolve_rotations
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
-
-from oscar_hf import OscarCache  # noqa: E402
-from oscar_hf.calibration.covariances import collect_covariances  # noqa: E402
-from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files  # noqa: E402
-from oscar_hf.calibration.recipe import Recipe, fit  # noqa: E402
-from oscar_hf.config import METHODS, OscarConfig, resolve_method  # noqa: E402
-from oscar_hf.core.memory import bits_per_element  # noqa: E402
-from oscar_hf.core.models import DTYPES, load_model, model_context  # noqa: E402
-from oscar_hf.evaluation.haystack import Haystack, build_prompt, haystack_files, read_haystack  # noqa: E402
-from oscar_hf.evaluation.kl import evaluate_caches  # noqa: E402
-from oscar_hf.evaluation.niah import check_lengths  # noqa: E402
-from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts  # noqa: E402
-from oscar_hf.evaluation.report import tokens_label, write_outputs  # noqa: E402
-from oscar_hf.log import get_logger  # noqa: E402
-from oscar_hf.model_info import head_dim_of  # noqa: E402
-from oscar_hf.provenance import command_line, machine_line, provenance, provenance_line  # noqa: E402
-from oscar_hf.rotations.resolve import resolve_rotations  # noqa: E402
-
 RESULTS = REPO / "eval" / "results"
 LONG_CONTEXT, LONG_HEAD_DIM = 131072, 128  # the paper's BPE point
 logger = get_logger("oscar_hf.ablate")

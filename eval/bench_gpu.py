@@ -1,6 +1,6 @@
 """GPU benchmark suite: one config-driven script, one JSON config per benchmark.
 
-    python eval/bench_gpu.py --config eval/configs/bench_kernel.json [--out eval/results] [--set KEY=JSON ...]
+    python -m eval.bench_gpu --config eval/configs/bench_kernel.json [--out eval/results] [--set KEY=JSON ...]
 
 The config's ``benchmark`` field picks what runs (``--set decode.repeats=5`` overrides a field):
 
@@ -38,13 +38,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import REPO, RESULTS, e2e, graph, kernel, memory, multigpu
-from benchmarks.config import apply_sets, deep_merge
-from oscar_hf.provenance import (
-    command_line,
-    provenance,
-    provenance_line,
-)  # this checkout's: benchmarks put it first on sys.path
+from eval.benchmarks import REPO, RESULTS, e2e, graph, kernel, memory, multigpu
+from eval.benchmarks.config import apply_sets, deep_merge
+from oscar_hf.provenance import command_line, provenance, provenance_line
 
 BENCHMARKS = {
     "kernel": kernel.BENCHMARK,

@@ -23,7 +23,7 @@ mkdir -p "$out"
 shift
 work=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-bench="python3 eval/bench_gpu.py --out $work"
+bench="python3 -m eval.bench_gpu --out $work"
 
 run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, repack the archive
     local name=$1 limit=$2
@@ -70,7 +70,7 @@ for step in "$@"; do
         decode-graphs) run gpu_test_decode_graphs 300 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
         step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8
             for batch in 1 8; do
-                run "step_times_b$batch" 300 python3 eval/step_times.py --batch $batch --caches dynamic oscar-int2 \
+                run "step_times_b$batch" 300 python3 -m eval.step_times --batch $batch --caches dynamic oscar-int2 \
                     --out "$work/step_times_b$batch"
             done ;;
         e2e | e2e-4b)
@@ -123,7 +123,7 @@ for step in "$@"; do
         multigpu) run multigpu 200 $bench --config eval/configs/bench_multigpu.json ;;
         multigpu-tests)  # two GPUs: device_map="auto", and tp_plan="auto" under torchrun
             run gpu_test_multigpu 400 python3 -m pytest -q -p no:cacheprovider tests/test_bench_gpu.py -k two_gpus ;;
-        profile) run profile 120 python3 kernels/tools/profile_decode.py --out "$work" ;;
+        profile) run profile 120 python3 -m eval.profile_decode --out "$work" ;;
         gluon)  # the explicit-layout history span, tested and timed against the Triton stage 1
             run gluon_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_history.py
             run gluon_diagnosis 120 python3 kernels/tools/diagnose_gluon_history.py --out "$work"
@@ -160,7 +160,7 @@ for step in "$@"; do
                 --section SpeedOfLight --section LaunchStats --section Occupancy --print-details all \
                 python3 kernels/tools/ncu_decode.py --batch 1 ;;
         quality)  # the recipes' memory, held-out KL/PPL at 2K and 8K and teacher-forced needles (eval/ablate.py)
-            run quality 580 python3 eval/ablate.py --config eval/configs/quality.json --device cuda --out "$work/quality" -v ;;
+            run quality 580 python3 -m eval.ablate --config eval/configs/quality.json --device cuda --out "$work/quality" -v ;;
         *) echo "unknown step $step" >&2 ;;
     esac
 done

@@ -1,6 +1,6 @@
 """Soak: 10,000+ decode steps of a tiny model with small windows, per method, eager and frozen.
 
-    python eval/soak.py [--steps 10000] [--methods none oscar-int2 ...] [--modes eager frozen]
+    python -m eval.soak [--steps 10000] [--methods none oscar-int2 ...] [--modes eager frozen]
                         [--check-every 500] [--out eval/results]
 
 A tiny random Llama (2 layers, 2 KV heads of 16 dims) decodes a batch of 2 by sampling, one token a
@@ -40,15 +40,13 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # soak this checkout even when another oscar-hf is installed
-sys.path.insert(0, str(REPO / "eval"))
+from eval.benchmarks.models import random_rotations
+from oscar_hf import METHODS, OscarCache, cache_keyword
+from oscar_hf.core.storage import MAX_SLACK_ROWS, aligned_rows
+from oscar_hf.provenance import command_line, provenance, provenance_line
+from oscar_hf.quant import QuantizedRows, dequantize, quantize
 
-from benchmarks.models import random_rotations  # noqa: E402
-from oscar_hf import METHODS, OscarCache, cache_keyword  # noqa: E402
-from oscar_hf.core.storage import MAX_SLACK_ROWS, aligned_rows  # noqa: E402
-from oscar_hf.provenance import command_line, provenance, provenance_line  # noqa: E402
-from oscar_hf.quant import QuantizedRows, dequantize, quantize  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 WINDOWS = dict(sink=4, recent=8, block=2)
 MODEL = dict(

@@ -1,6 +1,6 @@
 """Wall time of every step of one ``model.generate`` call, per cache: what the first steps cost.
 
-    python eval/step_times.py [--model qwen3-8b] [--context 100000] [--batch 1] [--new-tokens 64]
+    python -m eval.step_times [--model qwen3-8b] [--context 100000] [--batch 1] [--new-tokens 64]
                               [--caches dynamic oscar-int2 oscar-int2+eager-layout]
 
 On CUDA plain ``generate`` with an OscarCache freezes the cache at its first decode step and replays
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,19 +25,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmarks.caches import attention_for, fill_cache, make_cache, model_for  # noqa: E402
-from benchmarks.cases import free_memory, median_round  # noqa: E402
-from benchmarks.decoding import generate  # noqa: E402
-from benchmarks.models import (  # noqa: E402
+from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for
+from eval.benchmarks.cases import free_memory, median_round
+from eval.benchmarks.decoding import generate
+from eval.benchmarks.models import (
     add_model_arguments,
     build_model,
     input_device,
     random_rotations,
     random_tokens,
 )
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
-from oscar_hf.provenance import command_line, provenance, provenance_line  # noqa: E402
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of
+from oscar_hf.provenance import command_line, provenance, provenance_line
 
 FIRST_STEPS = 3
 

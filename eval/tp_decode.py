@@ -1,9 +1,9 @@
 """Tensor-parallel decoding with OscarCache, one process per GPU:
 
-    torchrun --standalone --nproc_per_node 2 eval/tp_decode.py --config eval/configs/bench_multigpu.json \
+    torchrun --standalone --nproc_per_node 2 -m eval.tp_decode --config eval/configs/bench_multigpu.json \
         [--out eval/results/tp_decode.json]
 
-``python eval/bench_gpu.py --config eval/configs/bench_multigpu.json`` launches it this way. The
+``python -m eval.bench_gpu --config eval/configs/bench_multigpu.json`` launches it this way. The
 config's ``tensor_parallel`` section (or the whole file, if it has none) gives the model (a preset
 name or Qwen3Config fields), ``context`` (prompt tokens), ``batch``, ``new_tokens``, ``caches``, the
 timing repeats and ``per_head_rotations`` (one random R per KV head instead of one per layer).
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,23 +37,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmarks import REPO, RESULTS  # noqa: E402  (puts this checkout first on sys.path too)
-from benchmarks.caches import attention_for, make_cache  # noqa: E402
-from benchmarks.cases import free_memory  # noqa: E402
-from benchmarks.config import deep_merge  # noqa: E402
-from benchmarks.decoding import decode_case, generate  # noqa: E402
-from benchmarks.models import (  # noqa: E402
+from eval.benchmarks import RESULTS
+from eval.benchmarks.caches import attention_for, make_cache
+from eval.benchmarks.cases import free_memory
+from eval.benchmarks.config import deep_merge
+from eval.benchmarks.decoding import decode_case, generate
+from eval.benchmarks.models import (
     DTYPES,
     model_spec,
     random_rotations,
     random_tokens,
     save_random_model,
 )
-from benchmarks.multigpu import DEFAULTS  # noqa: E402
-from oscar_hf.core.compat import cache_keyword  # noqa: E402
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of  # noqa: E402
-from oscar_hf.provenance import command_line, provenance  # noqa: E402
+from eval.benchmarks.multigpu import DEFAULTS
+from oscar_hf.core.compat import cache_keyword
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of
+from oscar_hf.provenance import command_line, provenance
 
 
 def load_tensor_parallel(path: str, dtype: torch.dtype):
@@ -211,11 +209,7 @@ def main() -> None:
 
     if rank == 0:
         result = {
-            **provenance(
-                command_line(
-                    f"torchrun --standalone --nproc_per_node {world} {Path(__file__).relative_to(REPO).as_posix()}"
-                )
-            ),
+            **provenance(command_line(f"torchrun --standalone --nproc_per_node {world} -m eval.tp_decode")),
             "seconds": round(time.perf_counter() - started, 1),
             "world_size": world,
             "model": name,

@@ -13,9 +13,9 @@ kernels are also the torch custom ops ``torch.ops.oscar.quantize_pack`` and
 ``torch.ops.oscar.decode_attention``, with fake implementations, so ``torch.compile`` traces them
 (``quantize_pack_into`` writes in place and serves the eager cache only).
 
-The folder has no ``__init__.py`` on purpose: with the repository root on ``sys.path`` (``python -m
-pytest``), a regular package named ``kernels`` there would shadow Hugging Face's ``kernels`` package,
-which transformers imports to probe for it; a namespace folder is ignored by that probe.
+The folder has no ``__init__.py`` on purpose: with the repository root on the import path (``python -m
+pytest``, ``python -m eval...``), a regular package named ``kernels`` there would shadow Hugging Face's
+``kernels`` package, which transformers imports when it finds it; a namespace folder is ignored.
 
 Triton is optional: without it these modules still import (``@triton.jit`` functions become inert
 stubs) and everything falls back to the torch references. ``TRITON_INTERPRET=1`` is read by Triton
@@ -32,6 +32,9 @@ from types import SimpleNamespace
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# A cache's history buffers hold whole multiples of this many rows (oscar_hf.core.storage): each head's
+# metadata then start 16-byte aligned, as the Gluon span's staged copies need.
+ROW_ALIGNMENT = 16
 LOG2E = 1.4426950408889634  # scores go to the decode kernels in base-2 units (see decode_stages._online_softmax)
 
 try:

@@ -77,7 +77,7 @@ def history_into(
     elif pipeline and not aligned:
         raise ValueError(
             "pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
-            "16-row aligned (storage.ROW_ALIGNMENT)"
+            "16-row aligned (ROW_ALIGNMENT)"
         )
     if early and pipeline:  # a copy made here is the kernel just before the span: its rows are not settled
         originals = (k_codes, v_codes, k_scale, k_zero, v_scale, v_zero)

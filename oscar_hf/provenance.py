@@ -50,9 +50,11 @@ def utc_date() -> str:
 
 
 def command_line(program: str | None = None, argv: list[str] | None = None) -> str:
-    """The command that produced a result: ``program`` (default ``python <script>``) and its arguments."""
+    """The command that produced a result: ``program`` (default ``python -m <module>`` for a module run as a
+    script, else ``python <script>``) and its arguments."""
     argv = sys.argv[1:] if argv is None else argv
-    program = program or f"python {Path(sys.argv[0]).as_posix()}"
+    module = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+    program = program or (f"python -m {module}" if module else f"python {Path(sys.argv[0]).as_posix()}")
     return " ".join([program, *(shlex.quote(a) for a in argv)])
 
 

@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny random-weight models (no downloads) and helpers."""
+"""Shared fixtures: tiny random-weight models (no downloads) and helpers; kernel tests in the interpreter's own process."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +79,66 @@ def generate(model, input_ids, cache, **kwargs):
 def forward(model, input_ids, cache, **kwargs):
     with torch.no_grad():
         return model(input_ids, **{cache_keyword(model): cache}, use_cache=True, **kwargs)
+
+
+# Test modules that run Triton kernels: on a machine without CUDA they need Triton's interpreter, which
+# TRITON_INTERPRET=1 selects only when set before Triton is first imported (by transformers, here). So
+# unless this process already has it, each runs in a pytest process of its own that starts with it.
+INTERPRETED_MODULES = ("test_kernels.py",)
+
+
+def _needs_own_process(path: Path) -> bool:
+    return (
+        path.name in INTERPRETED_MODULES and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    )
+
+
+class InterpretedModule(pytest.File):
+    """A test module run whole in its own ``TRITON_INTERPRET=1`` pytest process: one item here."""
+
+    def collect(self):
+        yield InterpretedRun.from_parent(self, name="under TRITON_INTERPRET=1")
+
+
+class InterpretedRun(pytest.Item):
+    def runtest(self) -> None:
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(self.path)]
+        for option in ("-x", "--exitfirst"):
+            if option in self.config.invocation_params.args:
+                command.append("-x")
+        done = subprocess.run(
+            command,
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            cwd=self.config.rootpath,
+            capture_output=True,
+            text=True,
+        )
+        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        self.user_properties.append(("summary", summary))
+        if done.returncode != 0:
+            raise InterpretedFailure(done.stdout[-20000:] + done.stderr[-5000:])
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, InterpretedFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name} under TRITON_INTERPRET=1"
+
+
+class InterpretedFailure(Exception):
+    """The module's own pytest process failed; its output is the report."""
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent):
+    if _needs_own_process(module_path):
+        return InterpretedModule.from_parent(parent, path=module_path)
+    return None
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for report in terminalreporter.stats.get("passed", []):
+        for key, value in report.user_properties:
+            if key == "summary":
+                terminalreporter.write_line(f"{report.nodeid}: {value}")

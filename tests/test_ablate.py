@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "eval"))
-
-import ablate  # noqa: E402
-
-from oscar_hf.config import METHODS  # noqa: E402
-from tests.conftest import tiny_model  # noqa: E402
-from tests.test_niah import VOCAB, byte_tokenizer, write_essays  # noqa: E402
+from eval import ablate
+from oscar_hf.config import METHODS
+from tests.conftest import tiny_model
+from tests.test_niah import VOCAB, byte_tokenizer, write_essays
 
 SMALL = {"sink": 4, "recent": 16, "block": 4}
 

@@ -18,28 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
-EVAL = Path(__file__).resolve().parents[1] / "eval"
-sys.path.insert(0, str(EVAL))
-import tp_decode  # noqa: E402
-from bench_gpu import resolve_config, run_benchmark  # noqa: E402
-
-from benchmarks import REPO, multigpu  # noqa: E402
-from benchmarks.caches import attention_for, fill_cache, make_cache, model_for  # noqa: E402
-from benchmarks.cases import guarded, median_round  # noqa: E402
-from benchmarks.config import apply_sets, deep_merge  # noqa: E402
-from benchmarks.decoding import generate  # noqa: E402
-from benchmarks.graph import graph_variant  # noqa: E402
-from benchmarks.memory import predict_max_batch  # noqa: E402
-from benchmarks.models import (  # noqa: E402
+from eval import tp_decode
+from eval.bench_gpu import resolve_config, run_benchmark
+from eval.benchmarks import REPO, multigpu
+from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for
+from eval.benchmarks.cases import guarded, median_round
+from eval.benchmarks.config import apply_sets, deep_merge
+from eval.benchmarks.decoding import generate
+from eval.benchmarks.graph import graph_variant
+from eval.benchmarks.memory import predict_max_batch
+from eval.benchmarks.models import (
     build_model,
     model_spec,
     random_rotations,
     random_tokens,
     save_random_model,
 )
-from benchmarks.multigpu import device_map_cases, placement_check, tensors_of, torchrun_command  # noqa: E402
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
-from oscar_hf.provenance import machine_info  # noqa: E402
+from eval.benchmarks.multigpu import device_map_cases, placement_check, tensors_of, torchrun_command
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of
+from oscar_hf.provenance import machine_info
 
 TINY_MODEL = {
     "name": "tiny-qwen3",
@@ -122,7 +119,8 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [
         sys.executable,
-        str(EVAL / "bench_gpu.py"),
+        "-m",
+        "eval.bench_gpu",
         "--config",
         str(config),
         "--out",
@@ -130,11 +128,11 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
         "--set",
         'methods=["sdpa_bf16", "oscar_triton"]',
     ]
-    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert process.returncode == 0, process.stderr[-3000:]
     assert "| 400 | 1 | oscar_triton |" in process.stdout  # the summary table
     result = json.loads((tmp_path / "kernel_tiny.json").read_text())
-    assert result["command"].startswith("python eval/bench_gpu.py --config ") and "--set" in result["command"]
+    assert result["command"].startswith("python -m eval.bench_gpu --config ") and "--set" in result["command"]
     kernel = next(r for r in result["cases"] if r["method"] == "oscar_triton")
     assert kernel["status"] == "ok" and kernel["check"] == "match" and kernel["max_abs_err"] < 2e-2, kernel
     assert kernel["speedup_eager_us"] > 0
@@ -267,7 +265,7 @@ def test_multigpu_benchmark_skips_without_two_gpus(tmp_path):
 
 
 def test_committed_configs_resolve():
-    configs = sorted((EVAL / "configs").glob("bench_*.json"))
+    configs = sorted((REPO / "eval" / "configs").glob("bench_*.json"))
     assert [c.stem for c in configs] == ["bench_e2e", "bench_graph", "bench_kernel", "bench_memory", "bench_multigpu"]
     for path in configs:
         config = resolve_config(json.loads(path.read_text()))
@@ -280,7 +278,7 @@ def test_committed_configs_resolve():
 def test_sass_count_compiles_the_decode_kernel_for_sm90_without_a_gpu():
     """kernels/tools/sass_count.py: the history loop of the compiled kernel, counted from its SASS."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tool = EVAL.parent / "kernels" / "tools" / "sass_count.py"
+    tool = REPO / "kernels" / "tools" / "sass_count.py"
     out = subprocess.run(
         [sys.executable, str(tool), "--warps", "1"], capture_output=True, text=True, env=env, timeout=600, check=True
     ).stdout
@@ -297,7 +295,7 @@ def test_helpers():
     assert predict_max_batch(per_sequence=10, fixed=5, budget=100) == 9
     command = torchrun_command(2, Path("c.json"), Path("o.json"))
     assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    assert command[5].endswith("eval/tp_decode.py") and Path(command[5]).exists()
+    assert command[5:7] == ["-m", "eval.tp_decode"]
     _, spec = model_spec({"preset": "qwen3-8b", "num_hidden_layers": 2})
     assert spec["hidden_size"] == 4096 and spec["num_hidden_layers"] == 2
     plain = {"compile": False, "fuse_projections": False}
@@ -386,7 +384,9 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
     )
     out = tmp_path / "tp_result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU even beside a GPU
-    process = subprocess.run(torchrun_command(2, config, out), env=env, capture_output=True, text=True, timeout=300)
+    process = subprocess.run(
+        torchrun_command(2, config, out), env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["command"].startswith("torchrun --standalone --nproc_per_node 2")
@@ -455,7 +455,7 @@ def test_tp_decode_on_two_gpus(tmp_path):
 
 def test_step_times_reports_each_steps_wall_time(tmp_path):
     """eval/step_times.py on CPU: one time per decode step, and its files."""
-    import step_times
+    from eval import step_times
 
     spec = {k: v for k, v in TINY_MODEL.items() if k != "name"}
     model = build_model(spec, "cpu", torch.bfloat16)

@@ -17,13 +17,14 @@ import torch
 
 from oscar_hf.core.storage import RowBuffer
 from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
-from tests.test_kernels import TOLERANCE, _decode_inputs
+from oscar_hf.kernels.testing import decode_inputs, reference_partials
+from tests.kernel_checks import TOLERANCE, run_ptx
 
 
 def _flat_inputs(*shape, **kwargs):
-    """``_decode_inputs`` as flat tensors ``[q, sink K, sink V, K codes, K scale, ...]`` and the options
+    """``decode_inputs`` as flat tensors ``[q, sink K, sink V, K codes, K scale, ...]`` and the options
     ``k_bits``, ``v_bits``, ``key_mask``, as the span's own functions take them."""
-    q, tiers = _decode_inputs(*shape, **kwargs)
+    q, tiers = decode_inputs(*shape, **kwargs, device="cuda" if torch.cuda.is_available() else "cpu")
     return [q, *tiers.flat()], dict(k_bits=tiers.k_bits, v_bits=tiers.v_bits, key_mask=tiers.key_mask)
 
 
@@ -83,7 +84,6 @@ def test_the_span_unpacks_value_words_as_offset_plus_factor_times_code():
     j < 3 of both keys' byte b are bf16 ``128 + 4**j c``, block 3 ``128 + c``."""
     pytest.importorskip("triton.experimental.gluon")
     from oscar_hf.kernels.gluon_span_operands import value_unpack_asm
-    from tests.test_kernels import run_ptx
 
     for first in range(0, 256, 4):
         word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
@@ -100,7 +100,6 @@ def test_the_span_unpacks_key_words_as_int8_factor_times_code():
     ``f_j * c`` of byte b's block j, f = 1, 4, 16, 16 (all below 128)."""
     pytest.importorskip("triton.experimental.gluon")
     from oscar_hf.kernels.gluon_span_operands import K_FACTORS, K_UNPACK
-    from tests.test_kernels import run_ptx
 
     for first in range(0, 256, 4):
         word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
@@ -110,18 +109,16 @@ def test_the_span_unpacks_key_words_as_int8_factor_times_code():
             assert registers[f"${j}"].to_bytes(4, "little") == want, (j, first)
 
 
-def test_the_diagnosis_reference_partials_merge_to_the_whole_softmax():
-    """``kernels/tools/diagnose_gluon_history.py`` judges the span by torch's per-split partials: they must be right."""
-    sys.path.insert(0, str(TOOLS))
-    import diagnose_gluon_history as diagnosis
-
+def test_the_reference_partials_merge_to_the_whole_softmax():
+    """``reference_partials`` judges the span's slots (``kernels/tools/diagnose_gluon_history.py``): they must be right."""
     from oscar_hf.kernels.decode_history_gluon import merge_partials
 
+    sm_scale = 0.088
     args, _ = _flat_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3)
     q, _, _, *packed, _, _, _, _ = args
     exact = [a.float() if a.is_floating_point() else a for a in args]
-    want = reference(*exact, k_bits=2, v_bits=2, sm_scale=diagnosis.SM_SCALE)
-    partials = diagnosis.reference_partials(q, packed[:6], splits=3)
+    want = reference(*exact, k_bits=2, v_bits=2, sm_scale=sm_scale)
+    partials = reference_partials(q, packed[:6], splits=3, sm_scale=sm_scale)
     assert partials[0].shape == (1, 4, 3)  # 300 rows in 3 splits of 128, 128 and 44
     torch.testing.assert_close(merge_partials(*partials), want, rtol=1e-5, atol=1e-5)
 

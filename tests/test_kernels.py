@@ -1,7 +1,8 @@
 """Triton kernels against their torch references.
 
-Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before Triton
-is imported) at small shapes; on a GPU the same tests run compiled, plus the large-shape tests.
+Without CUDA the kernels run in Triton's interpreter at small shapes: ``tests/conftest.py`` runs this
+module in a pytest process of its own that starts with ``TRITON_INTERPRET=1`` (Triton reads it when
+it is first imported). On a GPU the same tests run compiled, plus the large-shape tests.
 The write path must match bit for bit; attention within float32 / bfloat16 rounding.
 """
 
@@ -9,73 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import importlib.machinery
-import importlib.util
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-TRITON_IMPORTED_BEFORE = "triton" in sys.modules
-if not CUDA:
-    # Read by Triton when a function is decorated (import time) and by some of its lazy imports: it
-    # stays set for the rest of the session, which only matters to code that runs Triton on CPU.
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton): the kernels are untested")
 
-
-def _reinterpret_triton_language() -> None:
-    """Make Triton's own library functions (``tl.max``, ``tl.sum``, ...) runnable by the interpreter.
-
-    Triton decorates them when it is first imported, and ``import oscar_hf`` in conftest.py already
-    imports it (through transformers) before this module can set ``TRITON_INTERPRET``: they are then
-    compiled-mode functions that an interpreted kernel cannot call. Only done on CPU-only machines.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("triton.language") and module is not None:
-            for attribute, value in list(vars(module).items()):
-                if isinstance(value, JITFunction):
-                    setattr(module, attribute, InterpretedFunction(value.fn))
-
-
-if not CUDA and TRITON_IMPORTED_BEFORE:
-    _reinterpret_triton_language()
-
+import oscar_hf.kernels._triton as _triton  # noqa: E402
+import oscar_hf.kernels.decode_attention as _decode  # noqa: E402
+import oscar_hf.kernels.decode_launch as _launch  # noqa: E402
+import oscar_hf.kernels.quantize as _quantize  # noqa: E402
+import oscar_hf.kernels.rotate as _rotate  # noqa: E402
+from oscar_hf.kernels.testing import decode_inputs  # noqa: E402
 from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402
+from tests.kernel_checks import TOLERANCE, run_ptx  # noqa: E402
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-
-
-def _import_kernels():
-    """The kernel modules as ``oscar_hf.kernels.*``, from the installed mapping or straight from ``kernels/``.
-
-    ``kernels/`` has no ``__init__.py`` on purpose: with the repository root on ``sys.path`` a regular
-    package there would shadow Hugging Face's ``kernels`` package, which transformers probes on import.
-    """
-    try:
-        importlib.import_module("oscar_hf.kernels._triton")
-    except ImportError:
-        spec = importlib.machinery.ModuleSpec("oscar_hf.kernels", None, is_package=True)
-        spec.submodule_search_locations = [str(KERNELS_DIR)]
-        sys.modules["oscar_hf.kernels"] = importlib.util.module_from_spec(spec)
-    names = ("_triton", "quantize", "decode_attention", "decode_launch", "rotate")
-    return tuple(importlib.import_module(f"oscar_hf.kernels.{name}") for name in names)
-
-
-_triton, _quantize, _decode, _launch, _rotate = _import_kernels()
-if not CUDA and not _triton.INTERPRET:
-    # Imported earlier (by another test module) without the interpreter: import the modules again.
-    for name in [n for n in sys.modules if n.startswith("oscar_hf.kernels.")]:
-        del sys.modules[name]
-    _triton, _quantize, _decode, _launch, _rotate = _import_kernels()
-
+CUDA = torch.cuda.is_available()
 quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
 quantize_pack_into = _quantize.quantize_pack_into
 decode_attention, decode_attention_reference = _decode.decode_attention, _decode.decode_attention_reference
@@ -360,55 +310,9 @@ def test_rotate_rows_per_kv_head(dtype, batch, q_heads, kv_heads):
 # ------------------------------------------------------------------------------ decode attention
 
 
-def _history(batch, kv_heads, length, head_dim, bits, group_size, generator):
-    rows = torch.randn(batch, kv_heads, length, head_dim, generator=generator) * 2
-    packed = quantize(rows, bits, group_size, clip_ratio=0.96)
-    return [t.to(DEVICE) for t in (packed.codes, packed.scale, packed.zero)]
-
-
-def _decode_inputs(
-    batch,
-    q_heads,
-    kv_heads,
-    head_dim,
-    sink,
-    history,
-    recent,
-    new,
-    dtype,
-    k_bits=4,
-    v_bits=2,
-    k_groups=1,
-    v_groups=1,
-    pads=None,
-    seed=0,
-):
-    generator = torch.Generator().manual_seed(seed)
-
-    def dense(length):
-        return (torch.randn(batch, kv_heads, length, head_dim, generator=generator) * 2).to(dtype).to(DEVICE)
-
-    q = torch.randn(batch, q_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
-    k_hist = _history(batch, kv_heads, history, head_dim, k_bits, head_dim // k_groups, generator)
-    v_hist = _history(batch, kv_heads, history, head_dim, v_bits, head_dim // v_groups, generator)
-    sink_k, sink_v = dense(sink), dense(sink)
-    mask = None
-    if pads is not None:  # left padding: the first pads[b] keys of row b (all in the sink) are pads
-        positions = torch.arange(sink + history + recent + new)
-        mask = (positions[None, :] >= torch.tensor(pads)[:, None]).to(DEVICE)
-    return q, DecodeTiers(
-        sink_k,
-        sink_v,
-        QuantizedRows(*k_hist),
-        QuantizedRows(*v_hist),
-        dense(recent),
-        dense(recent),
-        dense(new),
-        dense(new),
-        k_bits,
-        v_bits,
-        mask,
-    )
+def _decode_inputs(*shape, **options):
+    """:func:`oscar_hf.kernels.testing.decode_inputs` on this module's device."""
+    return decode_inputs(*shape, **options, device=DEVICE)
 
 
 def _op(q, tiers, sm_scale, splits, block_n=16, num_warps=0):
@@ -449,13 +353,6 @@ DECODE_CASES = {
     "int4-keys-int1-values-padded": (2, 6, 2, 64, 5, 70, 9, 1, 2, 16, [0, 3], (4, 1), (1, 1)),
     "int1-keys-grouped-int1-values-default-tiles": (1, 8, 2, 128, 4, 150, 9, 1, 0, 0, None, (1, 1), (4, 2)),
 }
-TOLERANCE = {
-    torch.float32: dict(atol=2e-5, rtol=1e-4),
-    # the compiled kernel rounds its softmax weights to fp16 for the MMA: 4.2e-3 measured on an H200
-    # at outputs up to 2.6 (4.9e-3 with the arithmetic before the shift-free blocks), 1.7e-2 in bf16
-    torch.float16: dict(atol=5e-3, rtol=5e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
 
 
 def _run_decode_case(case, dtype, num_warps=0):
@@ -473,30 +370,6 @@ def test_decode_attention_matches_reference(name, dtype):
     got, want = _run_decode_case(DECODE_CASES[name], dtype)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
-
-
-def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
-    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, lop3 0xEA on 32-bit registers)
-    from the given input registers; returns every register."""
-    registers = dict(registers)
-    for statement in filter(None, (line.strip() for line in ptx.strip("{} ").split(";"))):
-        op, operands = statement.split(None, 1)
-        if op == ".reg":
-            continue
-        dest, *sources = [x.strip() for x in operands.split(",")]
-        values = [registers[x] if x in registers or x.startswith("$") else int(x, 0) for x in sources]
-        if op == "prmt.b32":
-            pool = values[0].to_bytes(4, "little") + values[1].to_bytes(4, "little")
-            result = bytes(pool[(values[2] >> (4 * i)) & 7] for i in range(4))
-            registers[dest] = int.from_bytes(result, "little")
-        elif op == "shr.b32":
-            registers[dest] = values[0] >> values[1]
-        elif op == "mov.b32":
-            registers[dest] = values[0]
-        else:
-            assert op == "lop3.b32" and values[3] == 0xEA, statement  # (a & b) | c
-            registers[dest] = (values[0] & values[1]) | values[2]
-    return registers
 
 
 def _run_unpack_ptx(ptx: str, word: int) -> dict[str, int]:

@@ -42,8 +42,8 @@ def test_uses_only_the_public_api(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_top_to_bottom(path, monkeypatch):
-    # The kernel inherits this process's environment; tests/test_kernels.py sets TRITON_INTERPRET=1,
-    # which would run every kernel of the real model in Triton's (slow) interpreter.
+    # The kernel inherits this process's environment: a session started with TRITON_INTERPRET=1 would
+    # run every kernel of the real model in Triton's (slow) interpreter.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(

@@ -54,3 +54,21 @@ def test_every_package_of_the_library_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "oscar_hf").rglob("__init__.py")}
     assert found | {"oscar_hf.kernels"} == listed
+
+
+IMPORT_PATH_EDIT = re.compile(r"\bsys\.path\s*(?:\.\s*(?:insert|append|extend)\b|\+?=)")
+
+
+def test_no_python_file_edits_the_import_path():
+    """Scripts run as modules of an installed package (``python -m eval.bench_gpu``), tools import the
+    installed package: nothing puts folders on the import path by hand."""
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    found = [
+        f"{name}:{number}"
+        for name in files.split()
+        if (ROOT / name).is_file()
+        for number, line in enumerate((ROOT / name).read_text(encoding="utf-8").splitlines(), 1)
+        if IMPORT_PATH_EDIT.search(line) and name != "tests/test_repository.py"
+    ]
+    assert not found, found
+    assert IMPORT_PATH_EDIT.search("sys" + ".path.insert(0, here)") and IMPORT_PATH_EDIT.search("sys" + ".path += [x]")

@@ -4,19 +4,13 @@ guards when that invariant is broken on purpose."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "eval"))
-
-import soak  # noqa: E402
-
-import oscar_hf.core.quantize_jobs as quantize_jobs_module  # noqa: E402
-import oscar_hf.core.storage as storage_module  # noqa: E402
-from oscar_hf.core.layer import OscarLayer, StepPlan  # noqa: E402
+import oscar_hf.core.quantize_jobs as quantize_jobs_module
+import oscar_hf.core.storage as storage_module
+from eval import soak
+from oscar_hf.core.layer import OscarLayer, StepPlan
 
 
 def test_a_short_soak_passes_its_checks_and_writes_its_results(tmp_path):

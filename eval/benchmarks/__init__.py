@@ -16,14 +16,12 @@ Shared helpers: :mod:`.config` (config overrides), :mod:`.cases` (guarded rows, 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "eval" / "results"
-sys.path.insert(0, str(REPO))  # measure this checkout even when another oscar-hf is installed
 
 
 @dataclass(frozen=True)

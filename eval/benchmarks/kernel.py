@@ -8,7 +8,6 @@ torch reference.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from pathlib import Path
 from typing import Callable
@@ -17,29 +16,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from oscar_hf.core.storage import RowBuffer
-from oscar_hf.quant import QuantizedRows, dequantize, quantize
+import oscar_hf.kernels.decode_attention as decode_attention
+from oscar_hf.kernels._triton import HAS_TRITON, INTERPRET
+from oscar_hf.kernels.testing import TIER_NAMES, decode_inputs, tier_tensors
+from oscar_hf.quant import QuantizedRows, dequantize
 
 from . import Benchmark
 from .cases import add_speedups, guarded
 from .models import DTYPES
 from .report import Column, figure, no_data, table
 from .timing import kernel_times, tensor_bytes
-
-TIER_NAMES = (
-    "sink_k",
-    "sink_v",
-    "k_codes",
-    "k_scale",
-    "k_zero",
-    "v_codes",
-    "v_scale",
-    "v_zero",
-    "recent_k",
-    "recent_v",
-    "new_k",
-    "new_v",
-)  # the kernel's positional order
 
 
 def dense_inputs(config: dict, context: int, batch: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
@@ -55,58 +41,31 @@ def dense_inputs(config: dict, context: int, batch: int, device: torch.device, s
 
 
 def tiered_inputs(config: dict, context: int, batch: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """A query and the four tiers of one layer: sink, packed history, recent window, new token.
-
-    History codes are random bytes with random positive scales (``codes: "random"``, as fast to read
-    as real ones) or real quantized Gaussian rows (``codes: "quantize"``).
-    """
-    shape, dtype = config["shape"], DTYPES[config["dtype"]]
-    kv_heads, dim = shape["kv_heads"], shape["head_dim"]
-    history = context - config["sink"] - config["recent"] - config["new"]
+    """A query and the four tiers of one layer (sink, packed history, recent window, new token) by name,
+    the history in buffers as a cache holds it: ``codes: "random"`` (random bytes and positive scales,
+    as fast to read as real codes) or ``"quantize"`` (real quantized Gaussian rows)."""
+    shape, sink, recent, new = config["shape"], config["sink"], config["recent"], config["new"]
+    history = context - sink - recent - new
     if history < 0:
         raise ValueError(f"context {context} is shorter than sink + recent + new")
-    generator = torch.Generator(device).manual_seed(seed)
-
-    def rows(count: int) -> torch.Tensor:
-        return torch.randn(batch, kv_heads, count, dim, generator=generator, device=device, dtype=dtype)
-
-    def as_stored(tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` in a cache's history buffer (capacity of whole aligned rows), as the cache holds it."""
-        stored = RowBuffer(batch, kv_heads, tuple(tensor.shape[3:]), tensor.dtype, device)
-        stored.append(tensor)
-        return stored.view()
-
-    def packed(bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if config["codes"] == "quantize":
-            quantized = quantize(rows(history), bits, dim)
-            return as_stored(quantized.codes), as_stored(quantized.scale), as_stored(quantized.zero)
-        meta = (batch, kv_heads, history, 1)
-        codes = torch.randint(
-            0, 256, (batch, kv_heads, history, dim * bits // 8), generator=generator, device=device, dtype=torch.uint8
-        )
-        scale = torch.rand(meta, generator=generator, device=device) * 0.5 + 0.05
-        zero = torch.rand(meta, generator=generator, device=device) * (2**bits - 1)
-        return as_stored(codes), as_stored(scale.to(torch.bfloat16)), as_stored(zero.to(torch.bfloat16))
-
-    q = torch.randn(batch, shape["q_heads"], dim, generator=generator, device=device, dtype=dtype)
-    k_codes, k_scale, k_zero = packed(config["k_bits"])
-    v_codes, v_scale, v_zero = packed(config["v_bits"])
-    sink, recent, new = config["sink"], config["recent"], config["new"]
-    return dict(
-        q=q,
-        sink_k=rows(sink),
-        sink_v=rows(sink),
-        k_codes=k_codes,
-        k_scale=k_scale,
-        k_zero=k_zero,
-        v_codes=v_codes,
-        v_scale=v_scale,
-        v_zero=v_zero,
-        recent_k=rows(recent),
-        recent_v=rows(recent),
-        new_k=rows(new),
-        new_v=rows(new),
+    q, tiers = decode_inputs(
+        batch,
+        shape["q_heads"],
+        shape["kv_heads"],
+        shape["head_dim"],
+        sink,
+        history,
+        recent,
+        new,
+        DTYPES[config["dtype"]],
+        config["k_bits"],
+        config["v_bits"],
+        seed=seed,
+        device=device,
+        codes=config["codes"],
+        stored=True,
     )
+    return tier_tensors(q, tiers)
 
 
 def sdpa_bf16(x: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
@@ -127,11 +86,6 @@ def dequantize_sdpa(x: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     return F.scaled_dot_product_attention(x["q"][:, :, None], keys, values, enable_gqa=True)
 
 
-def decode_kernels():
-    """The kernel module as currently imported (a test may have re-imported it for the interpreter)."""
-    return importlib.import_module("oscar_hf.kernels.decode_attention")
-
-
 def oscar_triton(x: dict[str, torch.Tensor], config: dict, span_variant=None) -> torch.Tensor:
     """Our split-K kernel, reading the packed history directly (the launcher, not the dispatcher). The
     history was written before the kernel ahead of each call, as in a decode step (``history_settled``):
@@ -139,7 +93,7 @@ def oscar_triton(x: dict[str, torch.Tensor], config: dict, span_variant=None) ->
     ``span_variant``: the Gluon span's development variant (``kernels/tools/``; None: production)."""
     tiers = [x[name] for name in TIER_NAMES]
     scale = x["q"].shape[-1] ** -0.5
-    return decode_kernels().decode_attention_triton(
+    return decode_attention.decode_attention_triton(
         x["q"], *tiers, None, config["k_bits"], config["v_bits"], scale, history_settled=True, span_variant=span_variant
     )
 
@@ -153,10 +107,9 @@ KERNEL_METHODS: dict[str, tuple[Callable, Callable]] = {
 
 def triton_unavailable(device: torch.device) -> str | None:
     """Why the Triton kernel cannot run here, or None."""
-    triton_module = importlib.import_module("oscar_hf.kernels._triton")
-    if not triton_module.HAS_TRITON:
+    if not HAS_TRITON:
         return "Triton is not installed"
-    if device.type != "cuda" and not triton_module.INTERPRET:
+    if device.type != "cuda" and not INTERPRET:
         return "Triton kernels need CUDA (or TRITON_INTERPRET=1 set before import, on CPU)"
     return None
 
@@ -165,9 +118,10 @@ def check_kernel(x: dict[str, torch.Tensor], config: dict) -> dict:
     """The kernel's output against ``decode_attention_reference`` on the same inputs (bf16 tolerance)."""
     got = oscar_triton(x, config).float()
     try:
-        kernels = decode_kernels()
-        tiers = kernels.DecodeTiers.from_flat([x[name] for name in TIER_NAMES], config["k_bits"], config["v_bits"])
-        want = kernels.decode_attention_reference(x["q"], tiers).float()
+        tiers = decode_attention.DecodeTiers.from_flat(
+            [x[name] for name in TIER_NAMES], config["k_bits"], config["v_bits"]
+        )
+        want = decode_attention.decode_attention_reference(x["q"], tiers).float()
     except torch.OutOfMemoryError:  # the float32 reference needs ~4x the dense K/V; the timing still counts
         return {"max_abs_err": None, "check": "reference ran out of memory"}
     tolerance = config["check"]

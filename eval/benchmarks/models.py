@@ -55,8 +55,8 @@ def model_spec(entry: str | dict) -> tuple[str, dict]:
 
 def add_model_arguments(parser) -> None:
     """``--model`` (a preset or a JSON object), ``--device``, ``--context``, ``--batch``, ``--out``: the
-    options of the single-model diagnostics (``eval/step_times.py``, ``kernels/tools/profile_decode.py``,
-    ``kernels/tools/host_time.py``)."""
+    options of the single-model diagnostics (``eval/step_times.py``, ``eval/profile_decode.py``,
+    ``eval/host_time.py``)."""
     parser.add_argument(
         "--model",
         default="qwen3-8b",

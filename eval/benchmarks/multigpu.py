@@ -1,5 +1,5 @@
 """The ``multigpu`` benchmark: ``device_map="auto"`` over 2 GPUs (OscarCache buffers must follow their
-layer) and tensor parallelism (``eval/tp_decode.py`` under torchrun). Skipped, with the reason, on fewer GPUs.
+layer) and tensor parallelism (``eval.tp_decode`` under torchrun). Skipped, with the reason, on fewer GPUs.
 """
 
 from __future__ import annotations
@@ -102,15 +102,16 @@ def device_map_cases(config: dict, gpus: int) -> list[dict]:
 
 
 def torchrun_command(gpus: int, config_path: Path, out_path: Path) -> list[str]:
-    """``torchrun --standalone --nproc_per_node N eval/tp_decode.py`` through this interpreter."""
-    script = REPO / "eval" / "tp_decode.py"
+    """``torchrun --standalone --nproc_per_node N -m eval.tp_decode`` through this interpreter (run from the
+    repository root)."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={gpus}",
-        str(script),
+        "-m",
+        "eval.tp_decode",
         "--config",
         str(config_path),
         "--out",
@@ -119,7 +120,7 @@ def torchrun_command(gpus: int, config_path: Path, out_path: Path) -> list[str]:
 
 
 def tensor_parallel_cases(config: dict, gpus: int) -> list[dict]:
-    """Run eval/tp_decode.py under torchrun and turn its JSON into rows."""
+    """Run eval.tp_decode under torchrun and turn its JSON into rows."""
     part = config["tensor_parallel"]
     with tempfile.TemporaryDirectory(prefix="oscar_tp_") as directory:
         config_path, out_path = Path(directory) / "config.json", Path(directory) / "result.json"

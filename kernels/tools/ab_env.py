@@ -4,7 +4,7 @@
                           [--context 100000] [--batches 1,8] [--note TEXT] [--out kernels/measurements]
 
 A switch compiled into a kernel cannot change inside one process (Triton checks the globals a kernel
-read), so each variant runs as its own process of ``eval/bench_gpu.py`` (``oscar_triton`` only, CUDA-graph
+read), so each variant runs as its own process of ``python -m eval.bench_gpu`` (``oscar_triton`` only, CUDA-graph
 replay of the whole decode call), the variants in turn, ``--turns`` times: the machine's drift then
 falls on every variant alike. A variant is ``LABEL=`` followed by space-separated ``KEY=VALUE``
 settings (none for the code as it stands). Writes ``NAME.json`` and ``NAME.md`` (command, machine,
@@ -22,11 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-from benchmarks import REPO, RESULTS  # noqa: E402
-from oscar_hf.provenance import machine_info, machine_line, utc_date  # noqa: E402
+from oscar_hf.provenance import machine_info, machine_line, utc_date
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -43,7 +41,8 @@ def time_variant(settings: dict[str, str], context: int, batches: list[int], wor
     sets = [f"contexts=[{context}]", f"batches={json.dumps(batches)}", 'methods=["oscar_triton"]']
     command = [
         sys.executable,
-        str(REPO / "eval/bench_gpu.py"),
+        "-m",
+        "eval.bench_gpu",
         "--config",
         str(config),
         "--out",
@@ -51,7 +50,7 @@ def time_variant(settings: dict[str, str], context: int, batches: list[int], wor
         "--name",
         "ab",
     ] + [arg for text in sets for arg in ("--set", text)]
-    subprocess.run(command, check=True, env={**os.environ, **settings}, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, env={**os.environ, **settings}, stdout=subprocess.DEVNULL, cwd=REPO)
     cases = json.loads((work / "ab.json").read_text())["cases"]
     return {case["batch"]: case["graph_us"] for case in cases if case["method"] == "oscar_triton"}
 
@@ -64,7 +63,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100_000)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--note", default="", help="what the variants are (the switches are removed afterwards)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=REPO / "kernels" / "measurements")
     options = parser.parse_args()
     batches = [int(b) for b in options.batches.split(",")]
     rows = []

@@ -22,40 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from oscar_hf.kernels._triton import split_rows  # noqa: E402
-from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference  # noqa: E402
-from oscar_hf.kernels.decode_history_gluon import merge_partials  # noqa: E402
-from oscar_hf.quant import QuantizedRows, dequantize  # noqa: E402
-from tests.test_kernels import _decode_inputs  # noqa: E402
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
+from oscar_hf.kernels.decode_history_gluon import merge_partials
+from oscar_hf.kernels.testing import decode_inputs, reference_partials
 
 SM_SCALE = 0.088
-LOG2E = 1.4426950408889634
-
-
-def reference_partials(q: torch.Tensor, packed: list[torch.Tensor], splits: int) -> tuple[torch.Tensor, ...]:
-    """Float32 ``(m, l, acc)`` per (batch, query head, split) over the packed history, base-2 scores."""
-    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = packed
-    head_dim = q.shape[-1]
-    keys = dequantize(QuantizedRows(k_codes, k_scale, k_zero), 2, head_dim, torch.float32)
-    values = dequantize(QuantizedRows(v_codes, v_scale, v_zero), 2, head_dim, torch.float32)
-    group = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    chunk = split_rows(keys.shape[2], splits, 64)[1]  # as history_partials cuts them
-    m, l, acc = [], [], []
-    for start in range(0, keys.shape[2], chunk):
-        scores = torch.einsum("bhd,bhtd->bht", q.float(), keys[:, :, start : start + chunk]) * SM_SCALE * LOG2E
-        top = scores.amax(-1)
-        p = torch.exp2(scores - top[..., None])
-        m.append(top)
-        l.append(p.sum(-1))
-        acc.append(torch.einsum("bht,bhtd->bhd", p, values[:, :, start : start + chunk]))
-    return torch.stack(m, -1), torch.stack(l, -1), torch.stack(acc, -2)
 
 
 def differences(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> dict:
@@ -82,13 +57,12 @@ def main() -> None:
     parser.add_argument("--reference-only", action="store_true", help="check the torch partials (no GPU)")
     options = parser.parse_args()
     device = "cpu" if options.reference_only else "cuda"
-    args, _ = _decode_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3)
-    q, _, _, *packed, _, _, _, _ = [a.to(device) for a in args]
-    packed = packed[:6]
-    want = reference_partials(q, packed, splits=3)
+    q, tiers = decode_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3, device=device)
+    packed = list(tiers.flat()[2:8])
+    want = reference_partials(q, packed, splits=3, sm_scale=SM_SCALE)
     merged = merge_partials(*want)
-    exact = [(a.float() if a.is_floating_point() else a).to(device) for a in args]
-    full = decode_attention_reference(exact[0], DecodeTiers.from_flat(exact[1:], 2, 2), sm_scale=SM_SCALE)
+    exact = [t.float() if t.is_floating_point() else t for t in tiers.flat()]
+    full = decode_attention_reference(q.float(), DecodeTiers.from_flat(exact, 2, 2), sm_scale=SM_SCALE)
     report = {"reference_vs_whole_softmax_max_abs": (merged - full).abs().max().item()}
     if not options.reference_only:
         from oscar_hf.kernels.decode_history_gluon import history_partials

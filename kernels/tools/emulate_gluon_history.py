@@ -13,14 +13,10 @@ The result is compared with ``decode_attention_reference`` in float32. A GPU fai
 ``tests/test_gluon_history.py`` with this passing points at layouts or the asm, not the algebra.
 """
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference  # noqa: E402
-from tests.test_kernels import _decode_inputs  # noqa: E402
+from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
+from oscar_hf.kernels.testing import decode_inputs
 
 OFFSET, SM_SCALE = 128.0, 0.088
 V_FACTORS = (1.0, 4.0, 16.0, 1.0)  # V's column block j as bf16 OFFSET + f_j * code (block 3 shifted)
@@ -146,7 +142,7 @@ def span(q: torch.Tensor, words_k, words_v, k_scale, k_zero, v_scale, v_zero) ->
 def main() -> None:
     torch.manual_seed(0)
     for group in (4, 8):  # two halves of 32 keys a tile, and one of 64
-        q, tiers = _decode_inputs(1, group, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
+        q, tiers = decode_inputs(1, group, 1, 128, 0, 200, 0, 0, torch.bfloat16, 2, 2, seed=3)
         _, _, kc, ks, kz, vc, vs, vz, *_ = tiers.flat()
         exact = DecodeTiers.from_flat([t.float() if t.is_floating_point() else t for t in tiers.flat()], 2, 2)
         want = decode_attention_reference(q.float(), exact, sm_scale=SM_SCALE)[0].float()

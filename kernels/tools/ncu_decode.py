@@ -18,17 +18,12 @@ locks the clocks to base and reports cycles, occupancy and stall reasons
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
+import tune_decode as tune  # a sibling tool: the kernel benchmark's shape and inputs
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-import tune_decode as tune  # noqa: E402
-
-from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
+import oscar_hf.kernels.decode_attention as kernels
+from oscar_hf.kernels.testing import TIER_NAMES
 
 CONFIG = tune.CONFIG
 
@@ -41,9 +36,9 @@ def main() -> None:
         parser.add_argument(f"--{knob}", type=int, default=0)
     parser.add_argument("--staged", action="store_true", help="the span alone, next tile staged (pipeline=True)")
     options = parser.parse_args()
-    inputs = tiered_inputs(CONFIG, options.context, options.batch, torch.device("cuda"), seed=0)
+    inputs = tune.inputs(options.context, options.batch)
     args = [inputs["q"], *(inputs[name] for name in TIER_NAMES)]
-    kernels, scale = decode_kernels(), CONFIG["shape"]["head_dim"] ** -0.5
+    scale = CONFIG["shape"]["head_dim"] ** -0.5
     knobs = (options.splits, options.block_n, options.warps, options.stages)
     for _ in range(3):
         if options.staged:

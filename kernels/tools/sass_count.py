@@ -19,14 +19,10 @@ import collections
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 class _Sm90Driver:

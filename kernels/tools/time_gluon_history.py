@@ -49,22 +49,18 @@ import argparse
 import itertools
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+import tune_decode as tune  # a sibling tool: the kernel benchmark's shape and inputs
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-import tune_decode as tune  # noqa: E402
-
-from benchmarks.kernel import TIER_NAMES, decode_kernels, tiered_inputs  # noqa: E402
-from oscar_hf.kernels.decode_launch import PRODUCTION_LAUNCH, LaunchVariant  # noqa: E402
-from oscar_hf.kernels.gluon_span_variant import REGISTERS, SpanVariant  # noqa: E402
-from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
+import oscar_hf.kernels.decode_attention as decode_attention
+from oscar_hf.kernels.decode_launch import PRODUCTION_LAUNCH, LaunchVariant
+from oscar_hf.kernels.gluon_span_variant import REGISTERS, SpanVariant
+from oscar_hf.kernels.testing import TIER_NAMES
+from oscar_hf.provenance import command_line, machine_line, provenance
 
 
 def full_call_rows(
@@ -298,11 +294,11 @@ def main() -> None:
 
     os.environ["OSCAR_DECODE_HISTORY"] = "triton"  # the baselines; full_call_rows switches to the span and back
 
-    kernels = decode_kernels()
+    kernels = decode_attention
     info = provenance(command_line())
     rows = []
     for batch in numbers(options.batches):
-        x = tiered_inputs(tune.CONFIG, 100_000, batch, torch.device("cuda"), seed=0)
+        x = tune.inputs(100_000, batch)
         q, packed = x["q"], [x[name] for name in TIER_NAMES[2:8]]
         empty = x["sink_k"][:, :, :0]
         scale = tune.CONFIG["shape"]["head_dim"] ** -0.5

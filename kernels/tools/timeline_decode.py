@@ -27,19 +27,15 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
+import tune_decode as tune  # a sibling tool: the kernel benchmark's shape and inputs
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-import tune_decode as tune  # noqa: E402
-
-from benchmarks.kernel import TIER_NAMES, oscar_triton, tiered_inputs  # noqa: E402
-from oscar_hf.kernels.gluon_span_variant import SpanVariant, programs_per_sm  # noqa: E402
-from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
+from oscar_hf.kernels.decode_attention import decode_attention_triton
+from oscar_hf.kernels.gluon_span_variant import SpanVariant, programs_per_sm
+from oscar_hf.kernels.testing import TIER_NAMES
+from oscar_hf.provenance import command_line, machine_line, provenance
 
 CALLS_A_GRAPH = 8
 DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
@@ -47,7 +43,11 @@ DENSE_ROWS = tune.CONFIG["sink"] + tune.CONFIG["recent"] + tune.CONFIG["new"]
 
 def whole_call(x: dict, span_variant=None):
     """The kernel benchmark's call over ``x`` (settled history), as a function of no arguments."""
-    return lambda: oscar_triton(x, tune.CONFIG, span_variant=span_variant)
+    tiers, scale = [x[name] for name in TIER_NAMES], tune.CONFIG["shape"]["head_dim"] ** -0.5
+    bits = tune.CONFIG["k_bits"], tune.CONFIG["v_bits"]
+    return lambda: decode_attention_triton(
+        x["q"], *tiers, None, *bits, scale, history_settled=True, span_variant=span_variant
+    )
 
 
 def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
@@ -56,7 +56,7 @@ def tile_rows(span, batch: int, tiles: list[int]) -> list[dict]:
     scale = tune.CONFIG["shape"]["head_dim"] ** -0.5
     rows = []
     for count in tiles:
-        x = tiered_inputs(tune.CONFIG, DENSE_ROWS + count * splits * 64, batch, torch.device("cuda"), seed=0)
+        x = tune.inputs(DENSE_ROWS + count * splits * 64, batch)
         packed = [x[name] for name in TIER_NAMES[2:8]]
         span_us = tune.time_graph(
             functools.partial(span.history_partials, x["q"], *packed, sm_scale=scale, splits=splits, pipeline=True)
@@ -332,7 +332,7 @@ def main() -> None:
     result["title"] = f"Decode call timeline, {machine_line(result['machine'])}, {result['date']}"
     for batch in (int(b) for b in options.batches.split(",")):
         tiles = tile_rows(span, batch, [int(t) for t in options.tiles.split(",")])
-        x = tiered_inputs(tune.CONFIG, options.context, batch, torch.device("cuda"), seed=0)
+        x = tune.inputs(options.context, batch)
         entry = {
             "batch": batch,
             "tiles": tiles,

@@ -14,21 +14,44 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-from benchmarks import REPO  # noqa: E402
-from benchmarks.kernel import TIER_NAMES, decode_kernels, dense_inputs, sdpa_bf16, tiered_inputs  # noqa: E402
-from benchmarks.timing import tensor_bytes  # noqa: E402
-from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
+import oscar_hf.kernels.decode_attention as kernels
+from oscar_hf.kernels.testing import TIER_NAMES, decode_inputs, tier_tensors
+from oscar_hf.provenance import command_line, machine_line, provenance
 
+REPO = Path(__file__).resolve().parents[2]
 # The kernel benchmark's shape and tiers (Qwen3-8B attention, sink 64, recent 256, random INT2 codes).
 CONFIG = json.loads((REPO / "eval" / "configs" / "bench_kernel.json").read_text())
+
+
+def inputs(context: int, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``q`` and the tiers by name (``TIER_NAMES``) at the kernel benchmark's shape, on the GPU, the
+    history in buffers as a cache holds it."""
+    shape, sink, recent, new = CONFIG["shape"], CONFIG["sink"], CONFIG["recent"], CONFIG["new"]
+    q, tiers = decode_inputs(
+        batch,
+        shape["q_heads"],
+        shape["kv_heads"],
+        shape["head_dim"],
+        sink,
+        context - sink - recent - new,
+        recent,
+        new,
+        getattr(torch, CONFIG["dtype"]),
+        CONFIG["k_bits"],
+        CONFIG["v_bits"],
+        seed=seed,
+        device="cuda",
+        codes=CONFIG["codes"],
+        stored=True,
+    )
+    return tier_tensors(q, tiers)
+
+
 # The sweep's default grid; each axis can be narrowed or widened on the command line.
 GRID = {"block_n": "32,64,128", "warps": "1,2,4,8", "stages": "2,3", "programs_per_sm": "2,4,8"}
 
@@ -45,14 +68,13 @@ def time_graph(fn) -> float:
 
 
 def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
-    device = torch.device("cuda")
-    x = tiered_inputs(CONFIG, context, batch, device, seed=0)
+    x = inputs(context, batch)
     args, scale = [x["q"], *(x[name] for name in TIER_NAMES)], CONFIG["shape"]["head_dim"] ** -0.5
-    kernels = decode_kernels()
     want = kernels.decode_attention_reference(
         args[0], kernels.DecodeTiers.from_flat(args[1:], 2, 2), sm_scale=scale
     ).float()
-    dense = dense_inputs(CONFIG, context, batch, device, seed=0)
+    dense_kv = torch.randn(2, batch, CONFIG["shape"]["kv_heads"], context, CONFIG["shape"]["head_dim"], device="cuda")
+    dense_k, dense_v = dense_kv.to(args[0].dtype).unbind(0)
     rows = []
     axes = (grid["block_n"], grid["warps"], grid["stages"], grid["programs_per_sm"])
     for block_n, warps, stages, per_sm in itertools.product(*axes):
@@ -72,10 +94,12 @@ def sweep(batch: int, context: int, grid: dict[str, tuple[int, ...]]) -> dict:
     return {
         "batch": batch,
         "context": context,
-        "sdpa_bf16_us": time_graph(lambda: sdpa_bf16(dense, CONFIG)),
+        "sdpa_bf16_us": time_graph(
+            lambda: F.scaled_dot_product_attention(args[0][:, :, None], dense_k, dense_v, enable_gqa=True)
+        ),
         "default_us": time_graph(lambda: kernels.decode_attention_triton(*args, None, 2, 2, scale)),
         "default_max_abs_error": (default.float() - want).abs().max().item(),
-        "int2_bytes": tensor_bytes(args[3:9]),
+        "int2_bytes": sum(t.numel() * t.element_size() for t in args[3:9]),
         "best": timed[:8],
         "all": rows,
     }

@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's oscar_hf, even beside an installed one
-from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
-from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402
+from oscar_hf.provenance import command_line, machine_line, provenance
+from oscar_hf.quant import QuantizedRows, quantize
 
 CLIPS = {"off": (0.0, 0.0), "k0.96/v0.92": (0.96, 0.92), "0.5": (0.5, 0.5)}
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from oscar_hf.kernels._triton import ROW_ALIGNMENT
 from oscar_hf.quant import QuantizedRows, dequantize
 
 _MIN_CAPACITY = 64
 _GROWTH = 1.5
 MAX_SLACK_ROWS = 4096
-ROW_ALIGNMENT = 16
 
 
 def aligned_rows(rows: int) -> int:

@@ -1,6 +1,6 @@
 """Host time of one layer's decode attention, piece by piece, OscarCache against DynamicCache.
 
-    python kernels/tools/host_time.py [--model qwen3-8b] [--context 100000] [--batch 1] [--iterations 300]
+    python -m eval.host_time [--model qwen3-8b] [--context 100000] [--batch 1] [--iterations 300]
 
 Eager batch-1 decoding is bound by host time (``kernels/measurements/profile_decode.json``), and cProfile
 inflates Python-heavy code, so this times each piece without a profiler: ``--iterations`` calls in a
@@ -14,29 +14,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
-from benchmarks.models import (  # noqa: E402
+from eval.benchmarks.caches import attention_for, fill_cache, make_cache
+from eval.benchmarks.models import (
     add_model_arguments,
     build_model,
     input_device,
     random_rotations,
 )
-from benchmarks.timing import synchronize  # noqa: E402
-from oscar_hf.core.attention import oscar_attention_forward  # noqa: E402
-from oscar_hf.kernels.decode_attention import decode_attention  # noqa: E402
-from oscar_hf.kernels.rotate import rotate_rows  # noqa: E402
-from oscar_hf.model_info import head_dim_of, text_config_of  # noqa: E402
-from oscar_hf.provenance import command_line, machine_line, provenance  # noqa: E402
+from eval.benchmarks.timing import synchronize
+from oscar_hf.core.attention import oscar_attention_forward
+from oscar_hf.kernels.decode_attention import decode_attention
+from oscar_hf.kernels.rotate import rotate_rows
+from oscar_hf.model_info import head_dim_of, text_config_of
+from oscar_hf.provenance import command_line, machine_line, provenance
 
 
 def per_call_us(fn, iterations: int, device: torch.device) -> float:

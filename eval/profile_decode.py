@@ -1,8 +1,8 @@
 """Where a decode step's time goes: torch.profiler summary of a few steps per cache, same model and context.
 
-    python kernels/tools/profile_decode.py [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
-    python kernels/tools/profile_decode.py --prefill --context 32768     # one prefill forward per cache instead
-    python kernels/tools/profile_decode.py --python                      # host time by Python function (cProfile)
+    python -m eval.profile_decode [--model qwen3-8b] [--context 100000] [--batch 1] [--caches dynamic,oscar-int2]
+    python -m eval.profile_decode --prefill --context 32768     # one prefill forward per cache instead
+    python -m eval.profile_decode --python                      # host time by Python function (cProfile)
 
 Builds the random-weight model of ``eval/bench_gpu.py``, fills each cache synthetically, then
 profiles ``--steps`` single-token forwards (after warm-up) and prints, per cache: wall time per step,
@@ -19,29 +19,25 @@ import cProfile
 import functools
 import json
 import pstats
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2] / "eval")
-)  # benchmarks; sibling tools sit beside this script
-from benchmarks.caches import attention_for, fill_cache, make_cache  # noqa: E402
-from benchmarks.cases import free_memory  # noqa: E402
-from benchmarks.decoding import decode_steps, generate  # noqa: E402
-from benchmarks.models import (  # noqa: E402
+from eval.benchmarks.caches import attention_for, fill_cache, make_cache
+from eval.benchmarks.cases import free_memory
+from eval.benchmarks.decoding import decode_steps, generate
+from eval.benchmarks.models import (
     add_model_arguments,
     build_model,
     random_rotations,
     random_tokens,
 )
-from benchmarks.timing import median, model_devices, synchronize  # noqa: E402
-from oscar_hf.core.compat import cache_keyword  # noqa: E402
-from oscar_hf.model_info import full_attention_layer_ids, head_dim_of  # noqa: E402
-from oscar_hf.provenance import command_line, provenance  # noqa: E402
+from eval.benchmarks.timing import median, model_devices, synchronize
+from oscar_hf.core.compat import cache_keyword
+from oscar_hf.model_info import full_attention_layer_ids, head_dim_of
+from oscar_hf.provenance import command_line, provenance
 
 
 def top_ops(prof, key: str, count: int) -> list[dict]:

@@ -1,0 +1,37 @@
+"""What the kernel tests share: tolerances against the torch references, and a PTX subset run on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    # the compiled kernel rounds its softmax weights to fp16 for the MMA: 4.2e-3 measured on an H200
+    # at outputs up to 2.6 (4.9e-3 with the arithmetic before the shift-free blocks), 1.7e-2 in bf16
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
+    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, lop3 0xEA on 32-bit registers)
+    from the given input registers; returns every register."""
+    registers = dict(registers)
+    for statement in filter(None, (line.strip() for line in ptx.strip("{} ").split(";"))):
+        op, operands = statement.split(None, 1)
+        if op == ".reg":
+            continue
+        dest, *sources = [x.strip() for x in operands.split(",")]
+        values = [registers[x] if x in registers or x.startswith("$") else int(x, 0) for x in sources]
+        if op == "prmt.b32":
+            pool = values[0].to_bytes(4, "little") + values[1].to_bytes(4, "little")
+            result = bytes(pool[(values[2] >> (4 * i)) & 7] for i in range(4))
+            registers[dest] = int.from_bytes(result, "little")
+        elif op == "shr.b32":
+            registers[dest] = values[0] >> values[1]
+        elif op == "mov.b32":
+            registers[dest] = values[0]
+        else:
+            assert op == "lop3.b32" and values[3] == 0xEA, statement  # (a & b) | c
+            registers[dest] = (values[0] & values[1]) | values[2]
+    return registers
