@@ -67,8 +67,8 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in [*sentences, text[start:]] if s.strip()]
 
 
-def citing_units(doc: str, text: str | None = None, cited_only: bool = True) -> list[tuple[str, int, str, list[str]]]:
-    """(doc, line, text, cited result files) for every sentence and table row of ``doc`` (that cites one);
+def citing_units(doc: str, text: str | None = None) -> list[tuple[str, int, str, list[str]]]:
+    """(doc, line, text, cited result files) for every sentence and table row of ``doc`` that cites one;
     ``text`` replaces the doc's own."""
     path = ROOT / doc
     text = path.read_text(encoding="utf-8") if text is None else text
@@ -113,13 +113,13 @@ def citing_units(doc: str, text: str | None = None, cited_only: bool = True) -> 
                 flush()
             block.append((number, stripped))
     flush()
-    return [unit for unit in units if unit[3] or not cited_only]
+    return [unit for unit in units if unit[3]]
 
 
 def headline_numbers(sentence: str) -> list[str]:
     """The headline numbers of ``sentence`` (module docstring), as written."""
     prose = re.sub(r"`[^`]*`", " ", sentence)
-    prose = LINK.sub(lambda m: " " if result_path(ROOT, m.group(2)) or "." in m.group(1) else m.group(1), prose)
+    prose = LINK.sub(" ", prose)
     found = []
     for match in HEADLINE.finditer(prose):
         after = prose[match.end() :]
