@@ -5,8 +5,8 @@
 
 No GPU is needed: Triton compiles the stage-1 kernel (or, ``--span``, the Gluon history span of
 ``kernels/gluon_span_kernel.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
-specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, 100K
-history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
+specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, or
+the span's other ``--bits``, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
 unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``); this counts them without
 device time. ``--span`` prints the registers, the loop's instructions and those before it for each
 variant: the history length as an argument or read on the device (``ring``), tiles staged or not
