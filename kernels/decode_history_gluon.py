@@ -1,7 +1,7 @@
 """The packed-history span of decode attention in Gluon, host side: stage the inputs and launch.
 
-The span covers INT2 K and V with one (scale, zero) per row, bf16, head_dim 128 and up to 8 query
-heads per KV head. On a GPU the decode call (:mod:`.decode_launch`) takes its history slots from
+The span covers 2- or 4-bit K and 2- or 1-bit V (:data:`BIT_WIDTHS`) with one (scale, zero) per row,
+bf16, head_dim 128 and up to 8 query heads per KV head. On a GPU the decode call (:mod:`.decode_launch`) takes its history slots from
 here for the shapes it covers (``OSCAR_DECODE_HISTORY=triton`` opts out); the dense tiers (a Triton
 launch) and the merge follow it, as programmatic dependent launches on Hopper, so they start in the
 span's tail. The kernel is :mod:`.gluon_span_kernel` (its design in ``kernels/DESIGN.md``), its
@@ -19,7 +19,7 @@ from ._triton import LOG2E, launch_kernel, split_rows
 from .gluon_span_kernel import history_kernel
 from .gluon_span_layouts import halves
 from .gluon_span_operands import value_unpack_asm
-from .gluon_span_variant import PRODUCTION, SpanVariant
+from .gluon_span_variant import BIT_WIDTHS, PRODUCTION, SpanVariant
 
 
 def history_into(
@@ -46,9 +46,10 @@ def history_into(
     """Write the packed history's partial results into slots ``[0, splits)`` of the decode kernel's
     buffers (``partial_m``/``partial_l`` ``[B, Hq, n_slots]``, ``partial_acc`` ``[B, Hq, n_slots, D]``;
     m and l in base-2 units): ``chunk`` rows a split, or with ``lengths`` (static decoding) the first
-    ``lengths[0]`` rows split on the device. ``pipeline``: stage the next tile in shared memory (see
-    :func:`.gluon_span_kernel._history_span`); None (the default) stages where the metadata are aligned
-    for it, as a cache's buffers are. ``launch_dependents`` (Hopper
+    ``lengths[0]`` rows split on the device. The codes' bit widths (:data:`BIT_WIDTHS`) follow from
+    their rows' bytes. ``pipeline``: stage the next tile in shared memory (see
+    :func:`.gluon_span_kernel._history_span`); None (the default) stages 2-bit K and V where the
+    metadata are aligned for it, as a cache's buffers are. ``launch_dependents`` (Hopper
     and later): the next kernel may start before this one ends, and must not read what it writes
     without waiting (``griddepcontrol.wait``). ``early`` (Hopper and later, staged): this launch may
     start before the kernel ahead of it ends, copying its first tiles meanwhile; only for a history
@@ -57,15 +58,18 @@ def history_into(
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     group = q_heads // kv_heads
-    if (head_dim, k_codes.shape[-1], v_codes.shape[-1], k_scale.shape[-1], q.dtype) != (128, 32, 32, 1, torch.bfloat16):
-        raise ValueError("the span covers INT2 K and V, head_dim 128, one group, bf16 only")
+    bits = (8 * k_codes.shape[-1] // head_dim, 8 * v_codes.shape[-1] // head_dim)
+    shape = (head_dim, k_scale.shape[-1], v_scale.shape[-1], q.dtype)
+    if shape != (128, 1, 1, torch.bfloat16) or bits not in BIT_WIDTHS:
+        raise ValueError(
+            "the span covers 2- or 4-bit K with 2- or 1-bit V, head_dim 128, one group, bf16 only; "
+            f"got {bits[0]}-bit K and {bits[1]}-bit V"
+        )
     if group > 8:
         raise ValueError(f"the span covers at most 8 query heads per KV head, got {group}")
     q = q.contiguous()
     # Rows are read in place (a cache's buffers hold more rows than are valid): no copies per call.
     words_k, words_v = _code_words(k_codes), _code_words(v_codes)
-    if words_k.stride(2) != words_v.stride(2):  # one row stride for both
-        words_k, words_v = words_k.contiguous(), words_v.contiguous()
     meta = [_metadata_in_place(t) for t in (k_scale, k_zero, v_scale, v_zero)]
     strides = [t.stride()[:2] for t in meta]
     if strides.count(strides[0]) != 4:  # the kernel takes one pair of strides for all four
@@ -73,7 +77,9 @@ def history_into(
         strides = [t.stride()[:2] for t in meta]
     aligned = staging_aligned(meta)
     if pipeline is None:
-        pipeline = aligned
+        pipeline = aligned and bits == (2, 2)
+    elif pipeline and bits != (2, 2):
+        raise ValueError(f"pipeline=True stages 2-bit K and V only, got {bits[0]}-bit K and {bits[1]}-bit V")
     elif pipeline and not aligned:
         raise ValueError(
             "pipeline=True stages the metadata with 4-byte copies: each head's rows must start "
@@ -105,14 +111,17 @@ def history_into(
         q if lengths is None else lengths,  # unread without RING
         q if variant.timeline is None else variant.timeline,  # unread untimed
         GROUP=group,
-        V_UNPACK=value_unpack_asm(),
+        V_UNPACK=value_unpack_asm(bits[1]),
         RING=lengths is not None,
         PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=launch_dependents,
         EARLY=early,
         PACK=halves(group, variant.two_halves),
         TIMED=variant.timeline is not None,
-        ROW_WORDS=words_k.stride(2),
+        K_BITS=bits[0],
+        V_BITS=bits[1],
+        K_ROW=words_k.stride(2),
+        V_ROW=words_v.stride(2),
         num_warps=1,
         maxnreg=variant.registers,
         launch_pdl=early,
@@ -120,8 +129,8 @@ def history_into(
 
 
 def _code_words(codes: torch.Tensor) -> torch.Tensor:
-    """INT2 code rows ``[B, H, L, 32]`` (bytes) as int32 words ``[B, H, L, 8]``, in place where each row is
-    contiguous and rows start 8 bytes aligned (the copies are 8 bytes wide), else copied."""
+    """Code rows ``[B, H, L, n]`` (bytes) as int32 words ``[B, H, L, n / 4]``, in place where each row is
+    contiguous and rows start 8 bytes aligned (the copies and K's loads are 8 bytes wide), else copied."""
     strides = codes.stride()
     if strides[3] != 1 or strides[2] % 8 or strides[1] % 8 or strides[0] % 8 or codes.data_ptr() % 8:
         codes = codes.contiguous()

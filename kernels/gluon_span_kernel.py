@@ -1,7 +1,7 @@
 """The packed-history span of decode attention with explicit layouts (Gluon): the kernel body.
 
-For INT2 K and V, one (scale, zero) per row, bf16, head_dim 128, up to 8 query heads per KV head,
-64-key tiles on one warp. :mod:`.decode_history_gluon` stages the inputs and launches it; it writes
+For 2- or 4-bit K and 2- or 1-bit V, one (scale, zero) per row, bf16, head_dim 128, up to 8 query
+heads per KV head, 64-key tiles on one warp. :mod:`.decode_history_gluon` stages the inputs and launches it; it writes
 the same partial slots as the Triton stage 1 (:mod:`.decode_stages`), whose merge follows.
 
 Why (``kernels/DESIGN.md``): the Triton tile lets ``tl.dot`` derive its layouts, which
@@ -19,7 +19,9 @@ head, each tile's two halves of 32 keys share them, see ``gluon_span_layouts.PAI
   thread) and the MMAs' K index, the keys and the dims are *relabelled* to match what each thread
   holds: reshapes/permutes of register dimensions that ``convert_layout(..., assert_trivial=True)``
   proves free (:mod:`.gluon_span_layouts`). q is gathered once into the same order and the output is
-  scattered back by pointer arithmetic; the cache's byte layout does not change;
+  scattered back by pointer arithmetic; the cache's byte layout does not change. 4-bit keys and 1-bit
+  values are read into the 2-bit words' order as they load (:func:`_key_words`, :func:`_value_words`),
+  so all that follows is the same;
 * per-head sums over keys (l, and the two value corrections) stay per lane inside the loop and are
   reduced across lanes once at the end; only the running max crosses lanes each tile;
 * unpacking is nearly all of the integer (ALU) pipe's work, so K's codes become int8 operands by
@@ -87,21 +89,70 @@ def _word_offsets(LAYOUT: gl.constexpr, ROW_WORDS: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASKED: gl.constexpr, PACK: gl.constexpr):
-    """One tile's K and V code words and its four metadata vectors; ``MASKED``: rows from ``end`` on
-    read as 0. A row's 8 words are contiguous (rows ``ROW_WORDS`` apart), its scale or zero one element:
-    constant strides let loads be 8 and 16 bytes wide, which a mask allows only where it is known
-    constant over 8 rows (not for a length read on the device). Offsets are taken from the tile's first row, so each address is a base plus
-    a constant."""
-    k_rows, k_offsets = _word_offsets(gl.constexpr(WORDS_K), ROW_WORDS)
-    v_rows, v_offsets = _word_offsets(gl.constexpr(WORDS_V), ROW_WORDS)
-    rows = gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
-    KC, VC = KC + block * ROW_WORDS, VC + block * ROW_WORDS
-    KS, KZ, VS, VZ = KS + block, KZ + block, VS + block, VZ + block
+def _words(P, ok, MASKED: gl.constexpr):
+    """The words at ``P``; ``MASKED``: 0 where not ``ok``."""
     if MASKED:
-        n = end - block
-        raw_k = gl.load(KC + k_offsets, mask=(k_rows < n)[:, None], other=0)
-        raw_v = gl.load(VC + v_offsets, mask=(v_rows < n)[:, None], other=0)
+        return gl.load(P, mask=ok, other=0)
+    else:
+        return gl.load(P)
+
+
+@gluon.jit
+def _key_words(KC, offsets, ok, K_BITS: gl.constexpr, MASKED: gl.constexpr):
+    """K's words as :func:`.gluon_span_operands.unpack_k` takes them: 2-bit words, or for 4-bit keys the
+    pair of 4-bit words ``w`` and ``w + 8`` that 2-bit word ``w``'s blocks lie in."""
+    if K_BITS == 4:
+        return _words(KC + offsets, ok, MASKED), _words(KC + 8 + offsets, ok, MASKED)
+    else:
+        return _words(KC + offsets, ok, MASKED)
+
+
+@gluon.jit
+def _value_words(VC, rows, V_ROW: gl.constexpr, ok, V_BITS: gl.constexpr, MASKED: gl.constexpr):
+    """V's 2-bit words ``[64, 8]`` in WORDS_V, made from 1-bit rows where ``V_BITS`` is 1: dim ``32j + c``
+    is bit ``2j + c // 16`` of byte ``c % 16``, so 2-bit word ``w`` is word ``w % 4`` of the row shifted
+    right by ``w // 4``, each field's low bit its code (``value_unpack_asm(1)`` masks that bit alone)."""
+    words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
+    if V_BITS == 1:
+        # The lane's word goes into the pointer before the rows' offsets: summed with them first, it
+        # takes the compiler an address register for each odd row.
+        return _words((VC + words % 4) + rows[:, None] * V_ROW, ok, MASKED) >> (words // 4)
+    else:
+        return _words(VC + (rows[:, None] * V_ROW + words), ok, MASKED)
+
+
+@gluon.jit
+def _load_tile(
+    KC,
+    VC,
+    KS,
+    KZ,
+    VS,
+    VZ,
+    block,
+    end,
+    K_ROW: gl.constexpr,
+    V_ROW: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
+    MASKED: gl.constexpr,
+    PACK: gl.constexpr,
+):
+    """One tile's K and V code words (:func:`_key_words`, :func:`_value_words`) and its four metadata
+    vectors; ``MASKED``: rows from ``end`` on read as 0. A row's words are contiguous (K's rows ``K_ROW``
+    words apart, V's ``V_ROW``), its scale or zero one element: constant strides let loads be 8 and 16
+    bytes wide, which a mask allows only where it is known constant over 8 rows (not for a length read
+    on the device). Offsets are taken from the tile's first row, so each address is a base plus a
+    constant."""
+    k_rows, k_offsets = _word_offsets(gl.constexpr(WORDS_K), K_ROW)
+    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
+    rows = gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
+    KC, VC = KC + block * K_ROW, VC + block * V_ROW
+    KS, KZ, VS, VZ = KS + block, KZ + block, VS + block, VZ + block
+    n = end - block
+    raw_k = _key_words(KC, k_offsets, (k_rows < n)[:, None], K_BITS, MASKED)
+    raw_v = _value_words(VC, v_rows, V_ROW, (v_rows < n)[:, None], V_BITS, MASKED)
+    if MASKED:
         ok = rows < n
         meta = (
             gl.load(KS + rows, mask=ok, other=0.0),
@@ -110,7 +161,6 @@ def _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS: gl.constexpr, MASK
             gl.load(VZ + rows, mask=ok, other=0.0),
         )
     else:
-        raw_k, raw_v = gl.load(KC + k_offsets), gl.load(VC + v_offsets)
         meta = (gl.load(KS + rows), gl.load(KZ + rows), gl.load(VS + rows), gl.load(VZ + rows))
     return raw_k, raw_v, meta
 
@@ -130,15 +180,15 @@ def _stage_buffers(KS):
 
 
 @gluon.jit
-def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block, ROW_WORDS: gl.constexpr):
+def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block, K_ROW: gl.constexpr, V_ROW: gl.constexpr):
     """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile), each
-    instruction whole rows (COPY_K, COPY_V); the metadata go in the copy's own layout."""
+    instruction whole rows (COPY_K, COPY_V) of 2-bit K and V; the metadata go in the copy's own layout."""
     k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
-    _, k_offsets = _word_offsets(gl.constexpr(COPY_K), ROW_WORDS)
-    _, v_offsets = _word_offsets(gl.constexpr(COPY_V), ROW_WORDS)
+    _, k_offsets = _word_offsets(gl.constexpr(COPY_K), K_ROW)
+    _, v_offsets = _word_offsets(gl.constexpr(COPY_V), V_ROW)
     rows = gl.arange(0, 64, layout=META_COPY)
-    _async_load(k_buf.index(stage), KC + block * ROW_WORDS + k_offsets)
-    _async_load(v_buf.index(stage), VC + block * ROW_WORDS + v_offsets)
+    _async_load(k_buf.index(stage), KC + block * K_ROW + k_offsets)
+    _async_load(v_buf.index(stage), VC + block * V_ROW + v_offsets)
     _async_load(ks_buf.index(stage), KS + block + rows)
     _async_load(kz_buf.index(stage), KZ + block + rows)
     _async_load(vs_buf.index(stage), VS + block + rows)
@@ -241,14 +291,19 @@ def history_kernel(
     EARLY: gl.constexpr,
     PACK: gl.constexpr,
     TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
+    K_ROW: gl.constexpr,
+    V_ROW: gl.constexpr,
 ):
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
-    ``[B, Hkv, L, 8]``, rows ``ROW_WORDS`` words apart (8 packed, more where rows of K and V alternate in
-    one buffer); scale/zero ``[B, Hkv, L]`` (one group). ``RING`` (static decoding): the valid history rows
-    are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton stage 1 does.
+    ``[B, Hkv, L, 4 * bits]`` (``K_BITS`` 2 or 4, ``V_BITS`` 2 or 1), K's rows ``K_ROW`` words apart and V's
+    ``V_ROW`` (more than a row's words where rows of K and V alternate in one buffer); scale/zero
+    ``[B, Hkv, L]`` (one group). ``PIPELINE`` needs 2-bit K and V. ``RING`` (static decoding): the valid
+    history rows are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton
+    stage 1 does.
     ``LAUNCH_DEPENDENTS``: let the next kernel (the dense tiers, launched programmatically) start now;
     it writes other slots and waits for this grid before it ends. ``EARLY`` (staged only): this grid was
     launched programmatically, before the kernel ahead of it ended; the history and ``LENGTHS`` were
@@ -299,7 +354,10 @@ def history_kernel(
         EARLY,
         PACK,
         TIMED,
-        ROW_WORDS,
+        K_BITS,
+        V_BITS,
+        K_ROW,
+        V_ROW,
     )
     if TIMED:
         gl.store(TIMES + 7, _special(CLOCK))
@@ -330,12 +388,15 @@ def _history_span(
     EARLY: gl.constexpr,
     PACK: gl.constexpr,
     TIMED: gl.constexpr,
-    ROW_WORDS: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
+    K_ROW: gl.constexpr,
+    V_ROW: gl.constexpr,
 ):
     """Rows ``[start, end)`` of one KV head's packed history for its ``GROUP`` query heads: running max,
     sum and unnormalised accumulator (float32). K's codes enter int8 MMAs as ``f_j * c`` against q's
-    fixed point (:func:`.gluon_span_operands.q_int8`), V's bf16 MMAs as ``OFFSET + 4**j * c`` and
-    ``OFFSET + c`` (see :func:`.gluon_span_operands.value_unpack_asm`). Whole tiles run without masks; a
+    fixed point (:func:`.gluon_span_operands.q_int8`), V's bf16 MMAs as ``OFFSET + f_j * c`` (see
+    :func:`.gluon_span_operands.value_unpack_asm`). Whole tiles run without masks; a
     last partial tile runs masked.
     ``PIPELINE``: each whole tile is copied into shared memory (``cp.async``) while the one before
     computes, so that its loads' latency is hidden without registers to hold them (a register prefetch
@@ -344,7 +405,7 @@ def _history_span(
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
         buffers = _stage_buffers(KS)
         if start < whole_end:
-            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start, ROW_WORDS)
+            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start, K_ROW, V_ROW)
         async_copy.commit_group()
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
@@ -352,7 +413,7 @@ def _history_span(
             _launch_dependents()
     if TIMED:
         gl.store(TIMES + 4, _special(CLOCK))
-    q = q_int8(Q, GROUP, PACK)
+    q = q_int8(Q, GROUP, PACK, K_BITS)
     if TIMED:
         gl.store(TIMES + 5, _clock(gl.max(q[3], axis=0)))
     # per lane, half and head: sum(p), sum(w), sum(w * zero) over the lane's keys (reduced at the end)
@@ -364,20 +425,20 @@ def _history_span(
         for block in range(start, whole_end, 64):
             stage = (block - start) // 64 % 2
             if block + 64 < whole_end:
-                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64, ROW_WORDS)
+                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64, K_ROW, V_ROW)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             state = _tile_step(
-                state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False, PACK
+                state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False, PACK, K_BITS
             )
     else:
         for block in range(start, whole_end, 64):
-            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, ROW_WORDS, False, PACK)
-            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK)
+            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, K_ROW, V_ROW, K_BITS, V_BITS, False, PACK)
+            state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK, K_BITS)
     if whole_end < end:
-        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, ROW_WORDS, True, PACK)
-        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK)
+        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, K_ROW, V_ROW, K_BITS, V_BITS, True, PACK)
+        state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK, K_BITS)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     if TIMED:
         gl.store(TIMES + 6, _clock(gl.max(m_i, axis=0)))
@@ -396,15 +457,16 @@ def _history_span(
         acc3,
         GROUP,
         PACK,
+        V_BITS,
     )
 
 
 @gluon.jit
-def _fixed_point_dots(raw_k, k_zero, q, PACK: gl.constexpr):
+def _fixed_point_dots(raw_k, k_zero, q, PACK: gl.constexpr, K_BITS: gl.constexpr):
     """``[rows m, PACK, heads]`` of ``q . (c - zero)`` in q's fixed-point units (float32): per column
     block two int8 MMAs a half (q's high and low halves, exact int32 sums), joined as ``256 hi + lo``."""
     q_hi, q_lo, neg_q_sum, unit = q
-    c0, c1, c2, c3 = unpack_k(raw_k)
+    c0, c1, c2, c3 = unpack_k(raw_k, K_BITS)
     hi = gl.full([64 // PACK, 8], 0, gl.int32, MMA)
     hi, lo = _block_dots(c0, q_hi[0], q_lo[0], hi, hi, PACK)
     hi, lo = _block_dots(c1, q_hi[1], q_lo[1], hi, lo, PACK)
@@ -426,7 +488,16 @@ def _block_dots(codes, q_hi, q_lo, hi, lo, PACK: gl.constexpr):
 
 @gluon.jit
 def _tile_step(
-    state, tile, q, score_scale, block, end, V_UNPACK: gl.constexpr, MASKED: gl.constexpr, PACK: gl.constexpr
+    state,
+    tile,
+    q,
+    score_scale,
+    block,
+    end,
+    V_UNPACK: gl.constexpr,
+    MASKED: gl.constexpr,
+    PACK: gl.constexpr,
+    K_BITS: gl.constexpr,
 ):
     """The online softmax over one 64-key tile, as ``[64 // PACK rows, PACK halves, heads]``: ``state``
     (m, three lane-partial sums, four accumulators) updated. ``MASKED``: keys from ``end`` on score -inf."""
@@ -435,7 +506,7 @@ def _tile_step(
     k_scale, k_zero, v_scale, v_zero = widen(meta[0]), widen(meta[1]), widen(meta[2]), widen(meta[3])
     unit = q[3]
     # scores in q's fixed-point units; the unit (a head's factor > 0) enters the max and the exponent
-    scores = _fixed_point_dots(raw_k, k_zero, q, PACK) * (key_rows(k_scale, PACK) * score_scale)[:, :, None]
+    scores = _fixed_point_dots(raw_k, k_zero, q, PACK, K_BITS) * (key_rows(k_scale, PACK) * score_scale)[:, :, None]
     if MASKED:
         keys = block + gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
         scores = gl.where(key_rows(keys < end, PACK)[:, :, None], scores, float("-inf"))
@@ -482,10 +553,25 @@ def _rescaled(acc, alpha, PACK: gl.constexpr):
 
 @gluon.jit
 def _store_partials(
-    PM, PL, PACC, head_stride, m_i, l_i, w_sum, wz_sum, acc0, acc1, acc2, acc3, GROUP: gl.constexpr, PACK: gl.constexpr
+    PM,
+    PL,
+    PACC,
+    head_stride,
+    m_i,
+    l_i,
+    w_sum,
+    wz_sum,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    GROUP: gl.constexpr,
+    PACK: gl.constexpr,
+    V_BITS: gl.constexpr,
 ):
     """m, l and ``acc[h, dim] = acc_j[m, h] / f_j - sum(w * zero) - OFFSET / f_j * sum(w)`` (``f_j`` the
-    block's code factor; dim ``32j + 4*(m % 8) + m // 8``; ``acc_j`` summed over its halves)."""
+    block's code factor, ``value_factors(V_BITS)``; dim ``32j + 4*(m % 8) + m // 8``; ``acc_j`` summed
+    over its halves)."""
     acc0, acc1, acc2, acc3 = (
         _over_halves(acc0, PACK),
         _over_halves(acc1, PACK),
@@ -505,7 +591,8 @@ def _store_partials(
     gl.store(out, acc0 - wz_sum - OFFSET * w_sum, mask=ok)
     gl.store(out + 32, acc1 * 0.25 - wz_sum - (OFFSET * 0.25) * w_sum, mask=ok)
     gl.store(out + 64, acc2 * 0.0625 - wz_sum - (OFFSET * 0.0625) * w_sum, mask=ok)
-    gl.store(out + 96, acc3 - wz_sum - OFFSET * w_sum, mask=ok)
+    LAST: gl.constexpr = 1.0 if V_BITS == 2 else 0.015625  # 1 / f_3
+    gl.store(out + 96, acc3 * LAST - wz_sum - (OFFSET * LAST) * w_sum, mask=ok)
 
 
 @gluon.jit

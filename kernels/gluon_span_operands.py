@@ -92,24 +92,34 @@ def half_columns(operand, HALF: gl.constexpr):
     )
 
 
-@functools.cache
-def value_unpack_asm() -> str:
-    """PTX: V's 2-bit codes as bf16 ``OFFSET + f_j * code``, two codes a 32-bit output.
+def value_factors(bits: int = 2) -> tuple[float, ...]:
+    """``f_j`` of :func:`value_unpack_asm`'s blocks: ``4**j``, but 1 for block 3 of 2-bit codes."""
+    return (1.0, 4.0, 16.0, 1.0 if bits == 2 else 64.0)
 
-    Blocks j < 3 are ``128 + 4**j * code`` (they lie inside bf16's 7-bit mantissa); block 3 is
-    ``128 + code`` after a shift (fp16, whose mantissa would hold it, would make the weights fp16, which
-    could overflow on large value scales). Two words of two keys in, output ``4j + b`` holds block j of
-    byte b of both keys (one key a 16-bit half, masked in its low byte), the pair the value MMA's A
-    operand wants.
+
+@functools.cache
+def value_unpack_asm(bits: int = 2) -> str:
+    """PTX: V's codes, in 2-bit words (:func:`.gluon_span_kernel._load_tile`), as bf16 ``OFFSET + f_j * code``
+    (:func:`value_factors`), two codes a 32-bit output; ``bits`` (2 or 1) is how many bits of each 2-bit
+    field hold the code.
+
+    Blocks j < 3 are ``128 + 4**j * code`` (they lie inside bf16's 7-bit mantissa); block 3 of 2-bit
+    codes is ``128 + code`` after a shift (fp16, whose mantissa would hold it, would make the weights
+    fp16, which could overflow on large value scales), of 1-bit codes ``128 + 64 * code`` (192 is a bf16).
+    Two words of two keys in, output ``4j + b`` holds block j of byte b of both keys (one key a 16-bit
+    half, masked in its low byte), the pair the value MMA's A operand wants.
     """
+    if bits not in (1, 2):
+        raise ValueError(f"the span reads 1- or 2-bit values, not {bits}-bit")
+    field = ((1 << bits) - 1) * 0x00010001
     lines = [".reg .b32 t, u;"]
     for b in range(4):  # t: per 16-bit half, byte b of one key in its low byte
         lines.append(f"prmt.b32 t, $16, $17, {b | b << 4 | (4 + b) << 8 | (4 + b) << 12:#x};")
         for j in range(4):
-            source, mask = "t", 0x00030003 << (2 * j)
-            if j == 3:
+            source, mask = "t", field << (2 * j)
+            if j == 3 and bits == 2:
                 lines.append("shr.b32 u, t, 6;")
-                source, mask = "u", 0x00030003
+                source, mask = "u", field
             lines.append(f"lop3.b32 ${4 * j + b}, {source}, {mask:#x}, 0x43004300, 0xEA;")
     return "{ " + " ".join(lines) + " }"
 
@@ -142,8 +152,17 @@ K_UNPACK = gl.constexpr(
     "lop3.b32 $2, $4, 0x30303030, 0, 0xEA; shr.b32 t, $4, 2; lop3.b32 $3, t, 0x30303030, 0, 0xEA; }"
 )
 K_FACTORS = (1.0, 4.0, 16.0, 16.0)
-# q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 3 * Q_RANGE (int32) and each half
-# fits int8 (hi <= 125).
+# 4-bit keys: 2-bit word w's block j is dims 4w + b + 32j, which are the low nibbles of 4-bit words w
+# (j = 0) and w + 8 (j = 1) and their high nibbles (j = 2, 3). Two words in, the four blocks' int8 codes
+# out, each by a mask where it lies (f = 1: a 0xF0 mask would make codes past 7 negative int8).
+K4_UNPACK = gl.constexpr(
+    "{ .reg .b32 t; lop3.b32 $0, $4, 0x0F0F0F0F, 0, 0xEA; lop3.b32 $1, $8, 0x0F0F0F0F, 0, 0xEA; "
+    "shr.b32 t, $4, 4; lop3.b32 $2, t, 0x0F0F0F0F, 0, 0xEA; shr.b32 t, $8, 4; lop3.b32 $3, t, 0x0F0F0F0F, 0, 0xEA; }"
+)
+K4_FACTORS = (1.0, 1.0, 1.0, 1.0)
+# q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 15 * Q_RANGE < 2**31 (int32, 4-bit
+# codes) and each half fits int8 (hi <= 125). Past 2**24 (4-bit keys) the dot's float32 conversion
+# rounds, by at most 2**-24 of it: below the rounding of the zero-point product that joins it.
 Q_RANGE = gl.constexpr(32000.0)
 # 1.5 * 2**23 + 128: a float32 below 2**22 in magnitude plus this is rounded to an integer (to nearest
 # even, as 1.5 * 2**23 and 128 are even), which plus 128 is then its low mantissa bits: the float's
@@ -160,17 +179,37 @@ Q_BYTES = gl.constexpr(
 
 
 @gluon.jit
-def unpack_k(words):
-    """Per column block j the int8 codes ``f_j * c`` ``[keys, bytes]`` (byte ``4w + b``) of K's ``[keys, words]``."""
-    twice = gl.join(words, words)
-    four = gl.reshape(gl.join(twice, twice), [64, 8, 4])
-    o = gl.inline_asm_elementwise(K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [four], dtype=(gl.int8,) * 4, is_pure=True, pack=4)
+def unpack_k(words, K_BITS: gl.constexpr):
+    """Per column block j the int8 codes ``f_j * c`` ``[keys, bytes]`` (byte ``4w + b`` of the 2-bit
+    layout) of K's ``[keys, words]``: 2-bit words, or for 4-bit keys a pair (words w, words w + 8)."""
+    if K_BITS == 4:
+        low, high = words
+        o = gl.inline_asm_elementwise(
+            K4_UNPACK,
+            "=r,=r,=r,=r" + ",r" * 8,
+            [_fourfold(low), _fourfold(high)],
+            dtype=(gl.int8,) * 4,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        o = gl.inline_asm_elementwise(
+            K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [_fourfold(words)], dtype=(gl.int8,) * 4, is_pure=True, pack=4
+        )
     return (
         gl.reshape(o[0], [64, 32]),
         gl.reshape(o[1], [64, 32]),
         gl.reshape(o[2], [64, 32]),
         gl.reshape(o[3], [64, 32]),
     )
+
+
+@gluon.jit
+def _fourfold(words):
+    """``[keys, words]`` as ``[keys, words, 4]``, each word repeated: an int8 asm output of ``pack=4`` is one
+    register, whose 4 inputs are then the same word."""
+    twice = gl.join(words, words)
+    return gl.reshape(gl.join(twice, twice), [64, 8, 4])
 
 
 @gluon.jit
@@ -216,20 +255,22 @@ def _q_halves(block, scale, FACTOR: gl.constexpr):
 
 
 @gluon.jit
-def q_int8(Q, GROUP: gl.constexpr, PACK: gl.constexpr):
-    """q for the int8 scores: per column block the two int8 halves of its fixed point, each as one B
-    operand a half (:func:`_halves_of`), and per head ``-sum(q)`` in fixed-point units and the unit
-    (``1 / scale``). Blocks are combined elementwise first, so that each per-head value takes one
-    cross-lane reduction."""
+def q_int8(Q, GROUP: gl.constexpr, PACK: gl.constexpr, K_BITS: gl.constexpr):
+    """q for the int8 scores of ``K_BITS``-bit keys: per column block the two int8 halves of its fixed
+    point, each as one B operand a half (:func:`_halves_of`), and per head ``-sum(q)`` in fixed-point
+    units and the unit (``1 / scale``). Blocks are combined elementwise first, so that each per-head
+    value takes one cross-lane reduction."""
     d0, d1, d2, d3 = _q_dims(Q, 0, GROUP), _q_dims(Q, 1, GROUP), _q_dims(Q, 2, GROUP), _q_dims(Q, 3, GROUP)
     amax = gl.max(gl.maximum(gl.maximum(gl.abs(d0), gl.abs(d1)), gl.maximum(gl.abs(d2), gl.abs(d3))), axis=0)
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
     scale = Q_RANGE / amax
-    # the factors are K_FACTORS (K_UNPACK's), written out: a jitted function reads only constexpr globals
+    # the factors are K_FACTORS (1, 4, 16, 16) or K4_FACTORS (all 1), written out: a jitted function
+    # reads only constexpr globals
+    STEP: gl.constexpr = 1.0 if K_BITS == 4 else 4.0
     h0, l0, s0 = _q_halves(d0, scale, 1.0)
-    h1, l1, s1 = _q_halves(d1, scale, 4.0)
-    h2, l2, s2 = _q_halves(d2, scale, 16.0)
-    h3, l3, s3 = _q_halves(d3, scale, 16.0)
+    h1, l1, s1 = _q_halves(d1, scale, STEP)
+    h2, l2, s2 = _q_halves(d2, scale, STEP * STEP)
+    h3, l3, s3 = _q_halves(d3, scale, STEP * STEP)
     neg_q_sum = gl.convert_layout(-gl.sum(s0 + s1 + s2 + s3, axis=0).to(gl.float32), HEAD_COLS)
     unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
     # columns past GROUP hold 0 and a unit of 1e-30 / Q_RANGE: a half's sum and max are its heads'

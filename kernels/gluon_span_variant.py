@@ -1,7 +1,8 @@
-"""Development switches of the Gluon history span (:class:`SpanVariant`); the defaults are production.
+"""Development switches of the Gluon history span (:class:`SpanVariant`; the defaults are production)
+and the bit widths it reads (:data:`BIT_WIDTHS`).
 
-Kept apart from the kernel so that the decode launcher and the tools can name a variant without
-importing Gluon, which older Tritons lack.
+Kept apart from the kernel so that the decode launcher and the tools can name a variant and route a
+shape without importing Gluon, which older Tritons lack.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+# (K bits, V bits) the span reads: 4-bit keys and 1-bit values as the 2-bit words' blocks
+# (gluon_span_kernel._key_words, _value_words); only 2/2 is staged (pipeline=True).
+BIT_WIDTHS = ((2, 2), (4, 2), (2, 1), (4, 1))
 
 # Registers a thread, capped (``maxnreg``) so that 16 one-warp programs fit an SM; uncapped the span
 # takes a little more and fits fewer, and lower caps fit more programs but run slower, because some

@@ -1,15 +1,16 @@
 """Instructions per history tile of the decode kernels, compiled for an H100/H200 (sm_90) on any machine.
 
     python kernels/tools/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
-    python kernels/tools/sass_count.py --span [--registers 128]
+    python kernels/tools/sass_count.py --span [--registers 128] [--bits 2/2 4/2 2/1 4/1]
 
 No GPU is needed: Triton compiles the stage-1 kernel (or, ``--span``, the Gluon history span of
 ``kernels/gluon_span_kernel.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
-specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, 100K
-history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
+specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, or
+the span's other ``--bits``, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
 unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``); this counts them without
 device time. ``--span`` prints the registers, the loop's instructions and those before it for each
-variant: the history length as an argument or read on the device (``ring``), tiles staged or not.
+variant: the history length as an argument or read on the device (``ring``), tiles staged or not
+(staged for 2-bit K and V only), for each ``--bits`` K/V width (default 2/2).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
     )
 
 
-def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_000):
+def compile_span(ring: bool, pipeline: bool, registers: int, k_bits: int = 2, v_bits: int = 2, history: int = 100_000):
     """The compiled Gluon history span for a Qwen3-8B-shaped batch-1 launch (types and alignments only)."""
     from triton.runtime import driver
 
@@ -140,14 +141,17 @@ def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_
     from oscar_hf.kernels.gluon_span_operands import value_unpack_asm
 
     bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
-    words, meta = (8 * history * 8, history * 8), (8 * history, history)
+    k_words, v_words = 4 * k_bits, 4 * v_bits  # a row's
+    meta = (8 * history, history)
     return history_kernel.warmup(
         bf16,
         32 * 128,
         i32,
-        *words,
+        8 * history * k_words,
+        history * k_words,
         i32,
-        *words,
+        8 * history * v_words,
+        history * v_words,
         bf16,
         bf16,
         bf16,
@@ -163,32 +167,42 @@ def compile_span(ring: bool, pipeline: bool, registers: int, history: int = 100_
         torch.int64 if ring else bf16,
         bf16,
         GROUP=4,
-        V_UNPACK=value_unpack_asm(),
+        V_UNPACK=value_unpack_asm(v_bits),
         RING=ring,
         PIPELINE=pipeline,
         LAUNCH_DEPENDENTS=True,
         EARLY=pipeline,
         PACK=halves(4),
         TIMED=False,
-        ROW_WORDS=8,
+        K_BITS=k_bits,
+        V_BITS=v_bits,
+        K_ROW=k_words,
+        V_ROW=v_words,
         grid=(1,),
         num_warps=1,
         maxnreg=registers,
     )  # history_into's argument order
 
 
-def print_span(registers: int) -> None:
-    """Registers, shared memory and loop instructions of each variant of the span."""
-    for ring, pipeline in ((False, False), (True, False), (False, True), (True, True)):
-        compiled = compile_span(ring, pipeline, registers)
-        sass = sass_of(compiled)
-        ops = history_loop(sass)
-        print(
-            f"ring={ring} pipeline={pipeline}: {resource_usage(compiled)}; "
-            f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
-            f"{before_loop(sass)} before the loop"
-        )
-        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
+def print_span(registers: int, widths: list[tuple[int, int]]) -> None:
+    """Registers, shared memory and loop instructions of each variant of the span, by K/V bit width."""
+    for k_bits, v_bits in widths:
+        print(f"K{k_bits} V{v_bits}")
+        staged = (False, True) if (k_bits, v_bits) == (2, 2) else (False,)
+        for pipeline in staged:
+            for ring in (False, True):
+                _print_variant(compile_span(ring, pipeline, registers, k_bits, v_bits), ring, pipeline)
+
+
+def _print_variant(compiled, ring: bool, pipeline: bool) -> None:
+    sass = sass_of(compiled)
+    ops = history_loop(sass)
+    print(
+        f"ring={ring} pipeline={pipeline}: {resource_usage(compiled)}; "
+        f"shared {compiled.metadata.shared} B; {sum(ops.values())} instructions per 64-key tile, "
+        f"{before_loop(sass)} before the loop"
+    )
+    print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
 
 
 def resource_usage(compiled) -> str:
@@ -259,12 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sass", type=Path, help="also write the whole SASS here")
     parser.add_argument("--span", action="store_true", help="the Gluon history span instead of the stage-1 kernel")
     parser.add_argument("--registers", type=int, default=0, help="the span's register cap (default: the kernel's)")
+    parser.add_argument(
+        "--bits", nargs="+", default=["2/2"], help="the span's K/V bit widths (2/2, 4/2, 2/1, 4/1; default 2/2)"
+    )
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.span:
         from oscar_hf.kernels.gluon_span_variant import REGISTERS
 
-        print_span(args.registers or REGISTERS)
+        widths = [tuple(int(b) for b in width.split("/")) for width in args.bits]
+        print_span(args.registers or REGISTERS, widths)
         return
     from oscar_hf.kernels import decode_launch
 
