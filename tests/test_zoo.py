@@ -841,3 +841,40 @@ def test_searched_clips_apply_to_2_bit_tensors_only() -> None:
     for i in (0, 17):  # nor do 2-bit allocations of bits reach a 3-bit method
         assert k3v2.layers[i].config.key.clip_ratio == 0.96 and k3v2.layers[i].config.key.bits == 3
         assert k3v2.layers[i].config.value.clip_ratio == searched.value_clip[i]
+
+
+def test_a_cache_takes_the_windows_its_rotation_set_was_made_for(tmp_path):
+    """A set that records (sink, recent) gives them to a cache made by method name, unless the caller
+    passes a window or a whole OscarConfig; they survive saving, and the memory report says whence."""
+    import dataclasses
+
+    from oscar_hf import METHODS, OscarCache
+    from oscar_hf.rotations.files import load_ours, save_rotations
+    from oscar_hf.rotations.rotation_set import RotationSet
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    rotations = dataclasses.replace(RotationSet.hadamard(16, [0, 1]), windows=(4, 8))
+
+    def windows(cache: OscarCache) -> set[tuple[int, int]]:
+        return {(layer.config.sink, layer.config.recent) for layer in cache.layers}
+
+    cache = OscarCache(model, "oscar-int2", rotations=rotations)
+    assert windows(cache) == {(4, 8)} and cache.windows == "the rotation set's sink 4, the rotation set's recent 8"
+    assert windows(OscarCache(model, "oscar-int2", rotations=rotations, sink=2)) == {(2, 8)}
+    assert windows(OscarCache(model, METHODS["oscar-int2"], rotations=rotations)) == {(64, 256)}
+    assert windows(OscarCache(model, "naive-int2", rotations=rotations)) == {(64, 256)}  # rotations unused
+    assert windows(OscarCache(model, "oscar-int2", rotations=dataclasses.replace(rotations, windows=None))) == {
+        (64, 256)
+    }
+
+    loaded = load_ours(save_rotations(rotations, tmp_path / "set"))
+    assert loaded.windows == (4, 8)
+    cache = OscarCache(model, "oscar-int2", rotations=loaded)
+    forward(model, torch.randint(3, 200, (1, 40)), cache)
+    assert cache.layers[0].sink_keys.length == 4 and cache.layers[0].history_length > 0
+    report = cache.memory_report()
+    assert report.summary()["windows"] == cache.windows and "(the rotation set's sink 4" in str(report)
+    for bad in ((-1, 8), (4, 0), (4.5, 8), (True, 8)):
+        with pytest.raises(ValueError, match="windows"):
+            dataclasses.replace(rotations, windows=bad)

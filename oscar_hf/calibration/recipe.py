@@ -165,14 +165,15 @@ def calibrate(
             model, _search_rows(batches), rotations, recipe.allocate_bits, allocation_method, progress=progress
         )
     tokens = sum(b.numel() for b in batches)
+    # the windows the clip search and bit allocation ran with (oscar-int2's): a cache takes them with the set
+    windows = (METHODS["oscar-int2"].sink, METHODS["oscar-int2"].recent)
+    rotations = dataclasses.replace(rotations, windows=windows)
     metadata = {
         "model_id": model_id or model.config._name_or_path,
         "model_signature": model_signature(model),
         **made,
         "recipe": recipe.to_dict(),
         "group_size": rotations.head_dim,
-        "sink": METHODS["oscar-int2"].sink,
-        "recent": METHODS["oscar-int2"].recent,
         "calibration_data": {
             "files": _file_hashes(files),
             "documents": len(texts.documents),

@@ -289,5 +289,6 @@ def refine_rotations(
         key_bits=dict(rotations.key_bits),
         value_bits=dict(rotations.value_bits),
         base_bits=rotations.base_bits,
+        windows=rotations.windows,
     )
     return refined, fits

@@ -87,6 +87,7 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
             raise ValueError("this model has no full-attention layers for OscarCache to quantize")
         rotations = self._resolve_rotations(rotations, head_dim, quantized_ids, kv_heads_of(self.text_config))
         self.rotations = rotations = own_kv_heads(rotations, config, kv_heads_of(self.text_config))
+        self.windows = self._take_windows(method, rotations, overrides)
         self.capacity = max_cache_len  # (transformers 5.17 has a read-only Cache.max_cache_len)
         self.static: StaticDecoding | None = None
         self.decode_graphs = decode_graphs
@@ -103,6 +104,19 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         super().__init__(layers=layers)
         if isinstance(config, PreTrainedModel):
             self.step_decoder = step_decoder_for(config, self)
+
+    def _take_windows(self, method: str | OscarConfig, rotations: RotationSet, overrides: dict) -> str:
+        """Take the sink and recent windows the rotation set was calibrated for, where the caller passed
+        neither a window nor a whole OscarConfig; returns the windows used and where they came from, in words."""
+        config = self.oscar_config
+        taken = {}
+        if config.rotation == "calibrated" and rotations.windows is not None and isinstance(method, str):
+            taken = {k: v for k, v in zip(("sink", "recent"), rotations.windows) if k not in overrides}
+        if taken:
+            self.oscar_config = config = config.with_overrides(**taken)
+            logger.info("windows from the rotation set: %s", taken)
+        sources = {name: "the rotation set's" if name in taken else "" for name in ("sink", "recent")}
+        return ", ".join(f"{sources[name]} {name} {getattr(config, name)}".strip() for name in ("sink", "recent"))
 
     def _layer(self, layer_id: int, rotations: RotationSet, head_dim: int) -> OscarLayer:
         config = self.oscar_config.for_layer(
@@ -133,7 +147,8 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         assumes the model runs ``attn_implementation="oscar"`` and raises a clear error otherwise.
         ``rotations`` is ``"default"`` (bundled for the model), a local directory (ours or the
         official RotationZoo layout), or a hub repo id; hub options (``revision``, ``subfolder``,
-        ``calibration``, ...) go through ``kwargs``, cache options (``sink``, ``recent``, ...) too.
+        ``calibration``, ...) go through ``kwargs``, cache options (``sink``, ``recent``, ...) too; a set
+        that records the windows it was calibrated for gives them to the cache unless these are passed.
         A method with ``shared_rotations`` (``oscar-int2-paper``) takes a folder's shared rotations and
         the bundled set made without the clip search.
         """
@@ -285,7 +300,7 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
                 entries.append(layer.memory(idx))
             elif isinstance(layer, CacheLayerMixin):
                 entries.append(LayerMemory.dense(idx, layer.keys, layer.values))
-        return MemoryReport(self.oscar_config.method, entries)
+        return MemoryReport(self.oscar_config.method, entries, self.windows)
 
     def __deepcopy__(self, memo: dict) -> "OscarCache":
         # The model config is shared, not copied: the copy must follow the model's attention setting.

@@ -81,6 +81,7 @@ class MemoryReport:
 
     method: str
     layers: list[LayerMemory]
+    windows: str = ""  # the cache's sink and recent windows and where they came from, in words
 
     def total(self, field: str) -> int:
         return sum(getattr(layer, field) for layer in self.layers)
@@ -111,7 +112,7 @@ class MemoryReport:
 
     def in_bf16(self) -> "MemoryReport":
         """What the same cache stores with a BF16 model (see :meth:`LayerMemory.in_bf16`)."""
-        return MemoryReport(self.method, [layer.in_bf16() for layer in self.layers])
+        return MemoryReport(self.method, [layer.in_bf16() for layer in self.layers], self.windows)
 
     def projected_bytes(self, config: OscarConfig, tokens: int, head_dim: int) -> int:
         """Bytes these layers would hold, in a BF16 model, right after a prefill of ``tokens`` tokens
@@ -123,6 +124,7 @@ class MemoryReport:
         """Totals as a JSON-ready dict."""
         return {
             "method": self.method,
+            "windows": self.windows,
             "tokens": max((layer.tokens for layer in self.layers), default=0),
             "code_bytes": self.total("code_bytes"),
             "metadata_bytes": self.total("metadata_bytes"),
@@ -193,7 +195,8 @@ class MemoryReport:
                 / sum(layer.history_tokens * layer.elements_per_token for layer in quantized)
             )
             text += (
-                f"\n  {windows:,} of the {s['tokens']:,} tokens are the uncompressed sink and recent window; "
+                f"\n  {windows:,} of the {s['tokens']:,} tokens are the uncompressed sink and recent window"
+                f"{f' ({self.windows})' if self.windows else ''}; "
                 f"the quantized history costs {history_bits:.2f} bits/element, so the cache approaches "
                 f"{8 * BF16_BYTES / history_bits:.1f}x smaller than BF16 as the context grows."
             )

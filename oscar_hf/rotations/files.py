@@ -86,9 +86,12 @@ def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict
             if rotations.key_bits or rotations.value_bits
             else {}
         ),
+        **(dict(zip(("sink", "recent"), rotations.windows)) if rotations.windows else {}),
         "library_version": __version__,
         **metadata,
     }
+    if rotations.windows and (config["sink"], config["recent"]) != rotations.windows:
+        raise ValueError(f"metadata's sink/recent {config['sink']}/{config['recent']} contradict the set's windows")
     save_file(tensors, str(directory / TENSORS_FILE), metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     logger.info("saved rotations of %d layers to %s", len(config["layer_ids"]), directory)
@@ -143,8 +146,13 @@ def load_ours(directory: Path, per_head: bool | None = None) -> RotationSet:
     base = config.get("base_bits", {"key": 2, "value": 2})
     if not isinstance(base, dict) or set(base) != {"key", "value"}:
         raise ValueError(f"{path.parent / CONFIG_FILE}: base_bits must be {{'key': bits, 'value': bits}}, got {base!r}")
+    windows = (config["sink"], config["recent"]) if "sink" in config and "recent" in config else None
     rotations = RotationSet(
-        head_dim=head_dim, description=config.get("description", ""), base_bits=(base["key"], base["value"]), **tables
+        head_dim=head_dim,
+        description=config.get("description", ""),
+        base_bits=(base["key"], base["value"]),
+        windows=windows,
+        **tables,
     )
     if rotations.kv_heads != config.get("kv_heads"):
         raise ValueError(

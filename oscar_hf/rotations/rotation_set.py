@@ -144,7 +144,9 @@ class RotationSet:
     ``value_bits`` are optional per-layer clip ratios and history bit widths that calibrated methods
     apply (:meth:`oscar_hf.config.OscarConfig.for_layer`); ``base_bits`` are the (K, V) widths of
     the method the per-layer widths were allocated for (``oscar-int2``'s (2, 2) unless set), and
-    only a method at those widths takes them.
+    only a method at those widths takes them. ``windows`` are the (sink, recent) token windows the set
+    was calibrated for, if it records them: a cache made with the set uses them unless its caller
+    passes its own.
     """
 
     head_dim: int
@@ -158,8 +160,16 @@ class RotationSet:
     key_bits: dict[int, int] = field(default_factory=dict)
     value_bits: dict[int, int] = field(default_factory=dict)
     base_bits: tuple[int, int] = (2, 2)
+    windows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.windows is not None:
+            sink, recent = self.windows
+            if isinstance(sink, bool) or isinstance(recent, bool) or int(sink) != sink or int(recent) != recent:
+                raise ValueError(f"windows must be (sink, recent) token counts, got {self.windows!r}")
+            if sink < 0 or recent < 1:
+                raise ValueError(f"windows must have sink >= 0 and recent >= 1 tokens, got {self.windows!r}")
+            self.windows = (int(sink), int(recent))
         if len(self.base_bits) != 2 or any(b not in SUPPORTED_BITS or isinstance(b, bool) for b in self.base_bits):
             raise ValueError(
                 f"base_bits must be (key bits, value bits), each one of {SUPPORTED_BITS}, got {self.base_bits!r}"
@@ -241,6 +251,7 @@ class RotationSet:
             dict(self.key_bits),
             dict(self.value_bits),
             self.base_bits,
+            self.windows,
         )
 
     def as_per_head(self, kv_heads: int) -> "RotationSet":
@@ -263,6 +274,7 @@ class RotationSet:
             dict(self.key_bits),
             dict(self.value_bits),
             self.base_bits,
+            self.windows,
         )
 
     def value_fingerprint(self) -> str:
