@@ -134,6 +134,8 @@ def test_streaming_matches_naive(name: str) -> None:
         assert relative_error(layer.query, c_q) < 1e-10
         assert relative_error(layer.value, c_s) < 1e-10
         assert torch.equal(layer.query, layer.query.T) and torch.equal(layer.value, layer.value.T)
+        keys = torch.cat([k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3]) for _, k, _ in captured[layer_id]])
+        assert relative_error(layer.key_mean_heads, keys.double().mean(0)) < 1e-10  # [H_kv, D]
 
 
 def test_gqa_grouping_is_contiguous() -> None:

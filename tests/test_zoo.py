@@ -878,3 +878,38 @@ def test_a_cache_takes_the_windows_its_rotation_set_was_made_for(tmp_path):
     for bad in ((-1, 8), (4, 0), (4.5, 8), (True, 8)):
         with pytest.raises(ValueError, match="windows"):
             dataclasses.replace(rotations, windows=bad)
+
+
+def write_official_centered(directory: Path, per_head: bool, extra: dict | None = None) -> Path:
+    """The reference's format 3 files: key centering (``k_mean`` per layer), ``k_rotation_oscar2_<variant>.pt``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for kind, seed in (("k", 0), ("v", 500)):
+        layers = {}
+        for i in (0, 1):
+            heads = [orthogonal(seed=seed + 10 * i + h) for h in range(KV_HEADS)]
+            entry = {"layer_id": i, "rotation": torch.stack(heads) if per_head else heads[0]}
+            if kind == "k":
+                entry["k_mean"] = torch.randn(KV_HEADS, HEAD_DIM) if per_head else torch.randn(HEAD_DIM)
+                entry.update(extra or {})
+            layers[i] = entry
+        data = {"format_version": 3, "objective": "oscar2", "calibration": {"tokens": 30000}, "layers": layers}
+        torch.save(data, directory / f"{kind}_rotation_oscar2_{'perhead' if per_head else 'shared'}_centered.pt")
+    return directory
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_official_format_3_loads_its_key_means_and_refuses_non_orthogonal_transforms(tmp_path, per_head):
+    folder = write_official_centered(tmp_path / "centered", per_head)
+    rotations = load_official(folder)
+    saved = torch.load(next(folder.glob("k_rotation_*.pt")), weights_only=True)["layers"]
+    assert sorted(rotations.key_mean) == [0, 1] and rotations.per_head == per_head
+    assert all(torch.equal(rotations.key_mean[i], saved[i]["k_mean"]) for i in (0, 1))
+    model = tiny_llama()
+    cache = OscarCache.from_zoo(model, folder)  # the cache centers keys with them
+    assert all(torch.equal(layer.key_mean, rotations.key_mean[i]) for i, layer in enumerate(cache.layers))
+    whitened = write_official_centered(tmp_path / "nova", per_head, {"q_rotation": torch.eye(HEAD_DIM)})
+    with pytest.raises(ValueError, match="non-orthogonal key transform"):
+        load_official(whitened)
+    wrong = write_official_centered(tmp_path / "wrong", per_head, {"k_mean": torch.zeros(HEAD_DIM + 1)})
+    with pytest.raises(ValueError, match="k_mean of layer 0"):
+        load_official(wrong)

@@ -56,9 +56,15 @@ class _LayerErrors:
 
 class _Search:
     def __init__(
-        self, variants: dict[str, RotationSet], config: OscarConfig, grid: Sequence[float], max_queries: int
+        self,
+        variants: dict[str, RotationSet],
+        config: OscarConfig,
+        grid: Sequence[float],
+        max_queries: int,
+        key_means: dict[int, torch.Tensor],
     ) -> None:
         self.variants, self.config, self.grid, self.max_queries = variants, config, grid, max_queries
+        self.key_means = key_means  # layer -> [H_kv, D]: keys are quantized centered (none: uncentered)
         self.errors: dict[int, _LayerErrors] = {}
 
     def _queries(self, from_history: torch.Tensor) -> torch.Tensor:
@@ -87,8 +93,12 @@ class _Search:
         for factors, rotations in self.variants.items():
             r_k, r_v = (_by_kv_head(r[layer_id].to(q.device)) for r in (rotations.key, rotations.value))
             q_rot, k_rot, v_rot = q @ r_k, k @ r_k, v @ r_v
+            mean = self.key_means.get(layer_id)
+            # a centered layer quantizes k - mu and attends with mu added back: the scores' common shift
+            mean = 0.0 if mean is None else mean.to(q.device, torch.float32)[:, None, None, :] @ r_k
             for ratio in self.grid:
-                k_hat = roundtrip_rows(k_rot, replace(self.config.key, clip_ratio=ratio), self.config.metadata_dtype)
+                spec = replace(self.config.key, clip_ratio=ratio)
+                k_hat = roundtrip_rows(k_rot - mean, spec, self.config.metadata_dtype) + mean
                 scores = torch.where(from_history, (q_rot @ k_hat.transpose(-1, -2)) * scale, exact_scores)
                 output = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
                 errors.add(errors.key, (factors, ratio), (output - reference).pow(2).sum().item())
@@ -127,6 +137,7 @@ def search_layers(
     max_queries: int = 256,
     progress: bool = True,
     per_head: bool = False,
+    center_keys: bool = False,
 ) -> tuple[RotationSet, dict[int, LayerChoice]]:
     """Pick each layer's K and V rotation variant and clip ratio; return the resulting rotations and the choices.
 
@@ -134,9 +145,11 @@ def search_layers(
     so that keys reach the history; errors are measured at up to ``max_queries`` query positions
     per row, each costing one attention per candidate and layer. With ``per_head`` every variant is
     built per KV head (its own C_Q^(h) and C_S^(h)); the choice of variant and clip stays per layer.
+    With ``center_keys`` keys are quantized centered on their calibration mean, which the set keeps.
     """
     built = {factors: rotations_from_covariances(covariances, "qqt_sst", factors, per_head) for factors in variants}
-    search = _Search(built, config, grid, max_queries)
+    key_means = {i: c.key_mean_heads.float() for i, c in covariances.items()} if center_keys else {}
+    search = _Search(built, config, grid, max_queries, key_means)
     observe_attention(model, batches, search.observe, "OSCAR clip search", progress)
     choices = search.choices()
     base = built[variants[0]]
@@ -150,6 +163,7 @@ def search_layers(
             value_eigenvalues=base.value_eigenvalues,
             key_clip={i: c.key_clip for i, c in choices.items()},
             value_clip={i: c.value_clip for i, c in choices.items()},
+            key_mean={i: key_means[i] for i in choices if i in key_means},
         ),
         choices,
     )

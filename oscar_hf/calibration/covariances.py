@@ -49,7 +49,8 @@ class LayerCovariances:
     targets); ``key_gram_heads`` (K_h^T K_h / n) and ``value_gram_heads`` (V_h^T V_h / n) are the
     tensor-reconstruction targets of the paper's ablation. The pooled targets (``query``, ``value``,
     ``key_gram``, ``value_gram``) are their means over KV heads, as the reference pools them.
-    ``tokens`` is the number of calibration tokens seen.
+    ``key_mean_heads`` ``[H_kv, D]`` is each KV head's mean key (for key centering). ``tokens`` is the
+    number of calibration tokens seen.
     """
 
     query_heads: torch.Tensor
@@ -57,6 +58,7 @@ class LayerCovariances:
     key_gram_heads: torch.Tensor
     value_gram_heads: torch.Tensor
     tokens: int
+    key_mean_heads: torch.Tensor
 
     @property
     def query(self) -> torch.Tensor:
@@ -92,6 +94,7 @@ class _LayerSums:
     def __init__(self) -> None:
         self.query_outer: torch.Tensor | None = None  # [H_kv, D, D]: sum of q q^T over the group's query rows
         self.key_outer: torch.Tensor | None = None  # [H_kv, D, D]: sum of k k^T over tokens
+        self.key_sum: torch.Tensor | None = None  # [H_kv, D]: sum of k over tokens
         self.value_outer: torch.Tensor | None = None  # [H_kv, D_v, D_v]: sum of v v^T over tokens
         self.group_size = 0
         self.tokens = 0
@@ -113,6 +116,8 @@ class _LayerSums:
         key_outer = torch.einsum("bhti,bhtj->hij", key.to(torch.float64), key.to(torch.float64))
         value_outer = torch.einsum("bhti,bhtj->hij", value.to(torch.float64), value.to(torch.float64))
         self.key_outer = key_outer if self.key_outer is None else self.key_outer + key_outer
+        key_sum = key.to(torch.float64).sum(dim=(0, 2))
+        self.key_sum = key_sum if self.key_sum is None else self.key_sum + key_sum
         self.value_outer = value_outer if self.value_outer is None else self.value_outer + value_outer
         self.group_size = group
         self.tokens += batch * length
@@ -146,6 +151,7 @@ class _LayerSums:
             _symmetrise(self.key_outer / self.tokens),
             _symmetrise(self.value_outer / self.tokens),
             self.tokens,
+            self.key_sum / self.tokens,
         )
 
 

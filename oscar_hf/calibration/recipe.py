@@ -51,6 +51,8 @@ class Recipe:
         refine: after the clip search, fit each R_K / R_V on the orthogonal group to the quantized
             attention-output error and search its clip ratio again (slower).
         per_head: one rotation per KV head, from that head's own C_Q and C_S.
+        center_keys: store every key centered on its layer's and KV head's calibration mean (softmax
+            ignores the common shift of a query's scores; the quantizer gets a smaller range).
         objective, factors: the covariances and the composition of plain rotations (without the clip search).
         allocate_bits: after the clip search, 4-bit keys in this many layers where they cut the calibration
             KL most and 1-bit values where they cost least, at ``allocate_for``'s history bits.
@@ -66,6 +68,7 @@ class Recipe:
     clip_search: bool = True
     refine: bool = False
     per_head: bool = False
+    center_keys: bool = False
     objective: str = "qqt_sst"
     factors: str = "UHP"
     allocate_bits: int = 0
@@ -99,9 +102,14 @@ class Recipe:
                 "from_rotations takes a saved set's rotations and clip ratios to allocate bit widths anew: "
                 "set allocate_bits (add --allocate-bits N)"
             )
-        if self.from_rotations and (self.refine or self.per_head):
+        if self.from_rotations and (self.refine or self.per_head or self.center_keys):
             raise ValueError(
-                "from_rotations keeps the saved set's rotations: drop refine and per_head (--refine, --per-head)"
+                "from_rotations keeps the saved set's rotations: drop refine, per_head and center_keys "
+                "(--refine, --per-head, --center-keys)"
+            )
+        if self.refine and self.center_keys:
+            raise ValueError(
+                "refine fits rotations to uncentered keys: drop refine or center_keys (--refine, --center-keys)"
             )
         if self.allocate_for not in METHODS:
             raise ValueError(f"allocate_for must be one of {sorted(METHODS)}, not {self.allocate_for!r}")
@@ -217,9 +225,16 @@ def fit(
     """The rotations (and clip ratios) ``recipe`` makes from ``covariances`` and calibration rows ``batches``,
     with the clip search's choices; ``config``: the method whose quantization the search measures."""
     if not recipe.clip_search:
-        return rotations_from_covariances(covariances, recipe.objective, recipe.factors, recipe.per_head), {}
+        rotations = rotations_from_covariances(covariances, recipe.objective, recipe.factors, recipe.per_head)
+        if recipe.center_keys:
+            rotations = dataclasses.replace(
+                rotations, key_mean={i: c.key_mean_heads.float() for i, c in covariances.items()}
+            )
+        return rotations, {}
     rows = _search_rows(batches, config)
-    rotations, choices = search_layers(model, rows, covariances, config, progress=progress, per_head=recipe.per_head)
+    rotations, choices = search_layers(
+        model, rows, covariances, config, progress=progress, per_head=recipe.per_head, center_keys=recipe.center_keys
+    )
     if recipe.refine:  # refinement stacks its rows, so they must be equally long
         rows = [r for r in rows if r.shape[1] == rows[0].shape[1]]
         rotations, _ = refine_rotations(model, rows, rotations, config=config, progress=progress)

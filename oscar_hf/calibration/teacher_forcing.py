@@ -94,7 +94,7 @@ def _mixed_attention(
     scaling: float | None,
 ) -> torch.Tensor:
     """``[B, n, Hq, D]`` attention of the decoded queries at ``first..`` over the quantized and high-precision keys."""
-    keys_hp, values_hp = layer.rotate_keys(key), layer.rotate_values(value)
+    keys_hp, values_hp = layer.store_keys(key), layer.rotate_values(value)
     keys_q, values_q = layer.history_roundtrip(keys_hp, values_hp)
     batch, q_heads, _, head_dim = query.shape
     length = key.shape[2]

@@ -135,5 +135,10 @@ def add_calibrate_command(commands) -> None:
         action="store_true",
         help="one rotation per KV head, from that head's own C_Q and C_S (default: one per layer)",
     )
+    calibrate.add_argument(
+        "--center-keys",
+        action="store_true",
+        help="store keys centered on their calibration mean per layer and KV head (softmax ignores the shift)",
+    )
     calibrate.add_argument("--json", action="store_true")
     calibrate.set_defaults(handler=cmd_calibrate)

@@ -130,7 +130,8 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         key_rotation, value_rotation = rotations.for_layer(layer_id)
         if self.values_prerotated:
             value_rotation = None  # v_proj already emits v @ R_V and o_proj expects rotated outputs
-        return OscarLayer(config, key_rotation, value_rotation, self.capacity)
+        key_mean = rotations.key_mean.get(layer_id) if config.quantized else None
+        return OscarLayer(config, key_rotation, value_rotation, self.capacity, key_mean)
 
     @classmethod
     def from_zoo(

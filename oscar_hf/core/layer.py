@@ -62,7 +62,8 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
     """One full-attention layer of an :class:`OscarCache`.
 
     ``key_rotation`` / ``value_rotation`` are ``[D, D]`` (shared by all heads), ``[H_kv, D, D]`` (one
-    per KV head; query head ``i`` uses its KV head's ``i // g``) or None (the identity).
+    per KV head; query head ``i`` uses its KV head's ``i // g``) or None (the identity); ``key_mean``
+    (``[D]`` or ``[H_kv, D]``), if given, centers every stored key (:mod:`.layer_rotation`).
     """
 
     is_sliding = False
@@ -75,10 +76,11 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
         key_rotation: torch.Tensor | None,
         value_rotation: torch.Tensor | None,
         max_cache_len: int | None = None,
+        key_mean: torch.Tensor | None = None,
     ):
         super().__init__()
         self.config = config
-        self.set_rotations(key_rotation, value_rotation)
+        self.set_rotations(key_rotation, value_rotation, key_mean)
         self.capacity = max_cache_len
         self.static: StaticDecoding | None = None  # set while the cache is frozen for static decoding
         self._clear()
@@ -96,6 +98,8 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
         self.place_rotations(key_states.device, heads)
+        if self.key_mean is not None:  # made now, not first inside a captured step
+            self.rotated_key_mean(key_states)
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, head_dim
 
         def window() -> RowBuffer:
@@ -227,8 +231,8 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
         return self.unrotate_keys(keys), self.unrotate_values(values)
 
     def rotate_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chunk's ``K·R_K`` and ``V·R_V`` (prefill: GEMMs)."""
-        return self.rotate_keys(keys), self.rotate_values(values)
+        """A chunk's stored ``(K - mu)·R_K`` and ``V·R_V`` (prefill: GEMMs)."""
+        return self.store_keys(keys), self.rotate_values(values)
 
     def rotate_step(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, into_window: bool
@@ -257,6 +261,8 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
                 (values, value_rotation, rotated_values),
             ]
         )
+        if self.key_mean is not None:
+            rotated_keys.sub_(self.rotated_key_mean(rotated_keys))
         if into_window:
             return rotated_query, self._no_rows(keys), self._no_rows(values)
         return rotated_query, rotated_keys, rotated_values

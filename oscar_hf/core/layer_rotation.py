@@ -2,7 +2,9 @@
 
 A layer keeps R_K and R_V in float32 and uses copies cast once to each dtype and device it meets. A
 shared R is ``[D, D]``; a per-KV-head R is ``[H_kv, D, D]`` and query head ``i`` uses its KV head's
-``i // g``.
+``i // g``. A layer with a key mean ``mu`` (``[D]`` or ``[H_kv, D]``) stores keys centered,
+``(k - mu) @ R_K``, and adds it back where stored keys leave the cache; queries are not centered, so
+each query's scores shift by one constant, ``q . mu``, which softmax ignores.
 """
 
 from __future__ import annotations
@@ -31,16 +33,23 @@ def _rotate(states: torch.Tensor, rotation: torch.Tensor | None, heads_axis: int
 class RotatedLayer:
     """R_K / R_V of a layer and the products with them; ``None`` is the identity."""
 
-    def set_rotations(self, key_rotation: torch.Tensor | None, value_rotation: torch.Tensor | None) -> None:
-        self.key_rotation, self.value_rotation = key_rotation, value_rotation
+    def set_rotations(
+        self,
+        key_rotation: torch.Tensor | None,
+        value_rotation: torch.Tensor | None,
+        key_mean: torch.Tensor | None = None,
+    ) -> None:
+        self.key_rotation, self.value_rotation, self.key_mean = key_rotation, value_rotation, key_mean
         self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dtype, device) -> R cast once
 
     def place_rotations(self, device: torch.device, kv_heads: int) -> None:
         """Check per-head rotations against the layer's ``kv_heads`` and move the float32 R_K / R_V to its
         device, so that every tensor of a layer sits beside its attention (``device_map``)."""
-        masters = (self.key_rotation, self.value_rotation)
-        for rotation in masters:
-            if rotation is not None and rotation.ndim == 3 and rotation.shape[0] != kv_heads:
+        masters = (self.key_rotation, self.value_rotation, self.key_mean)
+        per_head = [t for t in masters[:2] if t is not None and t.ndim == 3]
+        per_head += [self.key_mean] if self.key_mean is not None and self.key_mean.ndim == 2 else []
+        for rotation in per_head:
+            if rotation.shape[0] != kv_heads:
                 raise ValueError(
                     f"the per-head rotations hold {rotation.shape[0]} KV heads but this layer receives {kv_heads}; "
                     "under tensor parallelism build the cache from the sharded model (OscarCache(model, ...)) so "
@@ -63,12 +72,32 @@ class RotatedLayer:
         R_K) so that scores are unchanged."""
         return _rotate(states, self.rotation_for("key", states))
 
+    def store_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys ``[B, H_kv, T, D]`` as the layer stores them: ``(k - mu) @ R_K``."""
+        rotated = self.rotate_keys(keys)
+        return rotated if self.key_mean is None else rotated - self.rotated_key_mean(rotated)
+
+    def rotated_key_mean(self, like: torch.Tensor) -> torch.Tensor:
+        """``mu @ R_K`` as ``[1, H_kv or 1, 1, D]`` in ``like``'s dtype and device, made once."""
+        key = ("mean", like.dtype, like.device)
+        if key not in self._rotation_copies:
+            mean = self.key_mean.to(like.device)
+            rotation = self.key_rotation
+            if rotation is not None:
+                rotation = rotation.to(like.device)
+                mean = mean @ rotation if rotation.ndim == 2 else (mean.unsqueeze(-2) @ rotation).squeeze(-2)
+            mean = mean.reshape(1, -1, 1, mean.shape[-1]) if mean.ndim == 2 else mean.reshape(1, 1, 1, -1)
+            self._rotation_copies[key] = mean.to(like.dtype)
+        return self._rotation_copies[key]
+
     def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
         return _rotate(states, self.rotation_for("value", states))
 
     def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Stored keys back in the model's basis, ``x @ R_K^T + mu``."""
         rotation = self.rotation_for("key", keys)
-        return keys if rotation is None else _rotate(keys, rotation.mT)
+        keys = keys if rotation is None else _rotate(keys, rotation.mT)
+        return keys if self.key_mean is None else keys + self.key_mean.to(keys.device, keys.dtype).unsqueeze(-2)
 
     def unrotate_values(self, values: torch.Tensor, heads_axis: int = 1) -> torch.Tensor:
         """``x @ R_V^T``; also maps attention outputs back, ``o = o_rot @ R_V^T`` (``heads_axis=2`` for

@@ -5,7 +5,8 @@ keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotati
 ``[H_kv, D, D]`` for one R per KV head), ``layers.{i}.key_eigenvalues``,
 ``layers.{i}.value_eigenvalues`` (``[D]`` or ``[H_kv, D]``) and, when set, the per-layer clip ratios
 ``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` and history bit widths ``layers.{i}.key_bits`` /
-``layers.{i}.value_bits`` (one element each; files without them load as sets without them). A rotation is applied as
+``layers.{i}.value_bits`` (one element each; files without them load as sets without them) and the
+mean key ``layers.{i}.key_mean`` (``[D]`` or ``[H_kv, D]``) of sets that center keys. A rotation is applied as
 ``x @ R`` exactly as stored, as the RotationZoo's files are. ``config.json`` records the format,
 head_dim, ``kv_heads`` (per-head sets only), layer ids, description, ``base_bits`` (sets with per-layer
 bit widths: the K and V widths of the method they were allocated for; files without it hold
@@ -42,6 +43,7 @@ _FIELDS = {
     "value_clip": "value_clip",
     "key_bits": "key_bits",
     "value_bits": "value_bits",
+    "key_mean": "key_mean",
 }
 _TENSOR_KEY = re.compile(r"layers\.(\d+)\.(" + "|".join(_FIELDS) + ")")
 _RESERVED_KEYS = (
@@ -177,7 +179,7 @@ def _read_tensor(path: Path, name: str, kind: str, tensor: torch.Tensor, head_di
         if tensor.numel() != 1 or tensor.ndim > 1:
             raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected a single clip ratio")
         return _shortest_float(tensor)
-    expected = (head_dim,) if kind.endswith("eigenvalues") else (head_dim, head_dim)
+    expected = (head_dim,) if kind.endswith(("eigenvalues", "mean")) else (head_dim, head_dim)
     shape = tuple(tensor.shape)
     if shape != expected and not (len(shape) == len(expected) + 1 and shape[1:] == expected):
         raise ValueError(f"{path}: {name} has shape {shape}, expected {expected} or (kv_heads, *{expected})")

@@ -5,6 +5,10 @@ The RotationZoo (hub repo ``Zhongzhu/OSCAR-RotationZoo``) keeps torch-saved dict
 per layer) and, for some models, ``{k_rotation_perhead.pt, v_rotation_perhead.pt}`` beside them
 (format 2, ``source_grouping: "per_kv_head"``, one R per KV head, added by github.com/FutureMLS-Lab/OSCAR after the paper).
 Where a folder holds both, the per-head files are read unless ``per_head=False`` asks for the shared ones.
+Format 3 (the reference's key centering, files ``k_rotation_oscar2_<variant>.pt``) adds an optional
+per-layer key mean ``k_mean`` (``[D]`` or ``[H_kv, D]``), read into :attr:`RotationSet.key_mean`; a
+layer's rotation is shared or per KV head by its number of dimensions. Its non-orthogonal key
+transforms (``q_rotation`` / ``o_rotation``) are refused.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ OFFICIAL_PER_HEAD_VALUE_FILE = "v_rotation_perhead.pt"
 OFFICIAL_KEY_PATTERN = "k_rotation_*.pt"
 OFFICIAL_VALUE_PATTERN = "v_rotation_*.pt"
 # format_version -> source_grouping its files carry (format 2: one R per KV head).
-_OFFICIAL_GROUPING = {1: "layer", "identity-v1": "layer", 2: "per_kv_head"}
+_OFFICIAL_GROUPING = {1: "layer", "identity-v1": "layer", 2: "per_kv_head", 3: None}
+# Format 3 entries that carry a non-orthogonal key transform (the reference's whiten / flat / stretch).
+_NON_ORTHOGONAL = ("q_rotation", "o_rotation")
 
 
 def load_official(directory: str | Path, per_head: bool | None = None) -> RotationSet:
@@ -87,8 +93,8 @@ def _read_official_dir(directory: Path, per_head: bool | None = None) -> tuple[R
     value_path = _official_file(
         directory, OFFICIAL_VALUE_PATTERN, OFFICIAL_VALUE_FILE, OFFICIAL_PER_HEAD_VALUE_FILE, per_head
     )
-    key_objective, key, key_eigenvalues = _read_official_file(key_path)
-    value_objective, value, value_eigenvalues = _read_official_file(value_path)
+    key_objective, key, key_eigenvalues, key_mean = _read_official_file(key_path)
+    value_objective, value, value_eigenvalues, _ = _read_official_file(value_path)
     if sorted(key) != sorted(value):
         raise ValueError(
             f"{directory}: {key_path.name} has layers {format_layer_ids(sorted(key))} but "
@@ -106,6 +112,7 @@ def _read_official_dir(directory: Path, per_head: bool | None = None) -> tuple[R
         ),
         key_eigenvalues=key_eigenvalues,
         value_eigenvalues=value_eigenvalues,
+        key_mean=key_mean,
     )
     info = {
         "key_objective": key_objective,
@@ -148,8 +155,10 @@ def holds_official(directory: Path) -> bool:
     return any(directory.glob(OFFICIAL_KEY_PATTERN)) or any(directory.glob(OFFICIAL_VALUE_PATTERN))
 
 
-def _read_official_file(path: Path) -> tuple[str, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """(objective, rotations, eigenvalues) of one RotationZoo file, keyed by int layer id."""
+def _read_official_file(
+    path: Path,
+) -> tuple[str, dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """(objective, rotations, eigenvalues, key means) of one RotationZoo file, keyed by int layer id."""
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:  # the unpickling errors differ between torch versions
@@ -163,7 +172,7 @@ def _read_official_file(path: Path) -> tuple[str, dict[int, torch.Tensor], dict[
     if version not in _OFFICIAL_GROUPING:
         raise ValueError(f"{path} has format_version {version!r}; supported: {list(_OFFICIAL_GROUPING)}")
     grouping = _OFFICIAL_GROUPING[version]
-    if data.get("source_grouping", "layer") != grouping:
+    if grouping is not None and data.get("source_grouping", "layer") != grouping:
         raise ValueError(
             f"{path} has source_grouping {data.get('source_grouping')!r}; format_version {version!r} files have "
             f"{grouping!r}"
@@ -173,14 +182,18 @@ def _read_official_file(path: Path) -> tuple[str, dict[int, torch.Tensor], dict[
         raise ValueError(f"{path}: 'layers' must be a non-empty dict of layer id -> entry")
     rotations: dict[int, torch.Tensor] = {}
     eigenvalues: dict[int, torch.Tensor] = {}
+    means: dict[int, torch.Tensor] = {}
     for key, entry in layers.items():
         layer_id = _official_layer_id(path, key, entry)
         if layer_id in rotations:
             raise ValueError(f"{path} lists layer {layer_id} twice")
-        rotations[layer_id], eigenvalue = _official_entry(path, layer_id, entry, per_head=grouping == "per_kv_head")
+        per_head = None if grouping is None else grouping == "per_kv_head"
+        rotations[layer_id], eigenvalue = _official_entry(path, layer_id, entry, per_head)
         if eigenvalue is not None:
             eigenvalues[layer_id] = eigenvalue
-    return str(data.get("objective", "")), rotations, eigenvalues
+        if entry.get("k_mean") is not None:
+            means[layer_id] = _official_mean(path, layer_id, entry["k_mean"], rotations[layer_id])
+    return str(data.get("objective", "")), rotations, eigenvalues, means
 
 
 def _official_layer_id(path: Path, key: Any, entry: Any) -> int:
@@ -193,12 +206,24 @@ def _official_layer_id(path: Path, key: Any, entry: Any) -> int:
     return layer_id
 
 
-def _official_entry(path: Path, layer_id: int, entry: Any, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _official_entry(
+    path: Path, layer_id: int, entry: Any, per_head: bool | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rotation, eigenvalues or None) of one layer: ``[D, D]`` and ``[D]``, or per KV head ``[H_kv, D, D]``
-    and ``[H_kv, D]`` (eigenvalues may also be absent there)."""
+    and ``[H_kv, D]`` (eigenvalues may also be absent there); ``per_head=None`` (format 3) takes either."""
     rotation = entry.get("rotation") if isinstance(entry, dict) else None
     if not isinstance(rotation, torch.Tensor):
         raise ValueError(f"{path}: layer {layer_id} has no 'rotation' tensor")
+    transforms = [name for name in _NON_ORTHOGONAL if entry.get(name) is not None]
+    if transforms:
+        raise ValueError(
+            f"{path}: layer {layer_id} carries {' and '.join(transforms)}, a non-orthogonal key transform "
+            "(the reference's whiten / flat / stretch variants); scalar INT2 cannot hold such keys at long context "
+            "(the reference measured perplexity 102-978 at 32K), so only orthogonal rotations load: take the "
+            "folder's plain or centered (k_mean) variant"
+        )
+    if per_head is None:
+        per_head = rotation.ndim == 3
     if rotation.ndim != 2 + per_head or rotation.shape[-1] != rotation.shape[-2]:
         expected = "[H_kv, D, D] (per_kv_head)" if per_head else "[D, D]"
         raise ValueError(
@@ -212,3 +237,15 @@ def _official_entry(path: Path, layer_id: int, entry: Any, per_head: bool) -> tu
         expected = tuple(rotation.shape[:-1])
         raise ValueError(f"{path}: the eigenvalues of layer {layer_id} have shape {shape}, expected {expected}")
     return rotation.to(torch.float32), eigenvalues.to(torch.float32)
+
+
+def _official_mean(path: Path, layer_id: int, mean: Any, rotation: torch.Tensor) -> torch.Tensor:
+    """A format-3 layer's key mean, ``[D]`` or ``[H_kv, D]`` (as many KV heads as a per-head rotation)."""
+    dim = rotation.shape[-1]
+    shaped = isinstance(mean, torch.Tensor) and mean.ndim in (1, 2) and mean.shape[-1] == dim
+    if not shaped or (mean.ndim == 2 and rotation.ndim == 3 and mean.shape[0] != rotation.shape[0]):
+        shape = tuple(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__
+        raise ValueError(
+            f"{path}: the k_mean of layer {layer_id} has shape {shape}, expected ({dim},) or (H_kv, {dim})"
+        )
+    return mean.to(torch.float32)

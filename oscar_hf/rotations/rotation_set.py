@@ -146,7 +146,10 @@ class RotationSet:
     the method the per-layer widths were allocated for (``oscar-int2``'s (2, 2) unless set), and
     only a method at those widths takes them. ``windows`` are the (sink, recent) token windows the set
     was calibrated for, if it records them: a cache made with the set uses them unless its caller
-    passes its own.
+    passes its own. ``key_mean`` holds a layer's mean key (``[D]``, or ``[H_kv, D]`` one per KV head)
+    in the model's basis, as the attention receives keys (after RoPE): a layer with one stores every
+    key centered, ``(k - mean) @ R_K``. Each query's scores then all shift by ``q . mean``, which
+    softmax ignores, while the quantizer no longer spends its range on the offset.
     """
 
     head_dim: int
@@ -161,6 +164,7 @@ class RotationSet:
     value_bits: dict[int, int] = field(default_factory=dict)
     base_bits: tuple[int, int] = (2, 2)
     windows: tuple[int, int] | None = None
+    key_mean: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.windows is not None:
@@ -196,9 +200,17 @@ class RotationSet:
                     where = f", KV head {head}" if rotation.ndim == 3 else ""
                     check_orthogonal(matrix, f"{kind} of layer {layer_id}{where}")
                 table[layer_id] = rotation.to(torch.float32)
+        for layer_id, mean in self.key_mean.items():
+            if mean.ndim not in (1, 2) or mean.shape[-1] != dim or not torch.isfinite(mean).all():
+                raise ValueError(
+                    f"key_mean of layer {layer_id} has shape {tuple(mean.shape)}, expected finite ({dim},) or "
+                    f"(kv_heads, {dim}) for head_dim={dim}"
+                )
+            self.key_mean[layer_id] = mean.to(torch.float32)
         counts = {r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3}
+        counts |= {m.shape[0] for m in self.key_mean.values() if m.ndim == 2}
         if len(counts) > 1:
-            raise ValueError(f"per-head rotations of one set must have one KV head count, got {sorted(counts)}")
+            raise ValueError(f"per-head tensors of one set must have one KV head count, got {sorted(counts)}")
 
     @classmethod
     def hadamard(cls, head_dim: int, layer_ids: list[int]) -> "RotationSet":
@@ -212,8 +224,9 @@ class RotationSet:
 
     @property
     def kv_heads(self) -> int | None:
-        """The KV head count of the per-head rotations, or None when every rotation is shared."""
+        """The KV head count of the per-head rotations (or key means), or None when every one is shared."""
         counts = [r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3]
+        counts += [m.shape[0] for m in self.key_mean.values() if m.ndim == 2]
         return counts[0] if counts else None
 
     @property
@@ -252,6 +265,7 @@ class RotationSet:
             dict(self.value_bits),
             self.base_bits,
             self.windows,
+            pick(self.key_mean, 2),
         )
 
     def as_per_head(self, kv_heads: int) -> "RotationSet":
@@ -275,6 +289,7 @@ class RotationSet:
             dict(self.value_bits),
             self.base_bits,
             self.windows,
+            dict(self.key_mean),
         )
 
     def value_fingerprint(self) -> str:
