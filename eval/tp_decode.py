@@ -6,7 +6,10 @@
 ``python -m eval.bench_gpu --config eval/configs/bench_multigpu.json`` launches it this way. The
 config's ``tensor_parallel`` section (or the whole file, if it has none) gives the model (a preset
 name or Qwen3Config fields), ``context`` (prompt tokens), ``batch``, ``new_tokens``, ``caches``, the
-timing repeats and ``per_head_rotations`` (one random R per KV head instead of one per layer).
+timing repeats, ``per_head_rotations`` (one random R per KV head instead of one per layer) and
+``widths_and_means`` (with per-head rotations: 4-bit keys in the first full-attention layer, 1-bit
+values in the first and last, at the method's history bits, and a random key mean per KV head, as
+calibrated sets carry them).
 
 Rank 0 saves a random-weight Qwen3 to a temporary directory; every rank loads it with the model's
 tensor-parallel plan (``tp_plan="auto"``). Per cache, each rank decodes greedily from the same random
@@ -27,6 +30,7 @@ Rank 0 writes the JSON (command, machine, date, rows).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -53,6 +57,7 @@ from eval.benchmarks.multigpu import DEFAULTS
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.model_info import full_attention_layer_ids, head_dim_of, text_config_of
 from oscar_hf.provenance import command_line, provenance
+from oscar_hf.rotations.rotation_set import RotationSet
 
 
 def load_tensor_parallel(path: str, dtype: torch.dtype):
@@ -101,14 +106,29 @@ def cache_heads(cache, batch: int, head_dim: int) -> list[int]:
 
 
 def own_head_rotations(cache, rotations, rank: int, world: int) -> bool:
-    """Whether every OscarCache layer of this rank holds the R_K and R_V of exactly its own KV heads."""
+    """Whether every OscarCache layer of this rank holds the R_K, R_V (and key mean) of exactly its own
+    KV heads, and the set's bit widths."""
     local = rotations.kv_heads // world
     own = rotations.select_kv_heads(rank * local, (rank + 1) * local)
     layers = [(i, layer) for i, layer in enumerate(cache.layers) if hasattr(layer, "key_rotation")]
     return bool(layers) and all(
-        torch.equal(layer.key_rotation, own.key[i]) and torch.equal(layer.value_rotation, own.value[i])
+        torch.equal(layer.key_rotation, own.key[i])
+        and torch.equal(layer.value_rotation, own.value[i])
+        and (i not in own.key_mean or torch.equal(layer.key_mean.cpu(), own.key_mean[i]))
+        and layer.config.key.bits == own.key_bits.get(i, 2)
+        and layer.config.value.bits == own.value_bits.get(i, 2)
         for i, layer in layers
     )
+
+
+def with_widths_and_means(rotations: RotationSet, seed: int) -> RotationSet:
+    """``rotations`` (per KV head) with 4-bit keys in the first layer and 1-bit values in the first and
+    last (the same history bits) and a random key mean per KV head, so that tensor parallelism slices
+    all a calibrated set carries."""
+    generator = torch.Generator().manual_seed(seed)
+    first, last = min(rotations.key), max(rotations.key)
+    means = {i: torch.randn(r.shape[0], r.shape[-1], generator=generator) for i, r in rotations.key.items()}
+    return dataclasses.replace(rotations, key_bits={first: 4}, value_bits={first: 1, last: 1}, key_mean=means)
 
 
 def gather(value, world: int) -> list:
@@ -172,6 +192,8 @@ def main() -> None:
     # per_head_rotations: one random R per KV head; each rank's cache then takes its own heads' R
     kv_heads = text.num_key_value_heads if config.get("per_head_rotations") else None
     rotations = random_rotations(head_dim_of(model), full_attention_layer_ids(model), config.get("seed", 0), kv_heads)
+    if config.get("widths_and_means"):
+        rotations = with_widths_and_means(rotations, config.get("seed", 0))
     batch, context, new_tokens = config["batch"], config["context"], config["new_tokens"]
     prompt = random_tokens(model, batch, context + 1)
 

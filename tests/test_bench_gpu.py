@@ -357,11 +357,13 @@ def test_device_map_part_on_one_cpu(tmp_path, monkeypatch):
     assert rows[1]["buffers_on_layer_device"] and rows[1]["cache_devices"] == rows[1]["model_devices"]
 
 
-@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
-def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
+@pytest.mark.parametrize(
+    "per_head, widths_and_means", [(False, False), (True, False), (True, True)], ids=["shared", "per-head", "mixed"]
+)
+def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head, widths_and_means):
     """eval/tp_decode.py under torchrun with 2 CPU processes: sharded heads, identical tokens, JSON.
-    With per-head rotations each rank's cache takes its own KV head's R, or the tokens would leave the
-    unsharded model's."""
+    With per-head rotations each rank's cache takes its own KV head's R (and key mean, and the set's
+    per-layer bit widths: ``mixed``), and the float32 tokens equal the unsharded model's."""
     model = {**TINY_MODEL, "hidden_size": 128, "intermediate_size": 256}
     config = tmp_path / "tp.json"
     config.write_text(
@@ -378,6 +380,7 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
                     "dtype": "float32",
                     "caches": ["dynamic", "oscar-int2", "oscar-int2+frozen"],
                     "per_head_rotations": per_head,
+                    "widths_and_means": widths_and_means,
                 }
             }
         )
@@ -398,6 +401,7 @@ def test_tp_decode_script_on_cpu_with_gloo(tmp_path, per_head):
     assert rows["oscar-int2+frozen"]["frozen_on_every_rank"] and not rows["oscar-int2"]["frozen_on_every_rank"]
     for row in rows.values():
         assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
+        assert row["matches_single_gpu"], row
         assert row["matches_single_gpu"], row  # float32 on CPU: sharding must not change greedy tokens
 
 
@@ -451,6 +455,7 @@ def test_tp_decode_on_two_gpus(tmp_path):
     assert oscar["heads_per_rank"] == [1] and oscar["heads_per_rank_ok"] and oscar["frozen_on_every_rank"]
     for row in rows.values():
         assert row["identical_across_ranks"] and row["tokens_per_s"] > 0
+        assert row["matches_single_gpu"], row
 
 
 def test_step_times_reports_each_steps_wall_time(tmp_path):
