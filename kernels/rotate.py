@@ -14,7 +14,9 @@ torch's 16-bit matmuls are; the sums may run in another order, so a result can d
 in its last bit. The rotation may be any strided ``[D, D]`` view (``R.T`` included), shared by all
 rows, or ``[H_r, D, D]``, one per KV head: row ``(b, h)`` then uses ``R[h // (H / H_r)]`` (contiguous
 GQA groups, so the query rows of a KV head use its R_K). Row blocks never straddle two rotations,
-so each program still loads one ``[D, BLOCK_COLUMNS]`` tile of R.
+so each program still loads one ``[D, BLOCK_COLUMNS]`` tile of R. A job may also subtract a row
+``center`` (``[D]``, or ``[H, D]`` one per head of its rows) from its products, ``out = rows @ R - center``,
+in float32 before the one rounding: a layer's key centering then costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from ._triton import (
     triton,
 )
 
-RotateJob = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, rotation [D, D] or [H_r, D, D], out)
+# (rows, rotation [D, D] or [H_r, D, D], out[, center [D] or [H, D]])
+RotateJob = tuple[torch.Tensor, ...]
 
 _BLOCK_ROWS = 16  # the smallest M of an MMA
 _BLOCK_COLUMNS = 64  # output dims a program: R's [D, 64] tile stays small at D = 256
@@ -52,14 +55,18 @@ def _rotate_block(
     R,
     r_strides,
     shape,
+    C,
+    c_stride,
     block,
     column,
     D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLUMNS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    CENTERED: tl.constexpr,
 ):
-    """``BLOCK_ROWS`` rows of one job, output dims ``column * BLOCK_COLUMNS ...``.
+    """``BLOCK_ROWS`` rows of one job, output dims ``column * BLOCK_COLUMNS ...``; ``CENTERED``: minus
+    the head's row of ``C`` (``c_stride`` apart, 0 for one row shared by all heads).
 
     ``shape`` = (group, rows, blocks): each rotation serves ``group`` consecutive heads, whose
     ``rows`` = batch x group rows take ``blocks`` row blocks, one rotation's blocks after another's
@@ -75,6 +82,8 @@ def _rotate_block(
     R += rotation_index * r_strides[0]
     rotation = tl.load(R + dims[:, None] * r_strides[1] + columns[None, :] * r_strides[2])
     out = dot(x, rotation, INTERPRETED)
+    if CENTERED:
+        out -= tl.load(C + head[:, None] * c_stride + columns[None, :], mask=valid[:, None]).to(tl.float32)
     pointers = Y + (batch * y_strides[0] + head * y_strides[1])[:, None] + columns[None, :]
     tl.store(pointers, to_dtype(out, Y.dtype.element_ty, INTERPRETED), mask=valid[:, None])
 
@@ -88,6 +97,8 @@ def _rotate_kernel(
     R0,
     r0_strides,
     shape0,
+    C0,
+    c0_stride,
     blocks0,
     X1,
     x1_strides,
@@ -96,6 +107,8 @@ def _rotate_kernel(
     R1,
     r1_strides,
     shape1,
+    C1,
+    c1_stride,
     blocks1,
     X2,
     x2_strides,
@@ -104,15 +117,19 @@ def _rotate_kernel(
     R2,
     r2_strides,
     shape2,
+    C2,
+    c2_stride,
     D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLUMNS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    CENTERED: tl.constexpr,
 ):
     """Program ``(row block, column block)``; the row blocks of job 0 come first, then job 1's, then job 2's.
     ``LAUNCH_DEPENDENTS`` (Hopper): a next kernel launched programmatically (decode attention's history
-    span) may start now; it waits for this grid before it reads what this one writes."""
+    span) may start now; it waits for this grid before it reads what this one writes. ``CENTERED``: bit
+    ``i`` set where job ``i`` subtracts its center."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     block, column = tl.program_id(0), tl.program_id(1)
@@ -125,12 +142,15 @@ def _rotate_kernel(
             R0,
             r0_strides,
             shape0,
+            C0,
+            c0_stride,
             block,
             column,
             D,
             BLOCK_ROWS,
             BLOCK_COLUMNS,
             INTERPRETED,
+            (CENTERED >> 0) & 1,
         )
     elif block < blocks0 + blocks1:
         _rotate_block(
@@ -141,12 +161,15 @@ def _rotate_kernel(
             R1,
             r1_strides,
             shape1,
+            C1,
+            c1_stride,
             block - blocks0,
             column,
             D,
             BLOCK_ROWS,
             BLOCK_COLUMNS,
             INTERPRETED,
+            (CENTERED >> 1) & 1,
         )
     else:
         _rotate_block(
@@ -157,12 +180,15 @@ def _rotate_kernel(
             R2,
             r2_strides,
             shape2,
+            C2,
+            c2_stride,
             block - blocks0 - blocks1,
             column,
             D,
             BLOCK_ROWS,
             BLOCK_COLUMNS,
             INTERPRETED,
+            (CENTERED >> 2) & 1,
         )
 
 
@@ -176,16 +202,20 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
     """
     if not 1 <= len(jobs) <= _MAX_JOBS:
         raise ValueError(f"rotate_rows takes 1 to {_MAX_JOBS} jobs, got {len(jobs)}")
-    arguments, blocks = [], 0
-    for rows, rotation, out in jobs:  # checked and turned into arguments in one pass: host time counts here
+    arguments, blocks, centered = [], 0, 0
+    for index, (rows, rotation, out, *center) in enumerate(jobs):  # one pass: host time counts here
         rows_strides, out_strides = rows.stride(), out.stride()
         _check_job(rows, rotation, out, rows_strides[-1], out_strides[-1])
+        center = center[0] if center else None
         batch, heads = rows.shape[0], rows.shape[1]
         if rotation.ndim == 2:
             rotations, rotation_strides = 1, (0, *rotation.stride())
         else:
             rotations, rotation_strides = rotation.shape[0], rotation.stride()
         group = heads // rotations
+        if center is not None:
+            _check_center(center, rows)
+            centered |= 1 << index
         rotation_blocks = cdiv(batch * group, _BLOCK_ROWS)
         job_blocks = rotations * rotation_blocks
         arguments += [
@@ -196,6 +226,8 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
             rotation,
             rotation_strides,
             (group, batch * group, rotation_blocks),
+            rows if center is None else center,
+            0 if center is None or center.ndim == 1 else center.stride(0),
             job_blocks,
         ]
         blocks += job_blocks
@@ -203,7 +235,7 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
     if not (runs_triton(jobs[0][0]) and is_power_of_two(head_dim) and head_dim >= 16):
         rotate_rows_reference(jobs)
         return
-    unused = arguments[:7] + [0]  # jobs beyond the given ones: job 0's tensors, no row blocks
+    unused = arguments[:9] + [0]  # jobs beyond the given ones: job 0's tensors, no row blocks
     arguments += unused * (_MAX_JOBS - len(jobs))
     del arguments[-1]  # the last job's block count is implied
     columns = min(head_dim, _BLOCK_COLUMNS)
@@ -216,16 +248,23 @@ def rotate_rows(jobs: Sequence[RotateJob]) -> None:
         BLOCK_COLUMNS=columns,
         INTERPRETED=INTERPRET,
         LAUNCH_DEPENDENTS=programmatic_launch(jobs[0][0].device),
+        CENTERED=centered,
     )
 
 
 def rotate_rows_reference(jobs: Sequence[RotateJob]) -> None:
-    """The torch reference of :func:`rotate_rows`: one matmul and one copy a job."""
-    for rows, rotation, out in jobs:
+    """The torch reference of :func:`rotate_rows`: one matmul (and subtraction) and one copy a job."""
+    for rows, rotation, out, *center in jobs:
+        heads = rows.shape[1]
         if rotation.ndim == 3:  # [B, H, D] rows as [B, H, 1, D], each head times its KV head's R
-            rotation = rotation.repeat_interleave(rows.shape[1] // rotation.shape[0], dim=0)
-            rows = rows.reshape(rows.shape[0], rows.shape[1], 1, rows.shape[-1])
-        out.copy_((rows @ rotation).view(out.shape))
+            rotation = rotation.repeat_interleave(heads // rotation.shape[0], dim=0)
+            rows = rows.reshape(rows.shape[0], heads, 1, rows.shape[-1])
+        if not center:
+            out.copy_((rows @ rotation).view(out.shape))
+            continue
+        # the kernel subtracts in float32 and rounds once
+        product = (rows.float() @ rotation.float()).reshape(rows.shape[0], heads, -1) - center[0].float()
+        out.copy_(product.to(out.dtype).view(out.shape))
 
 
 def _check_job(rows: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor, rows_step: int, out_step: int) -> None:
@@ -251,3 +290,14 @@ def _check_job(rows: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor, ro
         )
     if rows_step != 1 or out_step != 1 or out.dtype != rows.dtype:
         raise ValueError("rows and out need contiguous dims and one dtype")
+
+
+def _check_center(center: torch.Tensor, rows: torch.Tensor) -> None:
+    heads, head_dim = rows.shape[1], rows.shape[-1]
+    if center.shape not in ((head_dim,), (heads, head_dim)) or center.stride(-1) != 1:
+        raise ValueError(
+            f"center {tuple(center.shape)} must be [D] or [H, D] with contiguous dims, for rows of {heads} "
+            f"heads of {head_dim} dims"
+        )
+    if center.dtype != rows.dtype or center.device != rows.device:
+        raise ValueError(f"center {center.dtype} on {center.device} must match rows ({rows.dtype} on {rows.device})")

@@ -264,6 +264,49 @@ def test_rotate_rows_one_job_and_validation():
     torch.testing.assert_close(odd_out, odd @ _rotation(80, torch.float32, 4))
 
 
+@pytest.mark.parametrize("per_head_mean", [True, False])
+def test_key_centering_through_the_kernels(per_head_mean):
+    """A cache's centered keys through the rotate and decode kernels: attention unchanged before quantization."""
+    from tests.test_key_centering import assert_centering_invariant
+
+    assert_centering_invariant(DEVICE, per_head_mean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_rotate_rows_subtracts_a_center_before_rounding(dtype, per_head):
+    """A job with a center writes ``rows @ R - center`` (one center row per head, or one for all), rounded
+    once, as the reference; the other jobs of the launch are untouched by it."""
+    batch, q_heads, kv_heads, head_dim = 2, 6, 3, 64
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(batch, q_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    keys = torch.randn(batch, kv_heads, 1, head_dim, generator=generator).to(dtype).to(DEVICE)
+    rotations = torch.stack([_rotation(head_dim, dtype, 30 + h) for h in range(kv_heads)])
+    rotation = rotations if per_head else rotations[0]  # a center per head with either
+    center = (torch.randn(kv_heads, head_dim, generator=generator) * 5).to(dtype).to(DEVICE)
+
+    def run(rotate):
+        jobs = [
+            (query, rotation, torch.empty_like(query)),
+            (keys, rotation, torch.empty_like(keys), center),
+        ]
+        rotate(jobs)
+        return [job[2] for job in jobs]
+
+    (query_out, keys_out), (query_ref, keys_ref) = run(_rotate.rotate_rows), run(_rotate.rotate_rows_reference)
+    per_row = rotation if per_head else rotation.expand(kv_heads, -1, -1)
+    want = torch.stack([keys[:, h, 0].double() @ per_row[h].double() - center[h].double() for h in range(kv_heads)], 1)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
+    torch.testing.assert_close(keys_out[:, :, 0].double(), want, **tolerance)
+    torch.testing.assert_close(keys_out.double(), keys_ref.double(), **tolerance)
+    torch.testing.assert_close(query_out.double(), query_ref.double(), **tolerance)
+    shared = torch.empty_like(keys)
+    _rotate.rotate_rows([(keys, rotation, shared, center[1])])  # one center for every head
+    torch.testing.assert_close(shared[:, 1].double(), keys_out[:, 1].double(), **tolerance)
+    with pytest.raises(ValueError, match="center"):
+        _rotate.rotate_rows([(keys, rotation, torch.empty_like(keys), center[..., :32])])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch, q_heads, kv_heads", [(1, 9, 3), (3, 4, 2), (2, 8, 8)])  # group 3, 2 and 1
 def test_rotate_rows_per_kv_head(dtype, batch, q_heads, kv_heads):

@@ -34,9 +34,13 @@ def random_set(seed: int, centered: bool, per_head_mean: bool = True) -> Rotatio
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_head_mean", [True, False])
 def test_centering_leaves_attention_unchanged_before_quantization(device, per_head_mean):
-    """Every token in the windows (nothing quantized): two prefill chunks and decode steps (the decode
-    kernel's path on a GPU) give the same logits with and without a key mean, and the stored keys read
-    back as the model's keys."""
+    """Every token in the windows (nothing quantized): two prefill chunks and decode steps give the same
+    logits with and without a key mean, and the stored keys read back as the model's keys (the torch
+    path here; tests/test_kernels.py runs the same through the kernels)."""
+    assert_centering_invariant(device, per_head_mean)
+
+
+def assert_centering_invariant(device: str, per_head_mean: bool) -> None:
     model = tiny_model("llama").to(device)
     ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     logits, stored = {}, {}

@@ -254,15 +254,9 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
         # The kernel maps each row to its KV head's R itself, so per-head rotations go as [H_kv, D, D].
         key_rotation = self.rotation_for("key", query, identity=True, expand=False)
         value_rotation = self.rotation_for("value", query, identity=True, expand=False)
-        rotate_rows(
-            [
-                (query, key_rotation, rotated_query),
-                (keys, key_rotation, rotated_keys),
-                (values, value_rotation, rotated_values),
-            ]
-        )
-        if self.key_mean is not None:
-            rotated_keys.sub_(self.rotated_key_mean(rotated_keys))
+        # centered keys (key_mean) subtract mu R_K in the same launch
+        key_job = (keys, key_rotation, rotated_keys, *self._key_center(keys))
+        rotate_rows([(query, key_rotation, rotated_query), key_job, (values, value_rotation, rotated_values)])
         if into_window:
             return rotated_query, self._no_rows(keys), self._no_rows(values)
         return rotated_query, rotated_keys, rotated_values

@@ -93,6 +93,14 @@ class RotatedLayer:
     def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
         return _rotate(states, self.rotation_for("value", states))
 
+    def _key_center(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(mu R_K,)`` as :func:`~oscar_hf.kernels.rotate.rotate_rows` subtracts it (``[D]`` or ``[H_kv, D]``),
+        or ``()`` for a layer without a key mean."""
+        if self.key_mean is None:
+            return ()
+        center = self.rotated_key_mean(like)
+        return (center.reshape(-1, center.shape[-1]) if center.shape[1] > 1 else center.reshape(-1),)
+
     def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Stored keys back in the model's basis, ``x @ R_K^T + mu``."""
         rotation = self.rotation_for("key", keys)
