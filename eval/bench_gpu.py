@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from eval.benchmarks import REPO, RESULTS, e2e, graph, kernel, memory, multigpu
+from eval.benchmarks import RESULTS, e2e, graph, kernel, memory, multigpu
 from eval.benchmarks.config import apply_sets, deep_merge
 from oscar_hf.provenance import command_line, provenance, provenance_line
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
     config = apply_sets(json.loads(args.config.read_text()), args.sets)
-    command = command_line(f"python {Path(__file__).relative_to(REPO).as_posix()}", argv)
+    command = command_line("python -m eval.bench_gpu", argv)
     result = run_benchmark(config, args.out, args.name or config.get("name") or args.config.stem, command)
     print(markdown(result))
     return result

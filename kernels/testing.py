@@ -105,6 +105,37 @@ def decode_inputs(
     return q, tiers
 
 
+def shaped_inputs(
+    config: dict, context: int, batch: int, device: torch.device | str, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """:func:`tier_tensors` of :func:`decode_inputs` at the shape a kernel benchmark config holds
+    (``eval/configs/bench_kernel.json``: ``shape`` with ``q_heads``, ``kv_heads``, ``head_dim``; ``sink``,
+    ``recent``, ``new``, ``dtype``, ``k_bits``, ``v_bits``, ``codes``), ``context`` tokens in all, the
+    history in buffers as a cache holds it."""
+    shape, sink, recent, new = config["shape"], config["sink"], config["recent"], config["new"]
+    history = context - sink - recent - new
+    if history < 0:
+        raise ValueError(f"context {context} is shorter than sink + recent + new")
+    q, tiers = decode_inputs(
+        batch,
+        shape["q_heads"],
+        shape["kv_heads"],
+        shape["head_dim"],
+        sink,
+        history,
+        recent,
+        new,
+        getattr(torch, config["dtype"]),
+        config["k_bits"],
+        config["v_bits"],
+        seed=seed,
+        device=device,
+        codes=config["codes"],
+        stored=True,
+    )
+    return tier_tensors(q, tiers)
+
+
 def tier_tensors(q: torch.Tensor, tiers: DecodeTiers) -> dict[str, torch.Tensor]:
     """``q`` and the tiers' tensors by name (:data:`TIER_NAMES`)."""
     return {"q": q, **dict(zip(TIER_NAMES, tiers.flat()))}

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 import oscar_hf.kernels.decode_attention as decode_attention
 from oscar_hf.kernels._triton import HAS_TRITON, INTERPRET
-from oscar_hf.kernels.testing import TIER_NAMES, decode_inputs, tier_tensors
+from oscar_hf.kernels.testing import TIER_NAMES, shaped_inputs
 from oscar_hf.quant import QuantizedRows, dequantize
 
 from . import Benchmark
@@ -38,34 +38,6 @@ def dense_inputs(config: dict, context: int, batch: int, device: torch.device, s
         "k": torch.randn(kv_shape, generator=generator, device=device, dtype=dtype),
         "v": torch.randn(kv_shape, generator=generator, device=device, dtype=dtype),
     }
-
-
-def tiered_inputs(config: dict, context: int, batch: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """A query and the four tiers of one layer (sink, packed history, recent window, new token) by name,
-    the history in buffers as a cache holds it: ``codes: "random"`` (random bytes and positive scales,
-    as fast to read as real codes) or ``"quantize"`` (real quantized Gaussian rows)."""
-    shape, sink, recent, new = config["shape"], config["sink"], config["recent"], config["new"]
-    history = context - sink - recent - new
-    if history < 0:
-        raise ValueError(f"context {context} is shorter than sink + recent + new")
-    q, tiers = decode_inputs(
-        batch,
-        shape["q_heads"],
-        shape["kv_heads"],
-        shape["head_dim"],
-        sink,
-        history,
-        recent,
-        new,
-        DTYPES[config["dtype"]],
-        config["k_bits"],
-        config["v_bits"],
-        seed=seed,
-        device=device,
-        codes=config["codes"],
-        stored=True,
-    )
-    return tier_tensors(q, tiers)
 
 
 def sdpa_bf16(x: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
@@ -100,8 +72,8 @@ def oscar_triton(x: dict[str, torch.Tensor], config: dict, span_variant=None) ->
 
 KERNEL_METHODS: dict[str, tuple[Callable, Callable]] = {
     "sdpa_bf16": (sdpa_bf16, dense_inputs),
-    "torch_dequant_sdpa": (dequantize_sdpa, tiered_inputs),
-    "oscar_triton": (oscar_triton, tiered_inputs),
+    "torch_dequant_sdpa": (dequantize_sdpa, shaped_inputs),
+    "oscar_triton": (oscar_triton, shaped_inputs),
 }
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import oscar_hf.kernels.decode_attention as kernels
-from oscar_hf.kernels.testing import TIER_NAMES, decode_inputs, tier_tensors
+from oscar_hf.kernels.testing import TIER_NAMES, shaped_inputs
 from oscar_hf.provenance import command_line, machine_line, provenance
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,27 +29,8 @@ CONFIG = json.loads((REPO / "eval" / "configs" / "bench_kernel.json").read_text(
 
 
 def inputs(context: int, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """``q`` and the tiers by name (``TIER_NAMES``) at the kernel benchmark's shape, on the GPU, the
-    history in buffers as a cache holds it."""
-    shape, sink, recent, new = CONFIG["shape"], CONFIG["sink"], CONFIG["recent"], CONFIG["new"]
-    q, tiers = decode_inputs(
-        batch,
-        shape["q_heads"],
-        shape["kv_heads"],
-        shape["head_dim"],
-        sink,
-        context - sink - recent - new,
-        recent,
-        new,
-        getattr(torch, CONFIG["dtype"]),
-        CONFIG["k_bits"],
-        CONFIG["v_bits"],
-        seed=seed,
-        device="cuda",
-        codes=CONFIG["codes"],
-        stored=True,
-    )
-    return tier_tensors(q, tiers)
+    """``q`` and the tiers by name (``TIER_NAMES``) at the kernel benchmark's shape, on the GPU."""
+    return shaped_inputs(CONFIG, context, batch, "cuda", seed)
 
 
 # The sweep's default grid; each axis can be narrowed or widened on the command line.
