@@ -61,8 +61,8 @@ for step in "$@"; do
             one="--config eval/configs/bench_kernel.json --set contexts=[100000] --set batches=[1,8] --set methods=[\"oscar_triton\"]"
             d64="--set shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":64}"
             run kernel_k2_gluon 120 $bench $one --name kernel_k2_gluon
-            run kernel_k4v2_gluon 120 $bench $one --set k_bits=4 --name kernel_k4v2_gluon
-            run kernel_k2v1_gluon 120 $bench $one --set v_bits=1 --name kernel_k2v1_gluon
+            run kernel_k4v2_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set k_bits=4 --name kernel_k4v2_gluon
+            run kernel_k2v1_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set v_bits=1 --name kernel_k2v1_gluon
             run kernel_k2v1_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set v_bits=1 --name kernel_k2v1_triton
             for k in 2 3 4; do
                 run kernel_k${k}_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set k_bits=$k --name kernel_k${k}_triton

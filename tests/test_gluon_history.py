@@ -556,8 +556,9 @@ def test_the_history_kernel_choice(monkeypatch, choice, available, want):
     [(4, 2, True), (2, 1, True), (4, 1, True), (3, 2, False), (3, 3, False), (2, 4, False), (1, 2, False)],
 )
 def test_bit_widths_take_the_span_or_the_triton_history(monkeypatch, k_bits, v_bits, span):
-    """The span covers 2- or 4-bit K with 2- or 1-bit V (``BIT_WIDTHS``); other widths (3-bit keys, 4-bit
-    values, 1-bit keys) go to the Triton stage 1 on the same shape."""
+    """The span covers 2- or 4-bit K with 2- or 1-bit V (``BIT_WIDTHS``): 2/2 unasked, the others under
+    ``OSCAR_DECODE_HISTORY=gluon`` (``DEFAULT_WIDTHS``); other widths (3-bit keys, 4-bit values, 1-bit
+    keys) go to the Triton stage 1 on the same shape."""
     import types
 
     from oscar_hf.kernels import decode_launch
@@ -568,4 +569,6 @@ def test_bit_widths_take_the_span_or_the_triton_history(monkeypatch, k_bits, v_b
     q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 32, 128))
     codes, scale = torch.empty(1, 8, 1000, 128 * k_bits // 8, dtype=torch.uint8), torch.empty(1, 8, 1000, 1)
     assert decode_launch._gluon_history(q, codes, 2, 2, scale, scale, tuned=False)
+    assert decode_launch._gluon_history(q, codes, k_bits, v_bits, scale, scale, tuned=False) is False
+    monkeypatch.setenv("OSCAR_DECODE_HISTORY", "gluon")
     assert decode_launch._gluon_history(q, codes, k_bits, v_bits, scale, scale, tuned=False) is span
