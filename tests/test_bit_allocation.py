@@ -222,7 +222,7 @@ def test_calibrate_command_refuses_allocations_it_cannot_make(tmp_path):
         main([*common, "--allocate-bits", "1", "--allocate-for", "oscar-k4v2"])
     with pytest.raises(SystemExit, match="add --allocate-bits N"):
         main([*common, "--from-rotations", str(tmp_path)])
-    with pytest.raises(SystemExit, match="drop refine and per_head \\(--refine"):
+    with pytest.raises(SystemExit, match="drop refine, per_head and center_keys \\(--refine"):
         main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1", "--refine"])
     with pytest.raises(SystemExit, match="--from-rotations: .* holds no config.json"):
         main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1"])
