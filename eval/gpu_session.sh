@@ -35,7 +35,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, r
 }
 
 GPU_TEST_FILES="tests/test_kernels.py tests/test_gluon_history.py tests/test_static.py tests/test_step_replay.py tests/test_layer_bits.py
-    tests/test_reliability.py tests/test_bench_gpu.py"
+    tests/test_reliability.py tests/test_bench_gpu.py tests/test_key_centering.py"
 
 gpu_tests() {  # the GPU test files given (default: all), under a header line with the command, machine and date
     local command="python3 -m pytest -q -n 12 -p no:cacheprovider ${*:-$(echo $GPU_TEST_FILES)}"
@@ -51,7 +51,7 @@ for step in "$@"; do
     case $step in
         tests) run gpu_tests 560 bash -c gpu_tests ;;
         decoding-tests) run gpu_tests_decoding 300 bash -c 'gpu_tests tests/test_static.py tests/test_step_replay.py \
-                            tests/test_reliability.py tests/test_layer_bits.py' ;;
+                            tests/test_reliability.py tests/test_layer_bits.py tests/test_key_centering.py' ;;
         tune) run tune 300 python3 kernels/tools/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
