@@ -103,9 +103,8 @@ class InterpretedModule(pytest.File):
 class InterpretedRun(pytest.Item):
     def runtest(self) -> None:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(self.path)]
-        for option in ("-x", "--exitfirst"):
-            if option in self.config.invocation_params.args:
-                command.append("-x")
+        if self.config.getoption("exitfirst"):
+            command.append("-x")
         done = subprocess.run(
             command,
             env={**os.environ, "TRITON_INTERPRET": "1"},

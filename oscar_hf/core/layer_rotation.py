@@ -75,10 +75,14 @@ class RotatedLayer:
     def store_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys ``[B, H_kv, T, D]`` as the layer stores them: ``(k - mu) @ R_K``."""
         rotated = self.rotate_keys(keys)
-        return rotated if self.key_mean is None else rotated - self.rotated_key_mean(rotated)
+        if self.key_mean is None:
+            return rotated
+        center = self.rotated_key_mean(rotated)  # [D] or [H_kv, D] against [B, H_kv, T, D]
+        return rotated - (center if center.ndim == 1 else center.unsqueeze(-2))
 
     def rotated_key_mean(self, like: torch.Tensor) -> torch.Tensor:
-        """``mu @ R_K`` as ``[1, H_kv or 1, 1, D]`` in ``like``'s dtype and device, made once."""
+        """``mu @ R_K``, ``[D]`` or ``[H_kv, D]`` (as :func:`~oscar_hf.kernels.rotate.rotate_rows` subtracts
+        it), in ``like``'s dtype and device, made once."""
         key = ("mean", like.dtype, like.device)
         if key not in self._rotation_copies:
             mean = self.key_mean.to(like.device)
@@ -86,8 +90,7 @@ class RotatedLayer:
             if rotation is not None:
                 rotation = rotation.to(like.device)
                 mean = mean @ rotation if rotation.ndim == 2 else (mean.unsqueeze(-2) @ rotation).squeeze(-2)
-            mean = mean.reshape(1, -1, 1, mean.shape[-1]) if mean.ndim == 2 else mean.reshape(1, 1, 1, -1)
-            self._rotation_copies[key] = mean.to(like.dtype)
+            self._rotation_copies[key] = mean.to(like.dtype).contiguous()
         return self._rotation_copies[key]
 
     def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
@@ -96,10 +99,7 @@ class RotatedLayer:
     def _key_center(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(mu R_K,)`` as :func:`~oscar_hf.kernels.rotate.rotate_rows` subtracts it (``[D]`` or ``[H_kv, D]``),
         or ``()`` for a layer without a key mean."""
-        if self.key_mean is None:
-            return ()
-        center = self.rotated_key_mean(like)
-        return (center.reshape(-1, center.shape[-1]) if center.shape[1] > 1 else center.reshape(-1),)
+        return () if self.key_mean is None else (self.rotated_key_mean(like),)
 
     def unrotate_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Stored keys back in the model's basis, ``x @ R_K^T + mu``."""
