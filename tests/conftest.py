@@ -103,8 +103,8 @@ class InterpretedModule(pytest.File):
 class InterpretedRun(pytest.Item):
     def runtest(self) -> None:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(self.path)]
-        if self.config.getoption("exitfirst"):
-            command.append("-x")
+        if self.config.getoption("maxfail"):  # -x and --maxfail N carry over
+            command.append(f"--maxfail={self.config.getoption('maxfail')}")
         done = subprocess.run(
             command,
             env={**os.environ, "TRITON_INTERPRET": "1"},
