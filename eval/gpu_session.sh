@@ -6,11 +6,12 @@
 #
 # Run from the repository root; the steps run in the order given. Pick steps whose limits fit in one
 # device call. The steps:
-#   GPU tests          tests (all GPU test files), static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
+#   GPU tests          tests (all GPU test files), gluon-tests, static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
 #                      tests, diagnosis and timing), multigpu-tests (2 GPUs)
 #   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, e2e-32k, graph, graph-4b, graph-8b-64k, graph-100k,
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
-#   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included
+#   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included;
+#                      step-times-gluon: the mixed widths on the Gluon history span
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
 #   kernel diagnostics tune, profile, timeline, timeline-32k, merge, floors, kernel-b1, alternating-rows, halves,
 #                      registers, ncu, ncu-call: kernels/tools/ (see its README.md); ncu and ncu-call need
@@ -63,6 +64,9 @@ for step in "$@"; do
             run kernel_k2_gluon 120 $bench $one --name kernel_k2_gluon
             run kernel_k4v2_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set k_bits=4 --name kernel_k4v2_gluon
             run kernel_k2v1_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set v_bits=1 --name kernel_k2v1_gluon
+            run kernel_k4v1_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set k_bits=4 --set v_bits=1 \
+                --name kernel_k4v1_gluon
+            [ "${KERNEL_BITS:-all}" = gluon ] && continue  # KERNEL_BITS=gluon: the Gluon span's widths only
             run kernel_k2v1_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set v_bits=1 --name kernel_k2v1_triton
             for k in 2 3 4; do
                 run kernel_k${k}_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set k_bits=$k --name kernel_k${k}_triton
@@ -71,11 +75,18 @@ for step in "$@"; do
                 run kernel_k${k}_d64 120 env OSCAR_DECODE_HISTORY=triton $bench $one $d64 --set k_bits=$k --name kernel_k${k}_d64
             done ;;
         decode-graphs) run gpu_test_decode_graphs 300 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
-        step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8
-            for batch in 1 8; do
-                run "step_times_b$batch" 300 python3 -m eval.step_times --batch $batch --caches dynamic oscar-int2 \
-                    --out "$work/step_times_b$batch"
+        step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8, uniform
+            # 2-bit layers and the bundled recipe's mixed widths; STEP_BATCHES picks batches (default "1 8")
+            for batch in ${STEP_BATCHES:-1 8}; do
+                run "step_times_b$batch" 300 python3 -m eval.step_times --batch $batch \
+                    --caches dynamic oscar-int2 oscar-int2+mixed-widths --out "$work/step_times_b$batch"
             done ;;
+        step-times-gluon)  # the mixed widths with every width on the Gluon history span
+            for batch in ${STEP_BATCHES:-1 8}; do
+                run "step_times_gluon_b$batch" 200 env OSCAR_DECODE_HISTORY=gluon python3 -m eval.step_times --batch $batch \
+                    --caches oscar-int2+mixed-widths --rounds 2 --out "$work/step_times_gluon_b$batch"
+            done ;;
+        gluon-tests) run gpu_tests_gluon 300 bash -c 'gpu_tests tests/test_gluon_history.py tests/test_key_centering.py' ;;
         e2e | e2e-4b)
             model=qwen3-8b name=bench_e2e
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b

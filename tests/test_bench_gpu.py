@@ -9,6 +9,7 @@ With two CUDA GPUs, two more tests check device_map="auto" and tensor parallelis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from eval import tp_decode
 from eval.bench_gpu import resolve_config, run_benchmark
 from eval.benchmarks import REPO, multigpu
-from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for
+from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for, with_bundled_widths
 from eval.benchmarks.cases import guarded, median_round
 from eval.benchmarks.config import apply_sets, deep_merge
 from eval.benchmarks.decoding import generate
@@ -217,6 +218,29 @@ def test_absorbed_case_folds_r_v_for_its_duration_only():
     assert eager.decode_graphs is False and eager.oscar_config.method == "oscar-int2"
     frozen = make_cache("oscar-int2+frozen", model, 64, rotations)
     assert frozen.decode_graphs is True and frozen.oscar_config.method == "oscar-int2"
+    mixed = make_cache("oscar-int2+mixed-widths+frozen", model, 64, rotations)
+    assert mixed.decode_graphs is True and mixed.oscar_config.method == "oscar-int2"
+
+
+def test_mixed_widths_map_the_bundled_pattern_by_depth():
+    from oscar_hf.rotations.files import load_ours
+    from oscar_hf.rotations.resolve import DEFAULT_ROTATIONS, bundled_rotations_dir
+
+    bundled = load_ours(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    same = with_bundled_widths(random_rotations(64, list(range(30))))
+    assert same.key_bits == bundled.key_bits and same.value_bits == bundled.value_bits and bundled.key_bits
+    twice = with_bundled_widths(random_rotations(64, list(range(60))))
+    assert twice.key_bits == {layer: 4 for i in bundled.key_bits for layer in (2 * i, 2 * i + 1)}
+    assert len(twice.value_bits) == 2 * len(bundled.value_bits)
+    model = build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    rotations = dataclasses.replace(
+        random_rotations(64, full_attention_layer_ids(model)), key_bits={1: 4}, value_bits={0: 1, 1: 1}
+    )
+    widths = [
+        (layer.config.key.bits, layer.config.value.bits)
+        for layer in make_cache("oscar-int2", model, 64, rotations).layers
+    ]
+    assert widths == [(2, 1), (4, 1)]  # a benchmark's oscar-int2 takes a set's per-layer widths
 
 
 @pytest.mark.parametrize("cache_name", ["dynamic", "static", "oscar-int2"])

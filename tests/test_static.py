@@ -19,7 +19,7 @@ from oscar_hf.config import METHODS
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.frozen_decoding import StaticDecoding
 from oscar_hf.core.storage import aligned_rows
-from tests.conftest import generate, tiny_model
+from tests.conftest import forward, generate, tiny_model
 from tests.test_cache_contract import left_pad, prompts
 
 SMALL = dict(sink=4, recent=8, block=4)
@@ -307,6 +307,22 @@ def test_a_frozen_cache_grows_when_its_history_is_full(tiny, monkeypatch, static
     # to whole 8 rows and allocated in whole 16 rows: it grows instead of overflowing
     assert capacities[:3] == [36, 52, 68] and cache.static.capacity > capacities[-1]
     assert cache.static.replay and cache.static.grows  # the grown cache still replays graphs (where CUDA has them)
+
+
+def test_plain_generate_freezes_a_long_history_where_the_prefill_put_it(tiny, monkeypatch):
+    import oscar_hf.core.freezing
+    import oscar_hf.core.storage
+
+    for module in (oscar_hf.core.freezing, oscar_hf.core.storage):  # buckets of 32 rows instead of 4,096
+        monkeypatch.setattr(module, "MAX_SLACK_ROWS", 32)
+    ids = prompts([120])[0][None]
+    cache = frozen(tiny)
+    forward(tiny, ids[:, :-1], cache)  # the prompt but its last token, which generate's first step takes
+    history = cache.layers[0].history_keys.codes
+    assert history.length >= 64 and history.data.shape[2] % 32 == 0  # long enough for whole buckets
+    before = history.data.data_ptr()
+    generate(tiny, ids, cache, max_new_tokens=3)
+    assert cache.static is not None and history.data.data_ptr() == before  # frozen with no copy
 
 
 def test_a_frozen_cache_thaws_for_the_next_turn_and_freezes_again(tiny, static_steps):

@@ -4,6 +4,8 @@ A cache name is ``dynamic`` or ``static`` (transformers' BF16 caches) or an Osca
 (``oscar-int2``, ``quarot-int2``...), optionally with suffixes:
 
 * ``<method>+absorbed``: that method on the model with R_V folded into v_proj/o_proj (:func:`model_for`).
+* ``<method>+mixed-widths``: the bundled ``oscar-int2`` set's per-layer widths (4-bit keys in a fifth
+  of the layers, 1-bit values in two fifths), mapped by depth onto the model's layers (:func:`with_bundled_widths`).
 * ``<method>+eager-layout``: ``OscarCache(decode_graphs=False)``: plain generate launches every kernel
   from Python (the default, on CUDA, replays whole steps from a CUDA graph); ``<method>+frozen``:
   ``decode_graphs=True``, which freezes on CPU too (without graphs), for CPU smoke tests.
@@ -12,6 +14,7 @@ A cache name is ``dynamic`` or ``static`` (transformers' BF16 caches) or an Osca
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -21,6 +24,8 @@ from oscar_hf import OscarCache, OscarLayer, RotationSet
 from oscar_hf.calibration.absorption import absorb_value_rotations
 from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
 from oscar_hf.model_info import head_dim_of, text_config_of
+from oscar_hf.rotations.files import load_ours
+from oscar_hf.rotations.resolve import DEFAULT_ROTATIONS, bundled_rotations_dir
 
 from .models import attention_device
 from .timing import tensor_bytes
@@ -28,6 +33,7 @@ from .timing import tensor_bytes
 BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name is an OscarCache method
 ABSORBED_SUFFIX = "+absorbed"
 DECODE_GRAPHS_SUFFIXES = {"+eager-layout": False, "+frozen": True}
+MIXED_WIDTHS_SUFFIX = "+mixed-widths"
 
 
 def attention_for(cache_name: str) -> str:
@@ -47,11 +53,26 @@ def make_cache(
         return StaticCache(config=model.config, max_cache_len=max_len)
     method, decode_graphs = cache_name, None
     for suffix, value in DECODE_GRAPHS_SUFFIXES.items():
-        if cache_name.endswith(suffix):
-            method, decode_graphs = cache_name.removesuffix(suffix), value
+        if method.endswith(suffix):
+            method, decode_graphs = method.removesuffix(suffix), value
+    if method.endswith(MIXED_WIDTHS_SUFFIX):
+        method, rotations = method.removesuffix(MIXED_WIDTHS_SUFFIX), with_bundled_widths(rotations)
     return OscarCache(
         model, method, rotations=rotations, max_cache_len=max_len if preallocate else None, decode_graphs=decode_graphs
     )
+
+
+def with_bundled_widths(rotations: RotationSet) -> RotationSet:
+    """``rotations`` with the per-layer bit widths of the bundled ``oscar-int2`` set: its layer at the same
+    relative depth decides each layer's widths (a benchmark's mixed-width pattern on any model)."""
+    bundled = load_ours(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    depth, layers = len(bundled.key), sorted(rotations.key)
+    source = {layer: sorted(bundled.key)[i * depth // len(layers)] for i, layer in enumerate(layers)}
+
+    def mapped(table: dict[int, int]) -> dict[int, int]:
+        return {layer: table[bundled_layer] for layer, bundled_layer in source.items() if bundled_layer in table}
+
+    return dataclasses.replace(rotations, key_bits=mapped(bundled.key_bits), value_bits=mapped(bundled.value_bits))
 
 
 @contextlib.contextmanager

@@ -4,8 +4,10 @@ Capacity grows by half of itself, but by at most ``MAX_SLACK_ROWS``: geometric g
 appends amortised O(1) while buffers are small, and the cap bounds the unused tail of a long
 history (plain 1.5x growth left ~48% of a 100K-token INT2 history allocated but unused, which cut
 the number of sequences that fit on a GPU by a third). A regrowth copies the buffer once per
-``MAX_SLACK_ROWS`` appended rows, a negligible cost per token. Static decoding (``oscar_hf.core.frozen_decoding``)
-fixes the capacity instead and writes by index on the device.
+``MAX_SLACK_ROWS`` appended rows, a negligible cost per token. From ``2 * MAX_SLACK_ROWS`` rows on, a
+buffer holds whole buckets of ``MAX_SLACK_ROWS`` rows: the layout plain ``generate`` freezes a history in
+(:meth:`~oscar_hf.core.freezing.FrozenLayouts.freeze_for_decoding`), which then needs no copy. Static
+decoding (``oscar_hf.core.frozen_decoding``) fixes the capacity and writes by index on the device.
 
 Capacities are whole multiples of ``ROW_ALIGNMENT`` rows, so that each head's rows start 16-row
 aligned: the decode kernels then read a tile's per-row scales and zeros as 16-byte vectors, and the
@@ -107,6 +109,10 @@ class RowBuffer:
             return
         if self.start:  # a sliding window moved back to the front keeps room for half its rows again
             new_capacity = max(capacity, min(int(needed * _GROWTH), needed + MAX_SLACK_ROWS))
+        elif needed >= 2 * MAX_SLACK_ROWS:  # a long buffer: whole buckets, the layout a frozen cache takes
+            new_capacity = -(-needed // MAX_SLACK_ROWS) * MAX_SLACK_ROWS
+        elif needed >= 2 * MAX_SLACK_ROWS:  # a long buffer: whole buckets, the layout a frozen cache takes
+            new_capacity = -(-needed // MAX_SLACK_ROWS) * MAX_SLACK_ROWS
         else:  # a full buffer grows by half of itself, capped
             new_capacity = max(needed, min(int(capacity * _GROWTH), needed + MAX_SLACK_ROWS), _MIN_CAPACITY)
         shape = (*self.data.shape[:2], aligned_rows(new_capacity), *self.data.shape[3:])
