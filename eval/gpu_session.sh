@@ -11,7 +11,7 @@
 #   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, e2e-32k, graph, graph-4b, graph-8b-64k, graph-100k,
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
 #   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included;
-#                      step-times-gluon: the mixed widths on the Gluon history span
+#                      step-times-mixed: the mixed widths alone
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
 #   kernel diagnostics tune, profile, timeline, timeline-32k, merge, floors, kernel-b1, alternating-rows, halves,
 #                      registers, ncu, ncu-call: kernels/tools/ (see its README.md); ncu and ncu-call need
@@ -62,10 +62,9 @@ for step in "$@"; do
             one="--config eval/configs/bench_kernel.json --set contexts=[100000] --set batches=[1,8] --set methods=[\"oscar_triton\"]"
             d64="--set shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":64}"
             run kernel_k2_gluon 120 $bench $one --name kernel_k2_gluon
-            run kernel_k4v2_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set k_bits=4 --name kernel_k4v2_gluon
-            run kernel_k2v1_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set v_bits=1 --name kernel_k2v1_gluon
-            run kernel_k4v1_gluon 120 env OSCAR_DECODE_HISTORY=gluon $bench $one --set k_bits=4 --set v_bits=1 \
-                --name kernel_k4v1_gluon
+            run kernel_k4v2_gluon 120 $bench $one --set k_bits=4 --name kernel_k4v2_gluon
+            run kernel_k2v1_gluon 120 $bench $one --set v_bits=1 --name kernel_k2v1_gluon
+            run kernel_k4v1_gluon 120 $bench $one --set k_bits=4 --set v_bits=1 --name kernel_k4v1_gluon
             [ "${KERNEL_BITS:-all}" = gluon ] && continue  # KERNEL_BITS=gluon: the Gluon span's widths only
             run kernel_k2v1_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set v_bits=1 --name kernel_k2v1_triton
             for k in 2 3 4; do
@@ -81,10 +80,10 @@ for step in "$@"; do
                 run "step_times_b$batch" 300 python3 -m eval.step_times --batch $batch \
                     --caches dynamic oscar-int2 oscar-int2+mixed-widths --out "$work/step_times_b$batch"
             done ;;
-        step-times-gluon)  # the mixed widths with every width on the Gluon history span
+        step-times-mixed)  # the mixed widths alone (on the Gluon history span, as decode calls send them)
             for batch in ${STEP_BATCHES:-1 8}; do
-                run "step_times_gluon_b$batch" 200 env OSCAR_DECODE_HISTORY=gluon python3 -m eval.step_times --batch $batch \
-                    --caches oscar-int2+mixed-widths --rounds 2 --out "$work/step_times_gluon_b$batch"
+                run "step_times_mixed_b$batch" 200 python3 -m eval.step_times --batch $batch \
+                    --caches oscar-int2+mixed-widths --rounds 2 --out "$work/step_times_mixed_b$batch"
             done ;;
         gluon-tests) run gpu_tests_gluon 300 bash -c 'gpu_tests tests/test_gluon_history.py tests/test_key_centering.py' ;;
         e2e | e2e-4b)

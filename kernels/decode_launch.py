@@ -29,7 +29,7 @@ from ._triton import (
 )
 from .decode_stages import _decode_stage1_kernel, _decode_stage2_kernel
 from .decode_unpack import CODE_MAGIC, shift_free_blocks, unpack_asm
-from .gluon_span_variant import BIT_WIDTHS, DEFAULT_WIDTHS, PRODUCTION, SpanVariant
+from .gluon_span_variant import BIT_WIDTHS, PRODUCTION, SpanVariant
 
 logger = get_logger(__name__)
 
@@ -334,9 +334,8 @@ HISTORY_KERNELS = ("gluon", "triton")
 def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) -> bool:
     """Whether the history slots come from the explicit-layout span (``kernels/decode_history_gluon.py``):
     on a GPU, for the shapes it covers, at the launcher's default tiles, where this Triton has Gluon, unless
-    ``OSCAR_DECODE_HISTORY=triton`` asks for the Triton stage 1 throughout. Of its bit widths
-    (``gluon_span_variant.BIT_WIDTHS``) it takes ``DEFAULT_WIDTHS`` unasked and the others under
-    ``OSCAR_DECODE_HISTORY=gluon``.
+    ``OSCAR_DECODE_HISTORY=triton`` asks for the Triton stage 1 throughout. It reads the bit widths in
+    ``gluon_span_variant.BIT_WIDTHS``.
 
     Raises:
         ValueError: ``OSCAR_DECODE_HISTORY`` is neither ``gluon`` nor ``triton``.
@@ -351,7 +350,7 @@ def _gluon_history(q, k_codes, k_bits, v_bits, k_scale, v_scale, tuned: bool) ->
         and not INTERPRET
         and q.dtype == torch.bfloat16
         and q.shape[-1] == 128
-        and (k_bits, v_bits) in (BIT_WIDTHS if choice == "gluon" else DEFAULT_WIDTHS)
+        and (k_bits, v_bits) in BIT_WIDTHS
         and k_scale.shape[-1] == v_scale.shape[-1] == 1
         and q.shape[1] // k_codes.shape[1] <= 8
         and not tuned

@@ -14,9 +14,6 @@ import torch
 # (K bits, V bits) the span reads: 4-bit keys and 1-bit values as the 2-bit words' blocks
 # (gluon_span_kernel._key_words, _value_words); only 2/2 is staged (pipeline=True).
 BIT_WIDTHS = ((2, 2), (4, 2), (2, 1), (4, 1))
-# The widths a decode call sends to the span unasked. The others have not run on a GPU yet: they take
-# it only under OSCAR_DECODE_HISTORY=gluon (eval/gpu_session.sh kernel-bits), the Triton loop otherwise.
-DEFAULT_WIDTHS = ((2, 2),)
 
 # Registers a thread, capped (``maxnreg``) so that 16 one-warp programs fit an SM; uncapped the span
 # takes a little more and fits fewer, and lower caps fit more programs but run slower, because some
