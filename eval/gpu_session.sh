@@ -91,14 +91,21 @@ for step in "$@"; do
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
             run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
-        e2e-100k)  # the 8B at 100K: DynamicCache, compiled StaticCache (about 2 min to compile) and OscarCache; short generations
-            run e2e_100k 560 $bench --config eval/configs/bench_e2e.json --name "${E2E_NAME:-bench_e2e_100k}" \
-                --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'caches=["dynamic","static","oscar-int2"]' \
-                --set decode.repeats=1 ;;
-        e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations
-            run e2e_32k 300 $bench --config eval/configs/bench_e2e.json --name bench_e2e_32k \
-                --set 'models=["qwen3-8b"]' --set 'contexts=[32768]' --set 'caches=["dynamic","static","oscar-int2"]' \
-                --set decode.repeats=1 --set 'short_generations.caches=[]' --set 'prefill.caches=[]' ;;
+        e2e-100k)  # the 8B at 100K: DynamicCache, compiled StaticCache (about 2 min to compile) and OscarCache, short
+            # generations; one run a batch (E2E_BATCHES, default "1 8": compiled StaticCache's 512-token calls
+            # at batch 8 alone take minutes)
+            for batch in ${E2E_BATCHES:-1 8}; do
+                run "e2e_100k_b$batch" 560 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_100k_b$batch" \
+                    --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set "batches=[$batch]" \
+                    --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1
+            done ;;
+        e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations; one run a batch
+            for batch in ${E2E_BATCHES:-1 8}; do
+                run "e2e_32k_b$batch" 400 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_32k_b$batch" \
+                    --set 'models=["qwen3-8b"]' --set 'contexts=[32768]' --set "batches=[$batch]" \
+                    --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 \
+                    --set 'short_generations.caches=[]' --set 'prefill.caches=[]'
+            done ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
         graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \
