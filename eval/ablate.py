@@ -42,7 +42,7 @@ import torch
 from oscar_hf import OscarCache
 from oscar_hf.calibration.covariances import collect_covariances
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
-from oscar_hf.calibration.recipe import Recipe, fit
+from oscar_hf.calibration.recipe import Recipe, allocate, fit
 from oscar_hf.config import METHODS, OscarConfig, resolve_method
 from oscar_hf.core.memory import bits_per_element
 from oscar_hf.core.models import DTYPES, load_model, model_context
@@ -160,7 +160,10 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
             )
         except (TypeError, ValueError) as error:
             raise ValueError(f"variant {label!r}: {error}") from None
+        if recipe.from_rotations:
+            raise ValueError(f"variant {label!r}: give a saved set as rotations, not calibrate.from_rotations")
         rotations, _ = fit(recipe, model, batches, covariances, config, progress=False)
+        rotations, _ = allocate(recipe, model, batches, rotations, progress=False)
     return OscarCache(model, config, rotations=rotations)
 
 

@@ -124,3 +124,21 @@ def test_bad_recipes_raise_clear_errors():
         )
     with pytest.raises(ValueError, match="need a calibration"):
         ablate.variant_cache(None, {"label": "x", "method": "oscar-int2", "clip_search": True}, {})
+
+
+def test_a_variant_that_allocates_bits_gets_per_layer_widths():
+    """``calibrate.allocate_bits`` reaches the variant's rotations, as ``oscar_hf.calibrate`` applies it."""
+    from oscar_hf.calibration.covariances import collect_covariances
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    batches = [torch.randint(3, 256, (1, 400)) for _ in range(2)]  # longer than oscar-int2's windows
+    calibrations = {"text": (collect_covariances(model, batches, progress=False), batches)}
+    variant = {"label": "allocated", "method": "oscar-int2", "calibration": "text", "clip_search": True}
+    plain = ablate.variant_cache(model, variant, calibrations)
+    allocated = ablate.variant_cache(model, {**variant, "calibrate": {"allocate_bits": 1}}, calibrations)
+    widths = [(layer.config.key.bits, layer.config.value.bits) for layer in allocated.layers]
+    assert [(layer.config.key.bits, layer.config.value.bits) for layer in plain.layers] == [(2, 2), (2, 2)]
+    assert sorted(widths) == [(2, 1), (4, 1)]  # one layer of 4-bit keys, paid for by two of 1-bit values
+    with pytest.raises(ValueError, match="not calibrate.from_rotations"):
+        ablate.variant_cache(model, {**variant, "calibrate": {"allocate_bits": 1, "from_rotations": "x"}}, calibrations)

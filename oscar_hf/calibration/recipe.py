@@ -166,12 +166,7 @@ def calibrate(
         covariances = collect_covariances(model, batches, progress=progress)
         rotations, choices = fit(recipe, model, batches, covariances, progress=progress)
         made = _how_made(recipe, rotations, choices)
-    allocation: BitAllocation | None = None
-    if recipe.allocate_bits:
-        allocation_method = METHODS[recipe.allocate_for]
-        rotations, allocation = allocate_bits(
-            model, _search_rows(batches), rotations, recipe.allocate_bits, allocation_method, progress=progress
-        )
+    rotations, allocation = allocate(recipe, model, batches, rotations, progress=progress)
     tokens = sum(b.numel() for b in batches)
     # the windows the clip search and bit allocation ran with (oscar-int2's): a cache takes them with the set
     windows = (METHODS["oscar-int2"].sink, METHODS["oscar-int2"].recent)
@@ -239,6 +234,17 @@ def fit(
         rows = [r for r in rows if r.shape[1] == rows[0].shape[1]]
         rotations, _ = refine_rotations(model, rows, rotations, config=config, progress=progress)
     return rotations, choices
+
+
+def allocate(
+    recipe: Recipe, model: PreTrainedModel, batches: list[torch.Tensor], rotations: RotationSet, progress: bool = True
+) -> tuple[RotationSet, BitAllocation | None]:
+    """``rotations`` with the per-layer bit widths ``recipe.allocate_bits`` asks for (for ``recipe.allocate_for``),
+    chosen on the calibration rows ``batches``, and the allocation; unchanged and None without one."""
+    if not recipe.allocate_bits:
+        return rotations, None
+    method = METHODS[recipe.allocate_for]
+    return allocate_bits(model, _search_rows(batches), rotations, recipe.allocate_bits, method, progress=progress)
 
 
 def _how_made(recipe: Recipe, rotations: RotationSet, choices: dict[int, LayerChoice]) -> dict:
