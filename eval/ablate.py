@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -310,7 +311,8 @@ def plot(result: dict, path: Path) -> None:
 
     labels = result["variants"]
     panels = (1 if result["scores"] else 0) + (2 if result.get("needles") else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 0.45 * len(labels) + 2.5), squeeze=False)
+    width = 6 * panels + 0.07 * max(len(label) for label in labels)  # room for the recipes' names
+    fig, axes = plt.subplots(1, panels, figsize=(width, 0.45 * len(labels) + 2.5), squeeze=False)
     axes = list(axes[0])
     if result["scores"]:
         ax = axes.pop(0)
@@ -319,18 +321,24 @@ def plot(result: dict, path: Path) -> None:
             label for label in labels if any(result["scores"][t][c][label]["kl_from_none"] > 0 for t, c in series)
         ]
         height = 0.8 / len(series)
+        every = []
         for i, (t, c) in enumerate(series):
             values = [result["scores"][t][c][label]["kl_from_none"] for label in quantized]
-            ax.barh(
+            every += values
+            bars = ax.barh(
                 [y + i * height for y in range(len(quantized))],
                 values,
                 height=height,
                 label=f"{t} {tokens_label(int(c))}",
             )
+            ax.bar_label(bars, fmt="%.4f", fontsize=7, padding=2)
         ax.set_yticks([y + height * (len(series) - 1) / 2 for y in range(len(quantized))], quantized)
         ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("KL from BF16 (nats, log; lower is better)")
+        # a log axis where the recipes differ by orders of magnitude; else bars from zero, whose lengths compare
+        spread = max(every) / min(every) if every and min(every) > 0 else 1.0
+        ax.set_xscale("log" if spread > 10 else "linear")
+        ax.margins(x=0.15)
+        ax.set_xlabel(f"KL from BF16 (nats{', log' if spread > 10 else ''}; lower is better)")
         ax.legend(fontsize=7)
     if result.get("needles"):
         lengths = [str(n) for n in result["needle_settings"]["lengths"]]
@@ -350,7 +358,7 @@ def plot(result: dict, path: Path) -> None:
         axes[0].legend(fontsize=7)
     fig.suptitle(
         f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
-        f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}",
+        f"{textwrap.fill(result['command'], 140)}\n{machine_line(result['machine'])}, {result['date']}",
         fontsize=8,
     )
     fig.tight_layout()
