@@ -58,7 +58,7 @@ for step in "$@"; do
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
             tests/test_gluon_history.py tests/test_static.py tests/test_quant.py \
             -k "int3 or k3v2 or 3bit or bit_exact or into_many or static_lengths or bit_widths or matches_reference" ;;
-        kernel-bits)  # decode attention at 100K by key bit width (V 2-bit), Triton stage 1 throughout (and 2/1), and the Gluon span's 2/2, 4/2, 2/1
+        kernel-bits)  # decode attention at 100K: the Gluon span's 2/2, 4/2, 2/1, 4/1, then the Triton stage 1 by key width (and 2/1)
             one="--config eval/configs/bench_kernel.json --set contexts=[100000] --set batches=[1,8] --set methods=[\"oscar_triton\"]"
             d64="--set shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":64}"
             run kernel_k2_gluon 120 $bench $one --name kernel_k2_gluon

@@ -200,10 +200,9 @@ def test_the_reference_partials_merge_to_the_whole_softmax():
     from oscar_hf.kernels.decode_history_gluon import merge_partials
 
     sm_scale = 0.088
-    args, _ = _flat_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3)
+    args, options = _flat_inputs(1, 4, 1, 128, 0, 300, 0, 0, torch.bfloat16, 2, 2, seed=3)
     q, _, _, *packed, _, _, _, _ = args
-    exact = [a.float() if a.is_floating_point() else a for a in args]
-    want = reference(*exact, k_bits=2, v_bits=2, sm_scale=sm_scale)
+    want = exact_reference(args, options, sm_scale=sm_scale)
     partials = reference_partials(q, packed[:6], splits=3, sm_scale=sm_scale)
     assert partials[0].shape == (1, 4, 3)  # 300 rows in 3 splits of 128, 128 and 44
     torch.testing.assert_close(merge_partials(*partials), want, rtol=1e-5, atol=1e-5)
