@@ -91,13 +91,15 @@ for step in "$@"; do
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
             run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
-        e2e-100k)  # the 8B at 100K: DynamicCache, compiled StaticCache (about 2 min to compile) and OscarCache, short
-            # generations; one run a batch (E2E_BATCHES, default "1 8": compiled StaticCache's 512-token calls
-            # at batch 8 alone take minutes)
+        e2e-100k)  # the 8B at 100K: DynamicCache, compiled StaticCache (about 2 min to compile) and OscarCache; one
+            # run a batch (E2E_BATCHES, default "1 8": compiled StaticCache's 512-token calls at batch 8 alone take
+            # minutes); the batch-1 run adds OscarCache's short generations (an lm-eval task) and the prefill
             for batch in ${E2E_BATCHES:-1 8}; do
+                extra=(--set 'short_generations.caches=["oscar-int2"]')
+                [ "$batch" = 1 ] || extra=(--set 'short_generations.caches=[]' --set 'prefill.caches=[]')
                 run "e2e_100k_b$batch" 560 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_100k_b$batch" \
                     --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set "batches=[$batch]" \
-                    --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1
+                    --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 "${extra[@]}"
             done ;;
         e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations; one run a batch
             for batch in ${E2E_BATCHES:-1 8}; do
