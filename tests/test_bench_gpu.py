@@ -489,7 +489,9 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     spec = {k: v for k, v in TINY_MODEL.items() if k != "name"}
     model = build_model(spec, "cpu", torch.bfloat16)
     rotations = random_rotations(64, full_attention_layer_ids(model))
-    times, preparation = step_times.step_ms(model, "oscar-int2", batch=1, context=300, new_tokens=6, rotations=rotations)
+    times, preparation = step_times.step_ms(
+        model, "oscar-int2", batch=1, context=300, new_tokens=6, rotations=rotations
+    )
     assert len(times) == 6 and all(t > 0 for t in times)
     assert 0 < preparation < times[0]  # generate's preparation is part of the first step
     row = step_times.summary(times, preparation)
