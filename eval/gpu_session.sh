@@ -93,20 +93,25 @@ for step in "$@"; do
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
         e2e-100k)  # the 8B at 100K: DynamicCache, compiled StaticCache (about 2 min to compile) and OscarCache; one
             # run a batch (E2E_BATCHES, default "1 8": compiled StaticCache's 512-token calls at batch 8 alone take
-            # minutes); the batch-1 run adds OscarCache's short generations (an lm-eval task) and the prefill
+            # minutes: at batch 8 only OscarCache times whole calls); the batch-1 run adds OscarCache's short
+            # generations (an lm-eval task) and the prefill
             for batch in ${E2E_BATCHES:-1 8}; do
                 extra=(--set 'short_generations.caches=["oscar-int2"]')
-                [ "$batch" = 1 ] || extra=(--set 'short_generations.caches=[]' --set 'prefill.caches=[]')
+                [ "$batch" = 1 ] || extra=(--set 'short_generations.caches=[]' --set 'prefill.caches=[]'
+                    --set 'decode.call_caches=["oscar-int2"]')
                 run "e2e_100k_b$batch" 560 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_100k_b$batch" \
                     --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set "batches=[$batch]" \
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 "${extra[@]}"
             done ;;
-        e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations; one run a batch
+        e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations; one run a batch; at batch 8
+            # only OscarCache times whole calls (compiled StaticCache's 512-token calls there take minutes)
             for batch in ${E2E_BATCHES:-1 8}; do
+                calls=()
+                [ "$batch" = 1 ] || calls=(--set 'decode.call_caches=["oscar-int2"]')
                 run "e2e_32k_b$batch" 400 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_32k_b$batch" \
                     --set 'models=["qwen3-8b"]' --set 'contexts=[32768]' --set "batches=[$batch]" \
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 \
-                    --set 'short_generations.caches=[]' --set 'prefill.caches=[]'
+                    --set 'short_generations.caches=[]' --set 'prefill.caches=[]' "${calls[@]}"
             done ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
