@@ -111,7 +111,7 @@ for step in "$@"; do
                 run "e2e_32k_b$batch" 400 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_32k_b$batch" \
                     --set 'models=["qwen3-8b"]' --set 'contexts=[32768]' --set "batches=[$batch]" \
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 \
-                    --set 'short_generations.caches=[]' --set 'prefill.caches=[]' "${calls[@]}"
+                    --set 'short_generations.caches=[]' --set 'prefill.caches=[]' ${calls[@]+"${calls[@]}"}
             done ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
