@@ -111,8 +111,6 @@ class RowBuffer:
             new_capacity = max(capacity, min(int(needed * _GROWTH), needed + MAX_SLACK_ROWS))
         elif needed >= 2 * MAX_SLACK_ROWS:  # a long buffer: whole buckets, the layout a frozen cache takes
             new_capacity = -(-needed // MAX_SLACK_ROWS) * MAX_SLACK_ROWS
-        elif needed >= 2 * MAX_SLACK_ROWS:  # a long buffer: whole buckets, the layout a frozen cache takes
-            new_capacity = -(-needed // MAX_SLACK_ROWS) * MAX_SLACK_ROWS
         else:  # a full buffer grows by half of itself, capped
             new_capacity = max(needed, min(int(capacity * _GROWTH), needed + MAX_SLACK_ROWS), _MIN_CAPACITY)
         shape = (*self.data.shape[:2], aligned_rows(new_capacity), *self.data.shape[3:])
