@@ -13,6 +13,7 @@
 #   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included;
 #                      step-times-mixed: the mixed widths alone
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
+#   calibration-cost   eval/calibration_cost.py: oscar_hf.calibrate's stages on the 8B shape, time and memory
 #   kernel diagnostics tune, profile, timeline, timeline-32k, merge, floors, kernel-b1, alternating-rows, halves,
 #                      registers, ncu, ncu-call: kernels/tools/ (see its README.md); ncu and ncu-call need
 #                      Nsight Compute's `ncu` on PATH (e.g. /usr/local/cuda/bin)
@@ -186,6 +187,8 @@ for step in "$@"; do
             run ncu_call_b1 150 ncu --kernel-name "regex:history_kernel|_decode_stage" --launch-skip 3 --launch-count 3 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --print-details all \
                 python3 kernels/tools/ncu_decode.py --batch 1 ;;
+        calibration-cost)  # oscar_hf.calibrate's stages on the 8B shape: the default and the full recipe
+            run calibration_cost 580 python3 -m eval.calibration_cost --out "$work/calibration_cost" ;;
         quality)  # the recipes' memory, held-out KL/PPL at 2K and 8K and teacher-forced needles (eval/ablate.py)
             run quality 580 python3 -m eval.ablate --config eval/configs/quality.json --device cuda --out "$work/quality" -v ;;
         *) echo "unknown step $step" >&2 ;;

@@ -521,3 +521,34 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
     )
     assert f"| oscar-int2 | {faster['one_time_ms']:.1f} |" in (tmp_path / "step_times.md").read_text()
     assert (tmp_path / "step_times.png").stat().st_size > 0
+
+
+def test_calibration_cost_times_each_stage_of_a_recipe(tmp_path):
+    """eval/calibration_cost.py on CPU: the full recipe's three stages, each recorded, and its files."""
+    from eval import calibration_cost
+
+    spec = {k: v for k, v in TINY_MODEL.items() if k != "name"}
+    model = build_model(spec, "cpu", torch.bfloat16)
+    batches = [random_tokens(model, 1, 700, seed=index) for index in range(2)]
+    recipe = calibration_cost.Recipe(per_head=True, center_keys=True, allocate_bits=1, tokens=1400, seq_len=700)
+    rows = []
+    calibration_cost.recipe_stages(model, batches, recipe, torch.device("cpu"), rows.append)
+    assert [row["stage"] for row in rows] == ["covariances", "fit", "bit allocation"]
+    assert all(row["seconds"] > 0 and row["peak_gpu_gib"] is None and row["peak_host_gib"] > 0 for row in rows)
+    result = {
+        "command": "x",
+        "machine": machine_info(),
+        "date": "d",
+        "model": "tiny",
+        "weights_gib": calibration_cost.weights_gib(model),
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "tokens": 1400,
+        "seq_len": 700,
+        "recipes": {"full": rows},
+        "recipe_arguments": {"full": "Recipe(per_head=True)"},
+    }
+    calibration_cost.write(tmp_path, result)
+    total = sum(row["seconds"] for row in rows)
+    assert f"| full | **all stages** | **{total:.1f}** |" in (tmp_path / "calibration_cost.md").read_text()
+    assert (tmp_path / "calibration_cost.png").stat().st_size > 0
