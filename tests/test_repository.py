@@ -73,3 +73,21 @@ def test_no_python_file_edits_the_import_path():
     ]
     assert not found, found
     assert IMPORT_PATH_EDIT.search("sys" + ".path.insert(0, here)") and IMPORT_PATH_EDIT.search("sys" + ".path += [x]")
+
+
+def test_the_repository_tracks_no_symbolic_links():
+    """A symbolic link checks out as a plain text file where links are off (Windows' default)."""
+    entries = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert not [line for line in entries.splitlines() if line.startswith("120000 ")]
+
+
+def test_the_kernels_import_from_the_top_level_folder():
+    """In a checkout and an editable install ``oscar_hf.kernels`` is the top-level ``kernels/`` folder (a wheel
+    copies that folder in, as pyproject.toml's package-dir says)."""
+    import tomllib
+
+    import oscar_hf.kernels.decode_attention as module
+
+    assert Path(module.__file__).resolve().parent == ROOT / "kernels"
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert package_dir == {"oscar_hf.kernels": "kernels"}
