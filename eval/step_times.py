@@ -10,7 +10,8 @@ that one-time cost with the per-token rate. A logits processor records a synchro
 every step. Each cache runs a first call, then ``--rounds`` times on a fresh fill, the caches in turn
 (the device host's speed drifts, which would favour whichever cache ran in a fast stretch); the round of
 median steady step is reported: its first steps, the median of the rest, and the one-time cost (the
-first steps' excess over that median), with every round's steady step, and the first call's. Writes ``<out>/step_times.{json,md,png}``.
+first steps' excess over that median; of it, generate's preparation before its first forward, which every
+cache pays, and the rest, the cache's set-up), with every round's steady step, and the first call's. Writes ``<out>/step_times.{json,md,png}``.
 """
 
 from __future__ import annotations
