@@ -197,6 +197,8 @@ def kl_scores(model, tokenizer, data_dir: Path, config: dict, caches: dict[str, 
 
 
 def needle_settings(spec: dict) -> dict:
+    if not isinstance(spec, dict):
+        raise ValueError(f"needles must be an object of settings, got {spec!r} (leave the key out for no needles)")
     unknown, missing = sorted(set(spec) - NEEDLE_KEYS), sorted({"lengths", "depths", "needles"} - set(spec))
     if unknown or missing:
         raise ValueError(f"needles: unknown key(s) {unknown}, missing {missing}; it takes {sorted(NEEDLE_KEYS)}")

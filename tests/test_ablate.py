@@ -44,6 +44,8 @@ def test_overrides_reach_nested_fields_and_dtypes():
         ablate.recipe_config({"label": "x", "method": "oscar-int2", "factors": "HP"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['depth'\], missing \['depths'\]"):
         ablate.needle_settings({"lengths": [2048], "depth": [50], "needles": 1})
+    with pytest.raises(ValueError, match="leave the key out for no needles"):
+        ablate.needle_settings(None)
 
 
 def test_windows_per_context():
