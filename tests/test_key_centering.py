@@ -76,6 +76,9 @@ def test_a_set_keeps_its_key_means(tmp_path):
     loaded = load_ours(save_rotations(rotations, tmp_path / "set"))
     assert all(torch.equal(loaded.key_mean[i], rotations.key_mean[i]) for i in LAYERS)
     assert loaded.kv_heads == KV_HEADS and loaded.select_kv_heads(1, 2).key_mean[0].shape == (1, HEAD_DIM)
+    # per-head means with shared rotations: still a shared set, which the paper's method takes
+    assert not loaded.per_head and load_ours(tmp_path / "set", per_head=False).kv_heads == KV_HEADS
+    OscarCache(tiny_model("llama"), "oscar-int2-paper", rotations=loaded)
     with pytest.raises(ValueError, match="key_mean of layer 0"):
         dataclasses.replace(rotations, key_mean={0: torch.zeros(HEAD_DIM + 1)})
     with pytest.raises(ValueError, match="one KV head count"):
@@ -91,3 +94,10 @@ def test_the_recipe_refuses_what_does_not_center():
     for options in (dict(refine=True), dict(from_rotations="somewhere", allocate_bits=1)):
         with pytest.raises(ValueError, match="center"):
             Recipe(center_keys=True, **options)
+
+
+def test_the_recipe_centers_keys_unless_told_or_it_cannot():
+    assert Recipe().center_keys and Recipe(allocate_bits=6).to_dict()["center_keys"] is True
+    assert not Recipe(center_keys=False).center_keys
+    for options in (dict(clip_search=False), dict(refine=True), dict(from_rotations="somewhere", allocate_bits=1)):
+        assert Recipe(**options).center_keys is False, options

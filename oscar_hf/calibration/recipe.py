@@ -43,7 +43,7 @@ _RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_ch
 @dataclass(frozen=True)
 class Recipe:
     """How a rotation set is made. The defaults are the bundled ``oscar-int2`` set's recipe without the bit
-    allocation; ``clip_search=False`` is the paper's (``oscar-int2-paper``).
+    allocation (clip search, centered keys); ``clip_search=False`` is the paper's (``oscar-int2-paper``).
 
     Args:
         clip_search: choose each layer's clip ratios and rotation variant (U·H·P or H·P) by the
@@ -52,7 +52,10 @@ class Recipe:
             attention-output error and search its clip ratio again (slower).
         per_head: one rotation per KV head, from that head's own C_Q and C_S.
         center_keys: store every key centered on its layer's and KV head's calibration mean (softmax
-            ignores the common shift of a query's scores; the quantizer gets a smaller range).
+            ignores the common shift of a query's scores; the quantizer gets a smaller range). ``None``
+            centers them with the clip search and leaves them uncentered for the paper's recipe
+            (``clip_search=False``), ``refine`` (it fits rotations to uncentered keys) and ``from_rotations``
+            (it keeps the saved set's means); the recipe records the resolved value.
         objective, factors: the covariances and the composition of plain rotations (without the clip search).
         allocate_bits: after the clip search, 4-bit keys in this many layers where they cut the calibration
             KL most and 1-bit values where they cost least, at ``allocate_for``'s history bits.
@@ -68,7 +71,7 @@ class Recipe:
     clip_search: bool = True
     refine: bool = False
     per_head: bool = False
-    center_keys: bool = False
+    center_keys: bool | None = None
     objective: str = "qqt_sst"
     factors: str = "UHP"
     allocate_bits: int = 0
@@ -80,6 +83,9 @@ class Recipe:
     chat: bool = False
 
     def __post_init__(self) -> None:
+        if self.center_keys is None:
+            centered = self.clip_search and not self.refine and not self.from_rotations
+            object.__setattr__(self, "center_keys", centered)
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, not {self.objective!r}")
         if self.factors not in COMPOSITION_NAMES:

@@ -137,8 +137,10 @@ def add_calibrate_command(commands) -> None:
     )
     calibrate.add_argument(
         "--center-keys",
-        action="store_true",
-        help="store keys centered on their calibration mean per layer and KV head (softmax ignores the shift)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store keys centered on their calibration mean per layer and KV head (softmax ignores the shift); "
+        "default: on with the clip search, off with --no-clip-search, --refine and --from-rotations",
     )
     calibrate.add_argument("--json", action="store_true")
     calibrate.set_defaults(handler=cmd_calibrate)

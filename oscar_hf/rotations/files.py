@@ -80,7 +80,7 @@ def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "head_dim": rotations.head_dim,
-        **({"kv_heads": rotations.kv_heads} if rotations.per_head else {}),
+        **({"kv_heads": rotations.kv_heads} if rotations.kv_heads else {}),
         "layer_ids": layer_ids_of(rotations),
         "description": rotations.description,
         **(

@@ -21,7 +21,7 @@ from oscar_hf.rotations.rotation_set import RotationSet
 
 logger = get_logger(__name__)
 
-DEFAULT_ROTATIONS = "smollm2-135m-instruct"  # clip-searched: what oscar-int2 is best with
+DEFAULT_ROTATIONS = "smollm2-135m-instruct"  # clip-searched, centered keys: what oscar-int2 is best with
 DEFAULT_PAPER_ROTATIONS = "smollm2-135m-instruct-paper"  # U·H·P, fixed clips: oscar-int2-paper
 ROTATION_ZOO = "Zhongzhu/OSCAR-RotationZoo"
 ZOO_OPTIONS = frozenset({"subfolder", "revision", "local_files_only", "cache_dir", "calibration", "per_head"})

@@ -231,8 +231,8 @@ class RotationSet:
 
     @property
     def per_head(self) -> bool:
-        """Whether some rotation of the set is one per KV head."""
-        return self.kv_heads is not None
+        """Whether some rotation of the set is one per KV head (per-head key means alone do not make it so)."""
+        return any(r.ndim == 3 for r in [*self.key.values(), *self.value.values()])
 
     def for_layer(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(R_K, R_V) of a layer, ``[D, D]`` or ``[H_kv, D, D]``; ``None`` stands for the identity."""
@@ -354,10 +354,10 @@ def format_layer_ids(ids: list[int]) -> str:
 
 
 def own_kv_heads(rotations: RotationSet, model: PretrainedConfig | PreTrainedModel, kv_heads: int) -> RotationSet:
-    """Under tensor parallelism, the per-head rotations of this rank's KV heads (transformers' colwise
+    """Under tensor parallelism, the per-head rotations and key means of this rank's KV heads (transformers' colwise
     k_proj/v_proj give rank r the contiguous heads ``r * H / W .. (r + 1) * H / W - 1``)."""
     parallel = tensor_parallel_rank(model) if isinstance(model, PreTrainedModel) else None
-    if parallel is None or not rotations.per_head:
+    if parallel is None or rotations.kv_heads is None:
         return rotations
     rank, size = parallel
     if kv_heads % size:
