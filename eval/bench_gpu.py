@@ -19,7 +19,8 @@ The config's ``benchmark`` field picks what runs (``--set decode.repeats=5`` ove
   tensor parallelism (``eval/tp_decode.py`` under torchrun). Skipped, with the reason, on fewer GPUs.
 
 Each run writes ``<out>/<name>.json``, ``.md`` (tables) and ``.png`` with the command, the machine and
-the UTC date, and prints the tables. Every case is guarded: an OOM or error is recorded in its row
+the UTC date, and prints the tables. Runs of one benchmark split to fit a time limit (one a batch, say)
+become one result with ``--merge PART.json ... --name NAME``, each run's provenance kept. Every case is guarded: an OOM or error is recorded in its row
 and the run goes on. Timing is a median after warm-up, with CUDA events on a GPU
 (``triton.testing.do_bench``; ``do_bench_cudagraph`` for graph-replayed kernels) and
 ``time.perf_counter`` on CPU, which only the smoke test (tests/test_bench_gpu.py) uses. Baselines run
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eval.benchmarks import RESULTS, e2e, graph, kernel, memory, multigpu
-from eval.benchmarks.config import apply_sets, deep_merge
+from eval.benchmarks.config import apply_sets, deep_merge, union_configs
 from oscar_hf.provenance import command_line, provenance, provenance_line
 
 BENCHMARKS = {
@@ -75,24 +76,50 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
         "config": config,
         "cases": cases,
     }
+    write_result(result, out_dir)
+    return result
+
+
+def merge_runs(parts: list[dict], name: str) -> dict:
+    """One result from several runs of one benchmark: their cases in order, a config whose lists hold
+    every run's values, and each run's command, machine, date, time and config under ``runs``."""
+    if len({part["benchmark"] for part in parts}) != 1:
+        raise ValueError(f"--merge takes runs of one benchmark, got {sorted({p['benchmark'] for p in parts})}")
+    runs = [{key: part[key] for key in ("command", "machine", "date", "seconds", "config")} for part in parts]
+    return {
+        **{key: value for key, value in parts[0].items() if key not in ("name", "cases", "runs")},
+        "name": name,
+        "seconds": round(sum(part["seconds"] for part in parts), 1),
+        "config": union_configs([part["config"] for part in parts]),
+        "cases": [case for part in parts for case in part["cases"]],
+        "runs": runs,
+    }
+
+
+def write_result(result: dict, out_dir: Path) -> None:
+    """``<out_dir>/<name>.json``, ``.md`` and ``.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / name
+    stem = out_dir / result["name"]
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n")
     stem.with_suffix(".md").write_text(markdown(result))
-    bench.plot(result, stem.with_suffix(".png"))
-    return result
+    BENCHMARKS[result["benchmark"]].plot(result, stem.with_suffix(".png"))
 
 
 def markdown(result: dict) -> str:
     body = BENCHMARKS[result["benchmark"]].markdown(result)
-    footer = f"{provenance_line(result)} ({result['seconds']} s)."
+    runs = result.get("runs", [result])
+    footer = "\n\n".join(f"{provenance_line(run)} ({run['seconds']} s)." for run in runs)
     description = f"{result['description']}\n\n" if result["description"] else ""
     return f"# {result['name']}\n\n{description}{body}\n\n{footer}\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path)
+    source.add_argument(
+        "--merge", type=Path, nargs="+", metavar="PART", help="result JSON files to merge (with --name)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", help="output file name (default: the config's name, else its file stem)")
     parser.add_argument(
@@ -104,6 +131,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="override a config field, e.g. --set batches=[1] --set decode.repeats=5",
     )
     args = parser.parse_args(argv)
+    if args.merge:
+        if not args.name:
+            parser.error("--merge needs --name")
+        result = merge_runs([json.loads(path.read_text()) for path in args.merge], args.name)
+        write_result(result, args.out)
+        print(markdown(result))
+        return result
     config = apply_sets(json.loads(args.config.read_text()), args.sets)
     command = command_line("python -m eval.bench_gpu", argv)
     result = run_benchmark(config, args.out, args.name or config.get("name") or args.config.stem, command)

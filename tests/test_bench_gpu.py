@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval import tp_decode
+from eval import bench_gpu, tp_decode
 from eval.bench_gpu import resolve_config, run_benchmark
 from eval.benchmarks import REPO, multigpu
 from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for, with_bundled_widths
@@ -137,6 +137,24 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
     kernel = next(r for r in result["cases"] if r["method"] == "oscar_triton")
     assert kernel["status"] == "ok" and kernel["check"] == "match" and kernel["max_abs_err"] < 2e-2, kernel
     assert kernel["speedup_eager_us"] > 0
+
+
+def test_runs_of_one_benchmark_merge_into_one_result(tmp_path):
+    """``--merge``: one batch a run becomes one result holding every case and each run's provenance."""
+    methods = {"methods": ["sdpa_bf16"]}
+    for batch in (1, 2):
+        _run({**TINY_KERNEL, **methods, "batches": [batch]}, tmp_path, f"part_b{batch}")
+    parts = [str(tmp_path / f"part_b{batch}.json") for batch in (1, 2)]
+    result = bench_gpu.main(["--merge", *parts, "--name", "merged", "--out", str(tmp_path)])
+    assert [row["batch"] for row in result["cases"]] == [1, 2]
+    assert result["config"]["batches"] == [1, 2] and [run["command"] for run in result["runs"]] == [
+        "pytest part_b1",
+        "pytest part_b2",
+    ]
+    page = (tmp_path / "merged.md").read_text()
+    assert "`pytest part_b1`" in page and "`pytest part_b2`" in page and (tmp_path / "merged.png").stat().st_size
+    with pytest.raises(ValueError, match="one benchmark"):
+        bench_gpu.merge_runs([result, {**result, "benchmark": "e2e"}], "mixed")
 
 
 def test_e2e_benchmark(tmp_path):

@@ -33,3 +33,16 @@ def apply_sets(config: dict, assignments: Iterable[str]) -> dict:
             node = node.setdefault(key, {})
         node[last] = value
     return config
+
+
+def union_configs(configs: list[dict]) -> dict:
+    """The first config with every list holding the values of all configs' lists at that key, in order."""
+    merged = copy.deepcopy(configs[0])
+    for other in configs[1:]:
+        for key, value in other.items():
+            mine = merged.get(key)
+            if isinstance(value, dict) and isinstance(mine, dict):
+                merged[key] = union_configs([mine, value])
+            elif isinstance(value, list) and isinstance(mine, list):
+                merged[key] = mine + [item for item in value if item not in mine]
+    return merged
