@@ -17,7 +17,8 @@ import oscar_hf
 from oscar_hf import OscarCache
 from oscar_hf.config import METHODS
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.core.frozen_decoding import StaticDecoding
+from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
+from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.storage import aligned_rows
 from tests.conftest import forward, generate, tiny_model
 from tests.test_cache_contract import left_pad, prompts
@@ -153,6 +154,7 @@ def test_caches_that_cannot_be_frozen_say_why(tiny, caplog):
         tiny(ids, attention_mask=mask, use_cache=True, **{cache_keyword(tiny): none})
     assert not none.start_static(100)
     assert "keeps everything in BF16" in caplog.text
+    assert graphs_unsupported([layer for layer in none.layers if isinstance(layer, OscarLayer)], 16) is not None
 
 
 def test_models_with_sliding_window_layers_decode_eagerly(static_steps):

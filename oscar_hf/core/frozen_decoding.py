@@ -111,6 +111,8 @@ def graphs_unsupported(layers: Sequence[Any], dim: int) -> str | None:
     the static lengths on the host."""
     for layer in layers:
         key, value = layer.config.key, layer.config.value
+        if key is None or value is None:
+            return "the layers store BF16 only (method 'none')"
         if not kernel_supports_decode(dim, key.bits, value.bits, dim // key.group_of(dim), dim // value.group_of(dim)):
             return f"the decode kernel does not take head_dim {dim} at K{key.bits} V{value.bits}"
     return None
