@@ -150,6 +150,7 @@ E2E_COLUMNS: list[Column] = [
     ("cache", "cache", ""),
     ("tokens/s (generate)", "tokens_per_s", ".1f"),
     ("median step ms", "step_ms", ".2f"),
+    ("tokens/s at the median step", "step_tokens_per_s", ".1f"),
     ("speedup vs Dynamic", "speedup_tokens_per_s", ".2f"),
     ("KV GiB", "kv_bytes", "GiB"),
     ("roofline ms", "roofline_ms", ".2f"),
@@ -191,19 +192,17 @@ SHORT_COLUMNS: list[Column] = [
 def e2e_markdown(result: dict) -> str:
     cases = result["cases"]
     columns = E2E_COLUMNS + call_columns(result["config"]["decode"].get("call_new_tokens", []))
-    short = [r for r in cases if r.get("part") == "short"]
-    return (
-        "Decoding\n\n"
-        + table([r for r in cases if r.get("part") == "decode"], columns)
-        + (
-            "\n\nShort generations (a fresh cache and a real prefill each, as lm-eval's generation tasks run)\n\n"
-            + table(short, SHORT_COLUMNS)
-            if short
-            else ""
-        )
-        + "\n\nPrefill (real forward, quantize-on-write included)\n\n"
-        + table([r for r in cases if r.get("part") == "prefill"], PREFILL_COLUMNS)
-    )
+    sections = [
+        ("Decoding", "decode", columns),
+        (
+            "Short generations (a fresh cache and a real prefill each, as lm-eval's generation tasks run)",
+            "short",
+            SHORT_COLUMNS,
+        ),
+        ("Prefill (real forward, quantize-on-write included)", "prefill", PREFILL_COLUMNS),
+    ]
+    tables = [(title, [r for r in cases if r.get("part") == part], cols) for title, part, cols in sections]
+    return "\n\n".join(f"{title}\n\n{table(rows, cols)}" for title, rows, cols in tables if rows)
 
 
 def e2e_plot(result: dict, path: Path) -> None:
