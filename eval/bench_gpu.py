@@ -81,17 +81,26 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
 
 
 def merge_runs(parts: list[dict], name: str) -> dict:
-    """One result from several runs of one benchmark: their cases in order, a config whose lists hold
-    every run's values, and each run's command, machine, date, time and config under ``runs``."""
+    """One result from several runs of one benchmark: their cases in order, each marked with the settings
+    its run differs in (e.g. ``k_bits``), a config whose lists hold every run's values, and each run's
+    command, machine, date, time and config under ``runs``."""
     if len({part["benchmark"] for part in parts}) != 1:
         raise ValueError(f"--merge takes runs of one benchmark, got {sorted({p['benchmark'] for p in parts})}")
     runs = [{key: part[key] for key in ("command", "machine", "date", "seconds", "config")} for part in parts]
+    configs = [part["config"] for part in parts]
+    differing = [
+        key
+        for key, value in configs[0].items()
+        if not isinstance(value, (dict, list)) and any(config.get(key) != value for config in configs)
+    ]
     return {
         **{key: value for key, value in parts[0].items() if key not in ("name", "cases", "runs")},
         "name": name,
         "seconds": round(sum(part["seconds"] for part in parts), 1),
         "config": union_configs([part["config"] for part in parts]),
-        "cases": [case for part in parts for case in part["cases"]],
+        "cases": [
+            {**{key: part["config"][key] for key in differing}, **case} for part in parts for case in part["cases"]
+        ],
         "runs": runs,
     }
 

@@ -24,7 +24,7 @@ from oscar_hf.quant import QuantizedRows, dequantize
 from . import Benchmark
 from .cases import add_speedups, guarded
 from .models import DTYPES
-from .report import Column, figure, no_data, table
+from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import kernel_times, tensor_bytes
 
 
@@ -157,30 +157,50 @@ KERNEL_COLUMNS: list[Column] = [
 ]
 
 
+WIDTH_COLUMNS: list[Column] = [("K bits", "k_bits", ""), ("V bits", "v_bits", "")]
+
+
 def kernel_markdown(result: dict) -> str:
-    """The kernel rows as one markdown table."""
-    return table(result["cases"], KERNEL_COLUMNS)
+    """The kernel rows as one markdown table, with their widths where runs of several are merged."""
+    widths = WIDTH_COLUMNS if any("k_bits" in row or "v_bits" in row for row in result["cases"]) else []
+    return table(result["cases"], KERNEL_COLUMNS[:3] + widths + KERNEL_COLUMNS[3:])
+
+
+def _line_of(row: dict) -> str:
+    """A row's method, with its widths where the row carries them."""
+    widths = f" K{row['k_bits']} V{row['v_bits']}" if "k_bits" in row and "v_bits" in row else ""
+    return row["method"] + widths
 
 
 def kernel_plot(result: dict, path: Path) -> None:
-    """Time vs context, one panel per batch, one line per method (log y)."""
+    """Time vs context, one panel per batch, one line per method and widths (log y); bars at one context."""
     batches = result["config"]["batches"]
+    ok = [r for r in result["cases"] if r.get("status") == "ok"]
+    lines = list(dict.fromkeys(_line_of(r) for r in ok))
+    one_context = len({r["context"] for r in ok}) == 1
     fig, axes = figure(len(batches))
     for ax, batch in zip(axes[0], batches):
-        for method in result["config"]["methods"]:
-            points = [
-                (r["context"], r.get("graph_us") or r.get("eager_us"))
-                for r in result["cases"]
-                if r["batch"] == batch and r["method"] == method and r.get("status") == "ok"
-            ]
+        time_of = {
+            (r["context"], _line_of(r)): r.get("graph_us") or r.get("eager_us") for r in ok if r["batch"] == batch
+        }
+        if not time_of:
+            no_data(ax)
+            continue
+        ax.set_ylabel("µs per layer (graph replay, else eager)")
+        if one_context:
+            context = ok[0]["context"]
+            bars(ax, lines, {"µs": [time_of.get((context, line)) for line in lines]}, ax.get_ylabel())
+            ax.set_title(f"decode attention at {short_tokens(context)} tokens, batch {batch}")
+            continue
+        for line in lines:
+            points = sorted((c, t) for (c, name), t in time_of.items() if name == line)
             if points:
-                ax.plot(*zip(*points), marker="o", label=method)
+                ax.plot(*zip(*points), marker="o", label=line)
         ax.set_yscale("log")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("µs per layer (graph replay, else eager)")
         ax.set_title(f"decode attention, batch {batch}")
-        ax.legend() if ax.lines else no_data(ax)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
