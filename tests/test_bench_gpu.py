@@ -140,18 +140,21 @@ def test_kernel_benchmark_cli_runs_the_triton_kernel_in_the_interpreter(tmp_path
 
 
 def test_runs_of_one_benchmark_merge_into_one_result(tmp_path):
-    """``--merge``: one batch a run becomes one result holding every case and each run's provenance."""
+    """``--merge``: runs of one batch and width each become one result holding every case, marked with the
+    width its run took, and each run's provenance."""
     methods = {"methods": ["sdpa_bf16"]}
     for batch in (1, 2):
-        _run({**TINY_KERNEL, **methods, "batches": [batch]}, tmp_path, f"part_b{batch}")
+        _run({**TINY_KERNEL, **methods, "batches": [batch], "k_bits": 2 * batch}, tmp_path, f"part_b{batch}")
     parts = [str(tmp_path / f"part_b{batch}.json") for batch in (1, 2)]
     result = bench_gpu.main(["--merge", *parts, "--name", "merged", "--out", str(tmp_path)])
-    assert [row["batch"] for row in result["cases"]] == [1, 2]
+    assert [(row["batch"], row["k_bits"]) for row in result["cases"]] == [(1, 2), (2, 4)]
+    assert all("v_bits" not in row for row in result["cases"])  # the same in both runs
     assert result["config"]["batches"] == [1, 2] and [run["command"] for run in result["runs"]] == [
         "pytest part_b1",
         "pytest part_b2",
     ]
     page = (tmp_path / "merged.md").read_text()
+    assert "| K bits |" in page and "| 400 | 2 | sdpa_bf16 | 4 |" in page
     assert "`pytest part_b1`" in page and "`pytest part_b2`" in page and (tmp_path / "merged.png").stat().st_size
     with pytest.raises(ValueError, match="one benchmark"):
         bench_gpu.merge_runs([result, {**result, "benchmark": "e2e"}], "mixed")

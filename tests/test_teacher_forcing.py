@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, RotationSet
-from oscar_hf.calibration.teacher_forcing import history_lengths, teacher_forced_logits
+from oscar_hf.calibration.teacher_forcing import history_lengths, teacher_forced_logits, token_stats
 from oscar_hf.core.layer import OscarLayer
 from tests.conftest import forward
 
@@ -105,3 +105,16 @@ def test_quantization_changes_the_logits(tiny):
     first_quantized = SMALL["sink"] + SMALL["recent"] + SMALL["block"] - 1
     torch.testing.assert_close(int2[:, :first_quantized], exact[:, :first_quantized])
     assert (int2[:, first_quantized:] - exact[:, first_quantized:]).abs().max() > 1e-3
+
+
+def test_token_stats_do_not_depend_on_the_chunk_of_positions():
+    """The log-probabilities are taken a few positions at a time; the statistics are those of one pass."""
+    generator = torch.Generator().manual_seed(0)
+    logits, reference = torch.randn(2, 10, 50, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (10,), generator=generator)
+    whole = token_stats(logits, reference, targets, chunk=10)
+    for got, want in zip(token_stats(logits, reference, targets, chunk=3), whole):
+        torch.testing.assert_close(got, want)
+    log_probs, expected = logits.float().log_softmax(-1), reference.float().log_softmax(-1)
+    torch.testing.assert_close(whole[1], (expected.exp() * (expected - log_probs)).sum(-1))
+    torch.testing.assert_close(whole[0], -log_probs[torch.arange(10), targets])

@@ -169,15 +169,23 @@ def window_starts(n_tokens: int, context: int, windows: int) -> list[int]:
 
 
 def token_stats(
-    log_probs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor, chunk: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per position: NLL of the target, KL(reference || log_probs) in nats, and top-1 agreement (0/1).
+    """Per position: NLL of the target, KL(reference || logits) in nats, and top-1 agreement (0/1).
 
-    ``log_probs`` and ``reference`` are ``[positions, vocab]`` log-probabilities, ``targets`` ``[positions]``.
+    ``logits`` and ``reference`` are ``[positions, vocab]`` logits, ``targets`` ``[positions]``. The
+    float32 log-probabilities are taken ``chunk`` positions at a time: for a whole window over a large
+    vocabulary they would take several times the memory of the model's own activations.
     """
-    nll = -log_probs.gather(-1, targets[:, None])[:, 0]
-    kl = (reference.exp() * (reference - log_probs)).sum(-1)
-    agree = (log_probs.argmax(-1) == reference.argmax(-1)).float()
+    parts = []
+    for start in range(0, targets.numel(), chunk):
+        rows = slice(start, start + chunk)
+        log_probs, expected = _log_probs(logits[rows]), _log_probs(reference[rows])
+        nll = -log_probs.gather(-1, targets[rows, None])[:, 0]
+        kl = (expected.exp() * (expected - log_probs)).sum(-1)
+        agree = (log_probs.argmax(-1) == expected.argmax(-1)).float()
+        parts.append((nll, kl, agree))
+    nll, kl, agree = (torch.cat(column) for column in zip(*parts))
     return nll, kl, agree
 
 
@@ -208,20 +216,20 @@ def position_stats_of_caches(
     for start in starts:
         ids = token_ids[start : start + context][None].to(device)
         bar.set_postfix_str(f"window at {start}, none")
-        reference = _log_probs(teacher_forced_logits(model, ids, reference_cache))
+        reference = teacher_forced_logits(model, ids, reference_cache)[0, :-1]
         bar.update()
         for label, cache in caches.items():
             if cache.oscar_config.quantized:
                 bar.set_postfix_str(f"window at {start}, {label}")
-                log_probs = _log_probs(teacher_forced_logits(model, ids, cache))
+                logits = teacher_forced_logits(model, ids, cache)[0, :-1]
                 bar.update()
             else:
-                log_probs = reference
-            sums[label] += torch.stack(token_stats(log_probs, reference, ids[0, 1:])).double().cpu()
-            del log_probs
+                logits = reference
+            sums[label] += torch.stack(token_stats(logits, reference, ids[0, 1:])).double().cpu()
+            del logits
     bar.close()
     return {label: s / len(starts) for label, s in sums.items()}, starts
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
-    return logits[0, :-1].float().log_softmax(dim=-1)
+    return logits.float().log_softmax(dim=-1)
