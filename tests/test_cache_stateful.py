@@ -317,7 +317,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.method = data.draw(st.sampled_from(self.methods), label="method")
         arch = data.draw(st.sampled_from(["llama", "qwen3"]), label="arch")
         per_head = not METHODS[self.method].shared_rotations and data.draw(st.booleans(), label="per_head")
-        self.decode_graphs = data.draw(st.sampled_from([None, True]), label="decode_graphs")
+        decode_graphs = data.draw(st.sampled_from([None, True]), label="decode_graphs")
+        self.start(arch, per_head, decode_graphs, data.draw(st.integers(0, 2**16), label="token seed"))
+
+    def start(self, arch: str, per_head: bool, decode_graphs: bool | None, token_seed: int) -> None:
+        """A new cache of ``self.method`` on the tiny ``arch`` model, and no batch yet."""
+        self.decode_graphs = decode_graphs
         self.model, self.reference_model = models(arch)
         self.rotations = random_rotations(per_head)
         self.cache = OscarCache(
@@ -326,7 +331,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.quantized = FORMATS[self.method] is not None
         self.expected: Expected | None = None  # None: the next prefill starts a new batch
         self.saved: tuple[OscarCache, Expected | None] | None = None
-        self.tokens = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="token seed"))
+        self.tokens = torch.Generator().manual_seed(token_seed)
 
     # ------------------------------------------------------------------------------- steps
     @precondition(lambda self: self.expected is None or self.expected.length < MAX_TOKENS)
@@ -535,3 +540,18 @@ def test_a_chunk_just_over_the_window_sends_its_oldest_rows_to_the_history():
     forward(model, torch.arange(8, 17)[None], cache)  # 9 more: 10 in the window, 2 over `recent`
     # the window's oldest row and the chunk's first go to the history, the last 8 (recent) stay
     assert [tiers(layer) for layer in cache.layers] == [(4, 2, 8)] * len(LAYERS)
+
+
+@pytest.mark.parametrize("thaw", ["repeat", "thaw"])
+def test_an_eager_step_after_a_frozen_step_that_demoted_matches_the_reference(thaw):
+    """A cache frozen at a one-token step that demoted a block, then thawed, steps eagerly as the reference does."""
+    machine = CacheMachine()
+    machine.method = "oscar-int2-paper"
+    machine.start("llama", per_head=False, decode_graphs=True, token_seed=0)
+    machine.expected = Expected.start(torch.tensor([0, 1]))  # the second row left-padded by one
+    machine.step(14)  # a sink of 5 rows and a full window of 9: the next token demotes a block
+    machine.step(1)  # its update demotes the block, then its attention freezes the cache
+    machine.tiers_match()
+    getattr(machine, thaw)()
+    machine.step(1)
+    machine.tiers_match()

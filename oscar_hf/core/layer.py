@@ -178,15 +178,18 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
         if self._pending is None:
             raise RuntimeError("no pending chunk: call stash() first")
         chunk, self._pending = self._pending, None
+        # The rows demoted ahead belong to this step, eager or frozen (a step that freezes the cache
+        # never plans eagerly): a later step must not count them as still in the window.
+        self._demoted_ahead = 0
         return chunk.keys, chunk.values
 
     def begin_step(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, StepPlan]:
         """Take the pending chunk (not rotated), plan its placement and demote overflowing recent rows."""
         self._leave_static()
+        ahead = self._demoted_ahead
         keys, values = self.take_pending()
         self._observe_padding(attention_mask, keys.shape[2])
-        plan = self._plan(keys.shape[2])
-        self._demoted_ahead = 0
+        plan = self._plan(keys.shape[2], ahead)
         self._demote(plan.demote)
         return keys, values, plan
 
@@ -288,17 +291,18 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, CacheLaye
     def demotion_jobs_ahead(self, new_tokens: int) -> list[QuantizeJob]:
         """The demotions of the next step of ``new_tokens``, taken before it starts (the cache runs every
         layer's at once); the step's own plan then counts those rows as still in the window."""
-        self._demoted_ahead = self._plan(new_tokens).demote
+        self._demoted_ahead = self._plan(new_tokens, 0).demote
         return self.demotion_jobs(self._demoted_ahead) if self._demoted_ahead else []
 
-    def _plan(self, new_tokens: int) -> StepPlan:
+    def _plan(self, new_tokens: int, ahead: int) -> StepPlan:
+        """Where ``new_tokens`` go, ``ahead`` of the window's oldest rows already demoted for this step."""
         length = self.get_seq_length()
         # Until every row has started, everything seen so far may precede a row's first real token.
         sink_end = self.sink_end if self.sink_end is not None else length + new_tokens + self.config.sink
         to_sink = 0
         if self.history_length == 0 and self.recent_keys.length == 0:
             to_sink = max(0, min(new_tokens, sink_end - self.sink_keys.length))
-        overflow, ahead = 0, self._demoted_ahead
+        overflow = 0
         if self.config.quantized:
             window = self.recent_keys.length + ahead + new_tokens - to_sink
             if window >= self.config.recent + self.config.block:
