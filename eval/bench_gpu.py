@@ -21,10 +21,10 @@ The config's ``benchmark`` field picks what runs (``--set decode.repeats=5`` ove
 Each run writes ``<out>/<name>.json``, ``.md`` (tables) and ``.png`` with the command, the machine and
 the UTC date, and prints the tables. Runs of one benchmark split to fit a time limit (one a batch, say)
 become one result with ``--merge PART.json ... --name NAME``, each run's provenance kept. Every case
-is guarded: an OOM or error is recorded in its row and the run goes on. Timing is a median after warm-up, with CUDA events on a GPU
-(``triton.testing.do_bench``; ``do_bench_cudagraph`` for graph-replayed kernels) and
-``time.perf_counter`` on CPU, which only the smoke test (tests/test_bench_gpu.py) uses. Baselines run
-in the same process, on the same inputs' shapes.
+is guarded: an OOM or error is recorded in its row and the run goes on. Timing is a median after
+warm-up, with CUDA events on a GPU (``triton.testing.do_bench``; ``do_bench_cudagraph`` for
+graph-replayed kernels) and ``time.perf_counter`` on CPU, which only the smoke test
+(tests/test_bench_gpu.py) uses. Baselines run in the same process, on the same inputs' shapes.
 
 This script is the harness (config, result files, command line); each benchmark lives in its module
 under ``eval/benchmarks/``.
