@@ -46,6 +46,13 @@ gpu_tests() {  # the GPU test files given (default: all), under a header line wi
     echo "$command  # $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $versions, $(date -u +%F)"
     $command
 }
+merge() {  # merge NAME PART...: runs of one benchmark (one a batch or width) as one result, when there are several
+    local name=$1
+    shift
+    [ $# -gt 1 ] && python3 -m eval.bench_gpu --merge "$@" --name "$name" --out "$work" >"$work/merge_$name.log" 2>&1
+    tar czf "$out/results.tgz" -C "$work" .
+}
+
 export -f gpu_tests
 export GPU_TEST_FILES
 
@@ -66,6 +73,8 @@ for step in "$@"; do
             run kernel_k4v2_gluon 120 $bench $one --set k_bits=4 --name kernel_k4v2_gluon
             run kernel_k2v1_gluon 120 $bench $one --set v_bits=1 --name kernel_k2v1_gluon
             run kernel_k4v1_gluon 120 $bench $one --set k_bits=4 --set v_bits=1 --name kernel_k4v1_gluon
+            merge kernel_widths "$work"/kernel_k2_gluon.json "$work"/kernel_k4v2_gluon.json "$work"/kernel_k2v1_gluon.json \
+                "$work"/kernel_k4v1_gluon.json
             [ "${KERNEL_BITS:-all}" = gluon ] && continue  # KERNEL_BITS=gluon: the Gluon span's widths only
             run kernel_k2v1_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set v_bits=1 --name kernel_k2v1_triton
             for k in 2 3 4; do
@@ -103,7 +112,8 @@ for step in "$@"; do
                 run "e2e_100k_b$batch" 560 $bench --config eval/configs/bench_e2e.json --name "bench_e2e_100k_b$batch" \
                     --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set "batches=[$batch]" \
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 "${extra[@]}"
-            done ;;
+            done
+            merge bench_e2e_100k "$work"/bench_e2e_100k_b*.json ;;
         e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations; one run a batch; at batch 8
             # only OscarCache times whole calls (compiled StaticCache's 512-token calls there take minutes)
             for batch in ${E2E_BATCHES:-1 8}; do
@@ -113,7 +123,8 @@ for step in "$@"; do
                     --set 'models=["qwen3-8b"]' --set 'contexts=[32768]' --set "batches=[$batch]" \
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 \
                     --set 'short_generations.caches=[]' --set 'prefill.caches=[]' ${calls[@]+"${calls[@]}"}
-            done ;;
+            done
+            merge bench_e2e_32k "$work"/bench_e2e_32k_b*.json ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
         graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \
