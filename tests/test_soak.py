@@ -30,7 +30,7 @@ def test_a_short_soak_passes_its_checks_and_writes_its_results(tmp_path):
 
 def _never_demote(monkeypatch):
     plan = OscarLayer._plan
-    monkeypatch.setattr(OscarLayer, "_plan", lambda self, new: StepPlan(plan(self, new).to_sink, 0, 0))
+    monkeypatch.setattr(OscarLayer, "_plan", lambda self, new, ahead: StepPlan(plan(self, new, ahead).to_sink, 0, 0))
 
 
 def _corrupt_history(monkeypatch):
