@@ -110,9 +110,9 @@ def graphs_unsupported(layers: Sequence[Any], dim: int) -> str | None:
     graphs, or None: shapes and widths the decode kernel does not take run the torch reference, which reads
     the static lengths on the host."""
     for layer in layers:
+        if not layer.config.quantized:
+            return "the layers keep everything in BF16"
         key, value = layer.config.key, layer.config.value
-        if key is None or value is None:
-            return "the layers store BF16 only (method 'none')"
         if not kernel_supports_decode(dim, key.bits, value.bits, dim // key.group_of(dim), dim // value.group_of(dim)):
             return f"the decode kernel does not take head_dim {dim} at K{key.bits} V{value.bits}"
     return None
