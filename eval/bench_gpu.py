@@ -80,27 +80,37 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
     return result
 
 
+# The settings that name a case in the benchmarks' rows (a merge keeps the latest run's case of each name).
+CASE_KEYS = ("part", "model", "context", "batch", "cache", "method", "kernel", "shape", "k_bits", "v_bits")
+
+
 def merge_runs(parts: list[dict], name: str) -> dict:
     """One result from several runs of one benchmark: their cases in order, each marked with the settings
-    its run differs in (e.g. ``k_bits``), a config whose lists hold every run's values, and each run's
-    command, machine, date, time and config under ``runs``."""
+    its run differs in (e.g. ``k_bits``), a later run's case replacing an earlier one of the same
+    :data:`CASE_KEYS` (a rerun), a config whose lists hold every run's values, and each run's command,
+    machine, date, time and config under ``runs``."""
     if len({part["benchmark"] for part in parts}) != 1:
         raise ValueError(f"--merge takes runs of one benchmark, got {sorted({p['benchmark'] for p in parts})}")
     runs = [{key: part[key] for key in ("command", "machine", "date", "seconds", "config")} for part in parts]
     configs = [part["config"] for part in parts]
+    keys = dict.fromkeys(key for config in configs for key in config if key != "description")
     differing = [
         key
-        for key, value in configs[0].items()
-        if not isinstance(value, (dict, list)) and any(config.get(key) != value for config in configs)
+        for key in keys
+        if not any(isinstance(config.get(key), (dict, list)) for config in configs)
+        and len({repr(config.get(key)) for config in configs}) > 1
     ]
+    cases: dict[tuple, dict] = {}
+    for part in parts:
+        for case in part["cases"]:
+            case = {**{key: part["config"][key] for key in differing}, **case}
+            cases[tuple(repr(case.get(key)) for key in (*CASE_KEYS, *differing))] = case
     return {
         **{key: value for key, value in parts[0].items() if key not in ("name", "cases", "runs")},
         "name": name,
         "seconds": round(sum(part["seconds"] for part in parts), 1),
         "config": union_configs(configs),
-        "cases": [
-            {**{key: part["config"][key] for key in differing}, **case} for part in parts for case in part["cases"]
-        ],
+        "cases": list(cases.values()),
         "runs": runs,
     }
 

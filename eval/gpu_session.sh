@@ -10,8 +10,7 @@
 #                      tests, diagnosis and timing), multigpu-tests (2 GPUs)
 #   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, e2e-32k, graph, graph-4b, graph-8b-64k, graph-100k,
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
-#   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included;
-#                      step-times-mixed: the mixed widths alone
+#   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
 #   calibration-cost   eval/calibration_cost.py: oscar_hf.calibrate's stages on the 8B shape, time and memory
 #   kernel diagnostics tune, profile, timeline, timeline-32k, merge, floors, kernel-b1, alternating-rows, halves,
@@ -24,7 +23,7 @@ out=$1
 mkdir -p "$out"
 shift
 work=$(mktemp -d)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 bench="python3 -m eval.bench_gpu --out $work"
 
 run() {  # run NAME SECONDS COMMAND...: log to $work/NAME.log, print its tail, repack the archive
@@ -59,7 +58,7 @@ export GPU_TEST_FILES
 for step in "$@"; do
     case $step in
         tests) run gpu_tests 560 bash -c gpu_tests ;;
-        decoding-tests) run gpu_tests_decoding 300 bash -c 'gpu_tests tests/test_static.py tests/test_step_replay.py \
+        decoding-tests) run gpu_tests_decoding 480 bash -c 'gpu_tests tests/test_static.py tests/test_step_replay.py \
                             tests/test_reliability.py tests/test_layer_bits.py tests/test_key_centering.py' ;;
         tune) run tune 300 python3 kernels/tools/tune_decode.py --out "$work" ;;
         kernel) run kernel 120 $bench --config eval/configs/bench_kernel.json ;;
@@ -86,15 +85,8 @@ for step in "$@"; do
         decode-graphs) run gpu_test_decode_graphs 300 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
         step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8, uniform
             # 2-bit layers and the bundled recipe's mixed widths; STEP_BATCHES picks batches (default "1 8")
-            for batch in ${STEP_BATCHES:-1 8}; do
-                run "step_times_b$batch" 300 python3 -m eval.step_times --batch $batch \
-                    --caches dynamic oscar-int2 oscar-int2+mixed-widths --out "$work/step_times_b$batch"
-            done ;;
-        step-times-mixed)  # the mixed widths alone (on the Gluon history span, as decode calls send them)
-            for batch in ${STEP_BATCHES:-1 8}; do
-                run "step_times_mixed_b$batch" 200 python3 -m eval.step_times --batch $batch \
-                    --caches oscar-int2+mixed-widths --rounds 2 --out "$work/step_times_mixed_b$batch"
-            done ;;
+            run step_times 580 python3 -m eval.step_times --batch ${STEP_BATCHES:-1 8} \
+                --caches dynamic oscar-int2 oscar-int2+mixed-widths --out "$work/step_times" ;;
         gluon-tests) run gpu_tests_gluon 300 bash -c 'gpu_tests tests/test_gluon_history.py tests/test_key_centering.py' ;;
         e2e | e2e-4b)
             model=qwen3-8b name=bench_e2e

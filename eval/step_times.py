@@ -1,14 +1,14 @@
 """Wall time of every step of one ``model.generate`` call, per cache: what the first steps cost.
 
-    python -m eval.step_times [--model qwen3-8b] [--context 100000] [--batch 1] [--new-tokens 64]
+    python -m eval.step_times [--model qwen3-8b] [--context 100000] [--batch 1 8] [--new-tokens 64]
                               [--caches dynamic oscar-int2 oscar-int2+eager-layout]
 
 On CUDA plain ``generate`` with an OscarCache freezes the cache at its first decode step and replays
 whole steps from a CUDA graph (:mod:`oscar_hf.core.step_replay`): the first call of a shape in a process
-compiles and captures, a later one captures its first step at once; a short benchmark's tokens/s mixes
-that one-time cost with the per-token rate. A logits processor records a synchronised timestamp after
-every step. Each cache runs a first call, then ``--rounds`` times on a fresh fill, the caches in turn
-(the device host's speed drifts, which would favour whichever cache ran in a fast stretch); the round of
+compiles and captures, a later one on a fresh cache replays the graph the last call's cache left
+(:mod:`oscar_hf.core.step_reuse`); a short benchmark's tokens/s mixes that one-time cost with the per-token
+rate. A logits processor records a synchronised timestamp after every step. Each cache runs a first call,
+then ``--rounds`` later calls in a row, each on a fresh fill, as a user's repeated calls do; the round of
 median steady step is reported: its first steps, the median of the rest, and the one-time cost (the
 first steps' excess over that median; of it, generate's preparation before its first forward, which every
 cache pays, and the rest, the cache's set-up), with every round's steady step, and the first call's. Writes ``<out>/step_times.{json,md,png}``.
@@ -17,6 +17,7 @@ cache pays, and the rest, the cache's set-up), with every round's steady step, a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for
-from eval.benchmarks.cases import free_memory, median_round
+from eval.benchmarks.cases import free_memory, guarded, median_round
 from eval.benchmarks.decoding import generate
 from eval.benchmarks.models import (
     add_model_arguments,
@@ -36,6 +37,7 @@ from eval.benchmarks.models import (
     random_rotations,
     random_tokens,
 )
+from oscar_hf import release_captured_steps
 from oscar_hf.model_info import full_attention_layer_ids, head_dim_of
 from oscar_hf.provenance import command_line, provenance, provenance_line
 
@@ -109,45 +111,68 @@ def write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_times.json").write_text(json.dumps(result, indent=1))
     lines = [
-        f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, batch "
-        f"{result['batch']}, {result['new_tokens']} new tokens, every step synchronised. The first call "
-        f"of each cache in the process (compiling, capturing), then {result['rounds']} rounds of later calls "
-        "with the caches in turn, each on a fresh cache; the round of median steady step shown. One-time "
-        "cost: the first steps' excess over the steady step; of which generate's preparation: from the "
-        "call to its first forward (every cache pays it), the rest: the cache's set-up in the forwards "
-        "(freezing and capturing for OscarCache).\n",
-        "| cache | first call: one-time cost ms | later call: first steps ms | later call: one-time cost ms "
+        f"# Steps of one generate call\n\n{result['model']}, context {result['context']}, "
+        f"{result['new_tokens']} new tokens, every step synchronised. The first call of each cache in the "
+        f"process (compiling, capturing), then {result['rounds']} later calls in a row, each on a fresh "
+        "cache; the round of median steady step shown. One-time cost: the first steps' excess over the "
+        "steady step; of which generate's preparation: from the call to its first forward (every cache "
+        "pays it), the rest: the cache's set-up in the forwards (freezing, and capturing or taking the "
+        "step the last call left, for OscarCache).\n",
+        "| batch | cache | first call: one-time cost ms | later call: first steps ms | later call: one-time cost ms "
         "| of which generate's preparation ms | of which in the forwards ms | steady step ms "
         "| steady step ms, each round |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, row in result["caches"].items():
-        first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
-        each = " / ".join(f"{t:.1f}" for t in row["steady_step_ms_rounds"])
-        lines.append(
-            f"| {name} | {row['first_call']['one_time_ms']:.1f} | {first} | {row['one_time_ms']:.1f} "
-            f"| {row['preparation_ms']:.1f} | {row['forwards_one_time_ms']:.1f} | {row['steady_step_ms']:.2f} "
-            f"| {each} |"
-        )
+    for batch, caches in result["batches"].items():
+        for name, row in caches.items():
+            if row.get("status", "ok") != "ok":
+                failure = "out of memory" if row["status"] == "oom" else row.get("error", row["status"])
+                lines.append(f"| {batch} | {name} | {failure} |" + " |" * 6)
+                continue
+            first = " / ".join(f"{t:.1f}" for t in row["first_steps_ms"])
+            each = " / ".join(f"{t:.1f}" for t in row["steady_step_ms_rounds"])
+            lines.append(
+                f"| {batch} | {name} | {row['first_call']['one_time_ms']:.1f} | {first} | {row['one_time_ms']:.1f} "
+                f"| {row['preparation_ms']:.1f} | {row['forwards_one_time_ms']:.1f} | {row['steady_step_ms']:.2f} "
+                f"| {each} |"
+            )
     lines.append(f"\n{provenance_line(result)}.\n")
     (out / "step_times.md").write_text("\n".join(lines))
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name, row in result["caches"].items():
-        axis.plot(range(1, len(row["steps_ms"]) + 1), row["steps_ms"], label=name)
-    axis.set(
-        xlabel="decode step",
-        ylabel="ms",
-        yscale="log",
-        title=f"{result['model']}, {result['context']} tokens, batch {result['batch']}",
-    )
-    axis.legend()
+    batches = result["batches"]
+    figure, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for axis, (batch, caches) in zip(axes[0], batches.items()):
+        for name, row in caches.items():
+            if "steps_ms" in row:
+                axis.plot(range(1, len(row["steps_ms"]) + 1), row["steps_ms"], label=name)
+        axis.set(xlabel="decode step", ylabel="ms", yscale="log", title=f"batch {batch}")
+        axis.legend()
+    figure.suptitle(f"{result['model']}, {result['context']} tokens")
     figure.tight_layout()
     figure.savefig(out / "step_times.png", dpi=120)
 
 
+def measure_batch(model, batch: int, args, rotations) -> dict:
+    """Each cache's first call, then its later calls in a row: the round of median steady step."""
+
+    def measure(cache_name: str) -> dict:
+        return summary(*step_ms(model, cache_name, batch, args.context, args.new_tokens, rotations))
+
+    def calls(cache_name: str) -> dict:
+        release_captured_steps()  # the later calls find the step their own cache's last call left
+        first = measure(cache_name)  # compiles, captures
+        rounds = [measure(cache_name) for _ in range(args.rounds)]
+        return {**median_round(rounds, "steady_step_ms", higher_is_faster=False), "first_call": first}
+
+    caches = {}
+    for cache_name in tqdm(args.caches, desc=f"batch {batch}"):
+        caches[cache_name] = guarded({}, functools.partial(calls, cache_name))  # out of memory: noted, the run goes on
+        print(batch, cache_name, {k: v for k, v in caches[cache_name].items() if k != "steps_ms"}, flush=True)
+    return caches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
+    add_model_arguments(parser, several_batches=True)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--caches", nargs="+", default=["dynamic", "oscar-int2", "oscar-int2+eager-layout"])
     parser.add_argument("--rounds", type=int, default=3)
@@ -155,29 +180,16 @@ def main() -> None:
     name, spec = args.model
     model = build_model(spec, args.device, torch.bfloat16)
     rotations = random_rotations(head_dim_of(model), full_attention_layer_ids(model))
-
-    def measure(cache_name: str) -> dict:
-        return summary(*step_ms(model, cache_name, args.batch, args.context, args.new_tokens, rotations))
-
-    first_calls = {cache_name: measure(cache_name) for cache_name in args.caches}  # compiles, captures
-    rounds: dict[str, list[dict]] = {cache_name: [] for cache_name in args.caches}
-    for _, cache_name in tqdm([(r, c) for r in range(args.rounds) for c in args.caches], desc="rounds"):
-        rounds[cache_name].append(measure(cache_name))
-    caches = {name: median_round(rows, "steady_step_ms", higher_is_faster=False) for name, rows in rounds.items()}
-    for cache_name, first in first_calls.items():
-        caches[cache_name]["first_call"] = first
-    for cache_name, row in caches.items():
-        print(cache_name, {k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
+    batches = {str(batch): measure_batch(model, batch, args, rotations) for batch in args.batch}
     write(
         args.out,
         {
             **provenance(command_line()),
             "model": name,
             "context": args.context,
-            "batch": args.batch,
             "new_tokens": args.new_tokens,
             "rounds": args.rounds,
-            "caches": caches,
+            "batches": batches,
         },
     )
 

@@ -23,10 +23,11 @@ from oscar_hf.core.memory import MemoryReport, bits_per_element
 from oscar_hf.core.models import load_model
 from oscar_hf.core.step_guard import CacheBrokenError
 from oscar_hf.core.step_replay import StaticDecoder
+from oscar_hf.core.step_reuse import release_captured_steps
 from oscar_hf.rotations.files import save_rotations
 from oscar_hf.rotations.hub import load_rotations, push_rotations_to_hub
 from oscar_hf.rotations.official import convert_official, load_official
-from oscar_hf.rotations.resolve import resolve_rotations  # also installs OscarCache.from_zoo's reader
+from oscar_hf.rotations.resolve import resolve_rotations
 from oscar_hf.rotations.rotation_set import RotationSet
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "load_official",
     "load_rotations",
     "push_rotations_to_hub",
+    "release_captured_steps",
     "resolve_rotations",
     "save_rotations",
     "teacher_forced_logits",

@@ -9,6 +9,7 @@ With two CUDA GPUs, two more tests check device_map="auto" and tensor parallelis
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -158,6 +159,10 @@ def test_runs_of_one_benchmark_merge_into_one_result(tmp_path):
     assert "`pytest part_b1`" in page and "`pytest part_b2`" in page and (tmp_path / "merged.png").stat().st_size
     with pytest.raises(ValueError, match="one benchmark"):
         bench_gpu.merge_runs([result, {**result, "benchmark": "e2e"}], "mixed")
+    first = json.loads(Path(parts[0]).read_text())  # a rerun of the same cases replaces them
+    rerun = {**first, "cases": [{**case, "eager_us": -1.0} for case in first["cases"]]}
+    merged = bench_gpu.merge_runs([first, rerun], "rerun")
+    assert [case["eager_us"] for case in merged["cases"]] == [-1.0] * len(first["cases"]) and len(merged["runs"]) == 2
 
 
 def test_e2e_benchmark(tmp_path):
@@ -526,6 +531,9 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
         row["steady_step_ms"],
         faster["steady_step_ms"],
     ]
+    options = argparse.Namespace(caches=["oscar-int2"], rounds=2, context=300, new_tokens=6)
+    measured = step_times.measure_batch(model, 2, options, rotations)
+    assert len(measured["oscar-int2"]["steady_step_ms_rounds"]) == 2 and "first_call" in measured["oscar-int2"]
     step_times.write(
         tmp_path,
         {
@@ -534,13 +542,13 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
             "date": "d",
             "model": "tiny",
             "context": 300,
-            "batch": 1,
             "new_tokens": 6,
             "rounds": 3,
-            "caches": {"oscar-int2": {**reported, "first_call": faster}},
+            "batches": {"1": {"oscar-int2": {**reported, "first_call": faster}}, "2": measured},
         },
     )
-    assert f"| oscar-int2 | {faster['one_time_ms']:.1f} |" in (tmp_path / "step_times.md").read_text()
+    table = (tmp_path / "step_times.md").read_text()
+    assert f"| 1 | oscar-int2 | {faster['one_time_ms']:.1f} |" in table and "| 2 | oscar-int2 |" in table
     assert (tmp_path / "step_times.png").stat().st_size > 0
 
 

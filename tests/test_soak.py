@@ -10,7 +10,8 @@ import pytest
 import oscar_hf.core.quantize_jobs as quantize_jobs_module
 import oscar_hf.core.storage as storage_module
 from eval import soak
-from oscar_hf.core.layer import OscarLayer, StepPlan
+from oscar_hf.core.layer import OscarLayer
+from oscar_hf.core.layer_window import StepPlan
 
 
 def test_a_short_soak_passes_its_checks_and_writes_its_results(tmp_path):

@@ -19,8 +19,10 @@ from oscar_hf.config import METHODS
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
 from oscar_hf.core.layer import OscarLayer
+from oscar_hf.core.step_reuse import release_captured_steps
 from oscar_hf.core.storage import aligned_rows
 from tests.conftest import forward, generate, tiny_model
+from tests.test_absorption import random_rotations
 from tests.test_cache_contract import left_pad, prompts
 
 SMALL = dict(sink=4, recent=8, block=4)
@@ -379,6 +381,36 @@ def test_plain_generate_on_gpu_replays_whole_steps(arch, max_cache_len, monkeypa
         assert torch.equal(generate(model, ids, cache, **options), want)
         assert cache.step_decoder.graph is not None and cache.static.replayed is None
         assert cache.step_decoder.compiled_layers and replays["count"] == replayed_steps
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_fresh_cache_replays_the_graph_a_gone_cache_left_on_gpu(arch, monkeypatch):
+    """The graph reads only tensors the step holds: a cache with other rotations and another prompt moves
+    into them and decodes its own tokens without a capture of its own (float32: the eager tokens)."""
+    model = tiny_model(arch, head_dim=64).to("cuda")
+    layers = list(range(model.config.num_hidden_layers))
+    sets = [random_rotations(layers, head_dim=64, seed=seed) for seed in (1, 2)]
+    first, second = (ids[None].cuda() for ids in prompts([300, 300], seed=3))
+    generate(model, first, OscarCache(model, "oscar-int2", rotations=sets[0], **SMALL), max_new_tokens=64)
+    release_captured_steps(model)  # the shapes ran: the next cache captures its first step at once
+    cache = OscarCache(model, "oscar-int2", rotations=sets[0], **SMALL)
+    generate(model, first, cache, max_new_tokens=64)
+    graph = cache.step_decoder.graph
+    del cache  # its rotations go with it: the graph must not read them
+    eager = OscarCache(model, "oscar-int2", rotations=sets[1], decode_graphs=False, **SMALL)
+    want = generate(model, second, eager, max_new_tokens=64)
+    captures = {"count": 0}
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(self, *args, **kwargs):
+        captures["count"] += 1
+        return begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+    cache = OscarCache(model, "oscar-int2", rotations=sets[1], **SMALL)
+    assert torch.equal(generate(model, second, cache, max_new_tokens=64), want)
+    assert cache.step_decoder.graph is graph and captures["count"] == 0
 
 
 def count_replays(monkeypatch) -> dict:

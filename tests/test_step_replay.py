@@ -7,6 +7,8 @@ references; the GPU test in tests/test_static.py captures them.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
@@ -15,8 +17,11 @@ from transformers.masking_utils import sdpa_mask
 from oscar_hf import OscarCache, StaticDecoder
 from oscar_hf.core.attention import oscar_mask
 from oscar_hf.core.frozen_decoding import StaticDecoding
+from oscar_hf.core.step_reuse import release_captured_steps
 from tests.conftest import forward, generate, tiny_model
+from tests.test_absorption import random_rotations
 from tests.test_cache_contract import left_pad, prompts
+from tests.test_per_head_rotations import per_head
 
 SMALL = dict(sink=4, recent=8, block=4)
 
@@ -165,3 +170,93 @@ def test_one_token_steps_without_padding_build_no_mask(tiny, monkeypatch):
     step = dict(batch_size=1, q_length=1, kv_length=40, q_offset=39, allow_is_causal_skip=False)
     assert sdpa_mask(**step) is not None and oscar_mask(**step) is None
     assert oscar_mask(**{**step, "q_length": 2}) is not None
+
+
+def rotated_caches(model, seeds=(1, 2)):
+    """Makers of whole-step caches of the same shapes with different rotations (so that a step read with
+    another cache's rotations shows in the tokens), and the eager reference of each."""
+    layers = list(range(model.config.num_hidden_layers))
+    sets = [random_rotations(layers, seed=seed) for seed in seeds]
+
+    def make(which: int, decode_graphs="step") -> OscarCache:
+        return OscarCache(model, "oscar-int2", rotations=sets[which], decode_graphs=decode_graphs, **SMALL)
+
+    return make
+
+
+def test_a_fresh_cache_decodes_from_the_step_a_gone_cache_left(tiny):
+    """lm-eval and pipelines make a cache per call: the next cache of the same shapes moves its rows and
+    rotations into the step (and so the graph) the last one left with the model, and decodes its own tokens."""
+    release_captured_steps(tiny)
+    make = rotated_caches(tiny)
+    first, second = prompts([30, 30], seed=3)
+    cache = make(0)
+    generate(tiny, first[None], cache, max_new_tokens=20)
+    step = cache.step_decoder.current
+    storage = [tensor.data_ptr() for tensor in cache.layers[0].frame()[0]]
+    del cache  # nothing but its owner holds a cache: its step is left with the model at once
+    want = generate(tiny, second[None], make(1, decode_graphs=False), max_new_tokens=20)
+    cache = make(1)
+    assert torch.equal(generate(tiny, second[None], cache, max_new_tokens=20), want)
+    assert cache.step_decoder.current is step
+    assert [tensor.data_ptr() for tensor in cache.layers[0].frame()[0]] == storage
+
+
+def test_a_step_is_kept_only_once_its_cache_is_gone_and_until_released(tiny):
+    release_captured_steps(tiny)
+    make = rotated_caches(tiny)
+    first, second = prompts([30, 30], seed=3)
+    alive = make(0)
+    out = generate(tiny, first[None], alive, max_new_tokens=20)
+    other = make(1)
+    assert torch.equal(
+        generate(tiny, second[None], other, max_new_tokens=20),
+        generate(tiny, second[None], make(1, decode_graphs=False), max_new_tokens=20),
+    )
+    assert other.step_decoder.current is not alive.step_decoder.current
+    reference = make(0, decode_graphs=False)
+    generate(tiny, first[None], reference, max_new_tokens=20)
+    assert torch.equal(generate(tiny, out, alive, max_new_tokens=6), generate(tiny, out, reference, max_new_tokens=6))
+    steps = [weakref.ref(alive.step_decoder.current), weakref.ref(other.step_decoder.current)]
+    del alive, other  # the last to go is kept, the other freed
+    assert _idle_steps()[tiny] in [step() for step in steps]
+    release_captured_steps(tiny)
+    assert tiny not in _idle_steps() and all(step() is None for step in steps)
+
+
+def test_a_cache_frozen_again_decodes_from_its_own_step(tiny):
+    make = rotated_caches(tiny)
+    ids = prompts([30], seed=3)[0][None]
+    cache, reference = make(0), make(0, decode_graphs=False)
+    out = generate(tiny, ids, cache, max_new_tokens=20)
+    generate(tiny, ids, reference, max_new_tokens=20)
+    step = cache.step_decoder.current
+    cache.crop(-1)  # thaws it; the next step freezes it again at the same shapes
+    reference.crop(-1)
+    assert torch.equal(generate(tiny, out, cache, max_new_tokens=6), generate(tiny, out, reference, max_new_tokens=6))
+    assert cache.step_decoder.current is step
+
+
+def _idle_steps() -> dict:
+    from oscar_hf.core import step_reuse
+
+    return dict(step_reuse._idle)
+
+
+@pytest.mark.parametrize("method", ["naive-int2", "oscar-int2"])
+def test_a_frozen_step_reads_only_rotations_made_when_freezing(tiny, method, monkeypatch):
+    """Rotations a step made for itself would, inside a capture, live in the graph's memory and be recomputed
+    from the layer's masters at every replay: a cache that took the step over would read freed masters."""
+    rotations = per_head() if method == "oscar-int2" else None  # per KV head: prefill expands them per query head
+    cache = OscarCache(tiny, method, rotations=rotations, decode_graphs="step", **SMALL)
+    made_in_steps, run = [], StaticDecoder._run
+
+    def watched(self):
+        before = [set(layer.rotation_copies()) for layer in cache.layers]
+        logits = run(self)
+        made_in_steps.extend(set(layer.rotation_copies()) - seen for layer, seen in zip(cache.layers, before))
+        return logits
+
+    monkeypatch.setattr(StaticDecoder, "_run", watched)  # what a CUDA graph captures
+    generate(tiny, prompts([30], seed=3)[0][None], cache, max_new_tokens=8)
+    assert cache.static is not None and made_in_steps and not any(made_in_steps)

@@ -53,10 +53,10 @@ def model_spec(entry: str | dict) -> tuple[str, dict]:
     return name, {**MODEL_PRESETS.get(preset, {}), **entry}
 
 
-def add_model_arguments(parser) -> None:
-    """``--model`` (a preset or a JSON object), ``--device``, ``--context``, ``--batch``, ``--out``: the
-    options of the single-model diagnostics (``eval/step_times.py``, ``eval/profile_decode.py``,
-    ``eval/host_time.py``)."""
+def add_model_arguments(parser, several_batches: bool = False) -> None:
+    """``--model`` (a preset or a JSON object), ``--device``, ``--context``, ``--batch`` (with
+    ``several_batches``, one or more), ``--out``: the options of the single-model diagnostics
+    (``eval/step_times.py``, ``eval/profile_decode.py``, ``eval/host_time.py``)."""
     parser.add_argument(
         "--model",
         default="qwen3-8b",
@@ -65,7 +65,9 @@ def add_model_arguments(parser) -> None:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--batch", type=int, default=[1] if several_batches else 1, nargs="+" if several_batches else None
+    )
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
 
 

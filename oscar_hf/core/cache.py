@@ -307,7 +307,7 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         # The model config is shared, not copied: the copy must follow the model's attention setting.
         memo[id(self.text_config)] = self.text_config
         memo[id(self.step_decoder)] = None  # it holds the model; a copy sets up a decoder of its own
-        clone = copy.copy(self)
+        clone = memo[id(self)] = copy.copy(self)  # a frozen state's weak reference finds the clone here
         clone.__dict__ = copy.deepcopy(self.__dict__, memo)
         if self.step_decoder is not None:
             clone.step_decoder = step_decoder_for(self.step_decoder.model, clone)

@@ -29,8 +29,10 @@ rows (one copy of the history and new graphs every 4,096 tokens).
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -131,7 +133,7 @@ class StaticDecoding:
     def __init__(
         self, cache: Cache, capacity: int, sink_mask: torch.Tensor | None, replay: bool = False, grows: bool = False
     ):
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # the cache holds this state; no reference cycle delays its end
         self.grows = grows
         self.layers: list[CacheLayerMixin] = list(cache.layers)
         first = self.layers[0]
@@ -146,6 +148,7 @@ class StaticDecoding:
         if capacity - self.sink_rows < self.history_rows:
             raise ValueError(f"a capacity of {capacity} tokens is below the {self.stored_length} already stored")
         for layer in self.layers:
+            layer.make_step_rotations(layer.dtype, layer.device)  # not inside a capture
             # A history preallocated by max_cache_len stays where it is if it is large enough (a left-
             # padded sink is longer than `sink`, so it needs fewer rows than were reserved for it).
             for history in (layer.history_keys, layer.history_values):
@@ -194,6 +197,42 @@ class StaticDecoding:
             )
             for (bits, group, symmetric), same in jobs.items()
         ]
+
+    @property
+    def cache(self) -> Cache | None:
+        """The cache this state freezes (None once it is gone)."""
+        return self._cache()
+
+    def __deepcopy__(self, memo: dict) -> StaticDecoding:
+        """A copy that freezes the cache's copy (``memo`` holds it, :meth:`OscarCache.__deepcopy__`)."""
+        clone = memo[id(self)] = copy.copy(self)
+        cache = self.cache
+        clone.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_cache"}, memo))
+        clone._cache = weakref.ref(memo.get(id(cache), cache))
+        return clone
+
+    def signature(self) -> tuple:
+        """What must agree for another frozen cache to :meth:`take_over` this state's tensors."""
+        mask = None if self.sink_mask is None else tuple(self.sink_mask.shape)
+        sizes = (self.block, self.ring_size, self.sink_rows, self.history_capacity)
+        return sizes, self.grows, self.replay, mask, self.device
+
+    def take_over(self, other: StaticDecoding) -> None:
+        """Serve ``other``'s cache, whose layers now hold this state's frames (same :meth:`signature`), from
+        this state's lengths, mask and demotion launches, with ``other``'s values copied in."""
+        self._cache, self.layers = other._cache, other.layers
+        self.history_rows, self.ring_start, self.ring_rows = other.history_rows, other.ring_start, other.ring_rows
+        self.lengths.copy_(other.lengths)
+        self.window.copy_(other.window)
+        if self.sink_mask is not None:
+            self.sink_mask.copy_(other.sink_mask)
+        for layer in self.layers:
+            layer.static = self
+        self.cache.static = self
+
+    def release(self) -> None:
+        """Forget the cache and layers this state served (they are gone); its tensors stay."""
+        self._cache, self.layers = lambda: None, []
 
     @property
     def stored_length(self) -> int:

@@ -73,7 +73,7 @@ def generate(
     try:
         return model.generate(inputs, **kwargs)
     finally:
-        decoder.stop()  # unfuse the projections; the cache thaws
+        decoder.close()  # unfuse the projections; the cache thaws
         cache.step_decoder = previous
 
 

@@ -1,5 +1,7 @@
-"""The edits transformers makes to a cache layer between steps: reorder and repeat the batch (beam
-search), crop the newest tokens (assisted decoding), and what it may ask but OscarCache refuses."""
+"""The edits made to a cache layer between steps: those transformers makes (reorder and repeat the
+batch for beam search, crop the newest tokens for assisted decoding, and what it may ask but OscarCache
+refuses), and moving the layer's tensors to the addresses a captured decode step reads
+(:mod:`oscar_hf.core.step_reuse`)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from oscar_hf.core.compat import positive_crop_keeps_length
 
 
 class EditedLayer:
-    """Batch reordering, repetition and cropping of :class:`~oscar_hf.core.layer.OscarLayer`'s tiers (a mixin:
-    it reads the layer's buffers and leaves the frozen layout first)."""
+    """Batch reordering, repetition, cropping and moving of :class:`~oscar_hf.core.layer.OscarLayer`'s tiers (a
+    mixin: it reads the layer's buffers; the edits transformers makes leave the frozen layout first)."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -61,6 +63,25 @@ class EditedLayer:
                 history.truncate(history.length - from_history)
         for buffer in (self.sink_keys, self.sink_values):
             buffer.truncate(buffer.length - from_sink)
+
+    def frame(self) -> tuple[list[torch.Tensor], dict[tuple, torch.Tensor]]:
+        """The tensors a frozen decode step of this layer reads and writes: its tiers' storage and the
+        rotations as the step uses them (:meth:`move_into` takes another layer's)."""
+        return [buffer.data for buffer in self._buffers()], self.rotation_copies()
+
+    def frame_signature(self) -> tuple:
+        """What must agree for this layer to :meth:`move_into` another's frame: its quantization (the
+        kernels take widths and clip ratios as constants) and its storage's layout."""
+        layout = [(b.start, tuple(b.data.shape), b.data.stride(), b.data.dtype, b.data.device) for b in self._buffers()]
+        return self.config, tuple(layout)
+
+    def move_into(self, frame: tuple[list[torch.Tensor], dict[tuple, torch.Tensor]]) -> None:
+        """Hold the tensors of ``frame`` (another layer's :meth:`frame`, of the same signature), with this
+        layer's rows and rotations copied in; the tensors this layer held are freed."""
+        storage, rotations = frame
+        for buffer, data in zip(self._buffers(), storage, strict=True):
+            buffer.move_into(data)
+        self.move_rotation_copies_into(rotations)
 
     def offload(self):
         raise NotImplementedError("OscarCache does not support offloading: its packed history is already ~7x smaller")

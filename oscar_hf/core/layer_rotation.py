@@ -40,7 +40,7 @@ class RotatedLayer:
         key_mean: torch.Tensor | None = None,
     ) -> None:
         self.key_rotation, self.value_rotation, self.key_mean = key_rotation, value_rotation, key_mean
-        self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dtype, device) -> R cast once
+        self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dim, dtype, device) -> R cast once
 
     def place_rotations(self, device: torch.device, kv_heads: int) -> None:
         """Check per-head rotations against the layer's ``kv_heads`` and move the float32 R_K / R_V to its
@@ -83,15 +83,7 @@ class RotatedLayer:
     def rotated_key_mean(self, like: torch.Tensor) -> torch.Tensor:
         """``mu @ R_K``, ``[D]`` or ``[H_kv, D]`` (as :func:`~oscar_hf.kernels.rotate.rotate_rows` subtracts
         it), in ``like``'s dtype and device, made once."""
-        key = ("mean", like.dtype, like.device)
-        if key not in self._rotation_copies:
-            mean = self.key_mean.to(like.device)
-            rotation = self.key_rotation
-            if rotation is not None:
-                rotation = rotation.to(like.device)
-                mean = mean @ rotation if rotation.ndim == 2 else (mean.unsqueeze(-2) @ rotation).squeeze(-2)
-            self._rotation_copies[key] = mean.to(like.dtype).contiguous()
-        return self._rotation_copies[key]
+        return self._copy(("mean", None, like.shape[-1], like.dtype, like.device))
 
     def rotate_values(self, states: torch.Tensor) -> torch.Tensor:
         return _rotate(states, self.rotation_for("value", states))
@@ -123,10 +115,45 @@ class RotatedLayer:
         if master is None and not identity:
             return None
         heads = like.shape[heads_axis] if expand and master is not None and master.ndim == 3 else None
-        key = (which if master is not None else "identity", heads, like.dtype, like.device)
+        which = which if master is not None else "identity"
+        return self._copy((which, heads, like.shape[-1], like.dtype, like.device))
+
+    def _copy(self, key: tuple) -> torch.Tensor:
+        """The copy ``(which, heads, head_dim, dtype, device)`` names, made at the first ask."""
         if key not in self._rotation_copies:
-            master = torch.eye(like.shape[-1]) if master is None else master
-            if heads is not None:
-                master = per_query_head(master, heads)
-            self._rotation_copies[key] = master.to(device=like.device, dtype=like.dtype)
+            self._rotation_copies[key] = self._make_copy(*key)
         return self._rotation_copies[key]
+
+    def _make_copy(self, which: str, heads: int | None, dim: int, dtype: torch.dtype, device: torch.device):
+        if which == "mean":
+            mean, rotation = self.key_mean.to(device), self.key_rotation
+            if rotation is not None:
+                rotation = rotation.to(device)
+                mean = mean @ rotation if rotation.ndim == 2 else (mean.unsqueeze(-2) @ rotation).squeeze(-2)
+            return mean.to(dtype).contiguous()
+        master = {"key": self.key_rotation, "value": self.value_rotation}.get(which)
+        master = torch.eye(dim) if master is None else master
+        if heads is not None:
+            master = per_query_head(master, heads)
+        return master.to(device=device, dtype=dtype)
+
+    def make_step_rotations(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Make the copies a decode step reads (R_K and R_V, or the identity, unexpanded; ``mu R_K``) now.
+        Made inside a captured step, they would live in the graph's memory and be recomputed from this
+        layer's float32 masters at every replay, which a cache that takes the step over
+        (:mod:`oscar_hf.core.step_reuse`) outlives."""
+        for which, master in (("key", self.key_rotation), ("value", self.value_rotation)):
+            self._copy((which if master is not None else "identity", None, self.head_dim, dtype, device))
+        if self.key_mean is not None:
+            self._copy(("mean", None, self.head_dim, dtype, device))
+
+    def rotation_copies(self) -> dict[tuple, torch.Tensor]:
+        """The cast copies of R_K, R_V and ``mu R_K`` made so far, by what they are."""
+        return dict(self._rotation_copies)
+
+    def move_rotation_copies_into(self, copies: dict[tuple, torch.Tensor]) -> None:
+        """Hold ``copies`` (another layer's :meth:`rotation_copies`) instead of this layer's own, with this
+        layer's values written into them."""
+        for key, tensor in copies.items():
+            tensor.copy_(self._copy(key))
+        self._rotation_copies.update(copies)

@@ -11,6 +11,9 @@ forward on its cache runs:
 2. the next step is captured in a CUDA graph (model forward, cache update, attention, position
    increment), and every step after that is one graph replay.
 
+A later cache of the same shapes, or this one frozen again, replays that graph without capturing
+(:mod:`oscar_hf.core.step_reuse`).
+
 Position ids live in a device buffer the graph increments, so the captured step stays valid; the
 attention mask is not an input (only the sink can hold pads, and its mask is fixed when freezing).
 
@@ -33,6 +36,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from oscar_hf.core.compat import cache_keyword
 from oscar_hf.core.frozen_decoding import captured
 from oscar_hf.core.fused_projections import fused_projections
+from oscar_hf.core.step_reuse import CapturedStep, keep_idle, step_signature, take_idle
 from oscar_hf.log import get_logger
 
 logger = get_logger(__name__)
@@ -100,8 +104,10 @@ class StaticDecoder:
         self.compiled_layers = [torch.compile(layer.forward, mode=mode) for layer in self.layers] if compile else []
         self.eager_forward = eager_forward(model)
         self.keyword = cache_keyword(model)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.input_ids = self.position_ids = self.logits = None
+        self.current: CapturedStep | None = None  # the frozen cache's step, kept through a thaw
+        self.running = False  # whether `current` serves the cache's present freeze
+        self._ending = weakref.finalize(cache, _cache_ended, self)
+        self._ending.atexit = False
 
     @property
     def cache(self):
@@ -111,14 +117,25 @@ class StaticDecoder:
             raise RuntimeError("the OscarCache of this StaticDecoder no longer exists")
         return cache
 
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The CUDA graph the next step replays (None before its capture, or while not frozen)."""
+        return self.current.graph if self.running else None
+
     def stop(self) -> None:
-        """Leave static decoding: the cache back in its eager layout, the projections unfused, the
-        graph dropped (the next step freezes and captures again)."""
+        """Leave static decoding: the cache back in its eager layout, the projections unfused. The step is
+        kept: a freeze of the same shapes replays its graph again."""
         self.cache.stop_static()
         if self.fusion is not None:
             self.fusion.close()
             self.fusion = None
-        self.graph = self.input_ids = None
+        self.running = False
+
+    def close(self) -> None:
+        """:meth:`stop`, and free the step instead of keeping it (for a decoder made for one call)."""
+        self.stop()
+        self.current = None
+        self._ending.detach()
 
     def forward(self, *args, **kwargs) -> Any:
         """A model forward: static for plain one-token steps on our cache, eager for anything else."""
@@ -151,39 +168,56 @@ class StaticDecoder:
             return None
         ids = kwargs["input_ids"]
         static = cache.static
-        if static is not None and self.input_ids is not None and static.grows and static.full():
+        if static is not None and self.running and static.grows and static.full():
             self.stop()  # a growing cache: freeze again with more rows, capture again
-        if cache.static is None or self.input_ids is None:  # (re)freeze: new buffers, a new graph
+        if cache.static is None or not self.running:  # (re)freeze: a kept step, or a new one
             if not cache.start_static(self.capacity, kwargs.get("attention_mask"), stay_eager_if_refused=True):
                 return None
             if self.fuse_projections and self.fusion is None:
                 self.fusion = contextlib.ExitStack()
                 self.fusion.enter_context(fused_projections(self.model))
-            self.input_ids = ids.clone()
-            self.position_ids = self._first_positions(ids, kwargs)
-            self.graph = None
-            if not self._warmed_up():
+            self.running = True
+            if not self._take_step(ids, kwargs) and not self._warmed_up():
                 return self._first_step()
         else:
-            self.input_ids.copy_(ids)
+            self.current.input_ids.copy_(ids)
+        step = self.current
         if not self.capture:
-            return self._run().clone()
-        if self.graph is None:
-            self._capture()
-        cache.static.advance_host()  # the replay runs no Python: mirror its lengths here
-        try:
-            self.graph.replay()
-        except BaseException as error:  # the mirror has advanced; what the device holds is unknown
-            cache.mark_broken(f"a replayed decode step raised {type(error).__name__} ({error})")
-            raise
-        return self.logits.clone()
+            logits = self._run().clone()
+        else:
+            if step.graph is None:
+                self._capture()
+            cache.static.advance_host()  # the replay runs no Python: mirror its lengths here
+            try:
+                step.graph.replay()
+            except BaseException as error:  # the mirror has advanced; what the device holds is unknown
+                cache.mark_broken(f"a replayed decode step raised {type(error).__name__} ({error})")
+                raise
+            logits = step.logits.clone()
+        step.take_frames()
+        return logits
+
+    def _take_step(self, ids: torch.Tensor, kwargs: dict) -> bool:
+        """Serve the frozen cache from a step of its shapes (this decoder's own from before a thaw, or
+        one a gone cache left with the model) and say so; else start a new one."""
+        signature = step_signature(self.cache, ids, (self.compile, self.fuse_projections))
+        positions = self._first_positions(ids, kwargs)
+        own = self.current
+        kept = own if own is not None and own.frames is not None and own.signature == signature else None
+        kept = kept or take_idle(self.model, signature)
+        if kept is not None:
+            kept.adopt(self.cache, ids, positions)
+            self.current = kept
+            return True
+        self.current = CapturedStep(signature, self.cache.static, ids.clone(), positions)
+        return False
 
     def _warmed_up(self) -> bool:
         """Whether a step of these shapes ran in this process (its kernels compiled, the layers' code
         compiled, cuBLAS initialised), so that the first step can be captured at once; marks them as run."""
         static = self.cache.static
         shapes = (
-            tuple(self.input_ids.shape),
+            tuple(self.current.input_ids.shape),
             static.sink_rows,
             static.history_capacity,
             static.sink_mask is None,
@@ -215,21 +249,23 @@ class StaticDecoder:
         return logits
 
     def _capture(self) -> None:
-        self.graph, self.logits = captured(self._run, None, torch.cuda.Stream(self.model.device))
+        step = self.current
+        step.graph, step.logits = captured(self._run, None, torch.cuda.Stream(self.model.device))
         logger.info("captured a decode step of %s in a CUDA graph", type(self.model).__name__)
 
     def _run(self) -> torch.Tensor:
         """The step a graph captures: forward on the static inputs, then the next position."""
+        step = self.current
         with torch.no_grad(), self._compiled_layers():
             output = self.eager_forward(
-                input_ids=self.input_ids,
-                position_ids=self.position_ids,
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
                 use_cache=True,
                 logits_to_keep=1,
                 return_dict=True,
                 **{self.keyword: self.cache},
             )
-        self.position_ids.add_(1)
+        step.position_ids.add_(1)
         return output.logits
 
     @contextlib.contextmanager
@@ -250,6 +286,13 @@ class StaticDecoder:
         finally:
             for layer in self.layers[: len(self.compiled_layers)]:
                 del layer.forward
+
+
+def _cache_ended(decoder: StaticDecoder) -> None:
+    """The decoder's cache is gone: leave its step with the model for the next cache."""
+    if decoder.current is not None:
+        keep_idle(decoder.model, decoder.current)
+        decoder.current = None
 
 
 # Per model, the shapes of steps already run in this process (StaticDecoder._warmed_up).

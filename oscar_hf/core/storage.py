@@ -93,6 +93,13 @@ class RowBuffer:
             self._replace(torch.roll(self.data, -start, dims=2))
         self.start, self.length = 0, length
 
+    def move_into(self, data: torch.Tensor) -> None:
+        """Hold ``data``, a tensor of this buffer's shape, instead, with this buffer's rows copied in."""
+        if data.shape != self.data.shape or data.dtype != self.data.dtype:
+            raise ValueError(f"cannot move a {tuple(self.data.shape)} buffer into a {tuple(data.shape)} tensor")
+        data.copy_(self.data)
+        self._replace(data, self.start)
+
     def select_batch(self, index: torch.Tensor) -> None:
         self._replace(self.data.index_select(0, index.to(self.data.device)), self.start)
 
