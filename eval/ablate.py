@@ -153,17 +153,18 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         rotations = resolve_rotations(model, variant["rotations"], method=config)
     elif "calibration" in variant:
         covariances, batches = calibrations[variant["calibration"]]
+        searched = {"search_for": variant["method"]} if variant.get("clip_search") else {}
         try:  # the library's recipe, validated as oscar_hf.calibrate validates it
             recipe = Recipe(
                 clip_search=bool(variant.get("clip_search")),
                 refine=bool(variant.get("refine")),
-                **variant.get("calibrate", {}),
+                **{**searched, **variant.get("calibrate", {})},
             )
         except (TypeError, ValueError) as error:
             raise ValueError(f"variant {label!r}: {error}") from None
         if recipe.from_rotations:
             raise ValueError(f"variant {label!r}: give a saved set as rotations, not calibrate.from_rotations")
-        rotations, _ = fit(recipe, model, batches, covariances, config, progress=False)
+        rotations, _ = fit(recipe, model, batches, covariances, progress=False, config=config)
         rotations, _ = allocate(recipe, model, batches, rotations, progress=False)
     return OscarCache(model, config, rotations=rotations)
 

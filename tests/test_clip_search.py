@@ -191,3 +191,26 @@ def test_a_recipe_refuses_what_cannot_be_made():
     with pytest.raises(ValueError, match="objective must be one of"):
         oscar_hf.Recipe(clip_search=False, objective="kv")
     assert oscar_hf.Recipe(clip_search=False, factors="H").to_dict()["factors"] == "H"
+    with pytest.raises(ValueError, match="search_for must be one of"):
+        oscar_hf.Recipe(search_for="quarot-int2")
+    with pytest.raises(ValueError, match="search_for names the method"):
+        oscar_hf.Recipe(clip_search=False, search_for="oscar-k3v2")
+
+
+def test_the_clip_search_measures_under_the_recipes_method(monkeypatch):
+    """``Recipe(search_for=...)`` (``--search-for``): the clip search quantizes as that method does."""
+    from oscar_hf.calibration import recipe as recipe_module
+
+    model = tiny_model("llama")
+    batches = [torch.randint(3, 256, (1, 400), generator=torch.Generator().manual_seed(0))]
+    covariances = collect_covariances(model, batches, progress=False)
+    measured = []
+
+    def recording(model, rows, covariances, config, **options):
+        measured.append(config)
+        return rotations_from_covariances(covariances, "qqt_sst", "UHP"), {}
+
+    monkeypatch.setattr(recipe_module, "search_layers", recording)
+    for method in ("oscar-int2", "oscar-k3v2"):
+        recipe_module.fit(recipe_module.Recipe(search_for=method), model, batches, covariances, progress=False)
+    assert measured == [METHODS["oscar-int2"], METHODS["oscar-k3v2"]]

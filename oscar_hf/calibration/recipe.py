@@ -60,6 +60,8 @@ class Recipe:
         allocate_bits: after the clip search, 4-bit keys in this many layers where they cut the calibration
             KL most and 1-bit values where they cost least, at ``allocate_for``'s history bits.
         allocate_for: the method the allocation trades against (``oscar-int2`` or ``oscar-k3v2``).
+        search_for: the calibrated method whose quantization the clip search (and refinement) measures
+            errors under, e.g. ``oscar-k3v2`` for a set made for 3-bit keys.
         from_rotations: a saved set to take rotations and clip ratios from (with ``allocate_bits``).
         tokens, seq_len, seed, chat: the calibration token budget, row length, sampling seed, and whether
             ``.jsonl`` prompts are rendered with the chat template.
@@ -76,6 +78,7 @@ class Recipe:
     factors: str = "UHP"
     allocate_bits: int = 0
     allocate_for: str = "oscar-int2"
+    search_for: str = "oscar-int2"
     from_rotations: str | None = None
     tokens: int = 20000
     seq_len: int = 2048
@@ -125,6 +128,15 @@ class Recipe:
                     "allocate_for names the method a bit allocation is for: set allocate_bits (add --allocate-bits N)"
                 )
             value_layers_per_key_layer(METHODS[self.allocate_for])  # raises for a method it cannot allocate for
+        searched = METHODS.get(self.search_for)
+        if searched is None or not (searched.quantized and searched.rotation == "calibrated"):
+            calibrated = sorted(name for name, config in METHODS.items() if config.rotation == "calibrated")
+            raise ValueError(f"search_for must be one of {calibrated}, not {self.search_for!r}")
+        if self.search_for != "oscar-int2" and not self.clip_search:
+            raise ValueError(
+                "search_for names the method the clip search measures under: keep clip_search=True "
+                "(drop --no-clip-search)"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -174,8 +186,8 @@ def calibrate(
         made = _how_made(recipe, rotations, choices)
     rotations, allocation = allocate(recipe, model, batches, rotations, progress=progress)
     tokens = sum(b.numel() for b in batches)
-    # the windows the clip search and bit allocation ran with (oscar-int2's): a cache takes them with the set
-    windows = (METHODS["oscar-int2"].sink, METHODS["oscar-int2"].recent)
+    # the windows the clip search and bit allocation ran with: a cache takes them with the set
+    windows = (METHODS[recipe.search_for].sink, METHODS[recipe.search_for].recent)
     rotations = dataclasses.replace(rotations, windows=windows)
     metadata = {
         "model_id": model_id or model.config._name_or_path,
@@ -220,11 +232,12 @@ def fit(
     model: PreTrainedModel,
     batches: list[torch.Tensor],
     covariances: dict[int, LayerCovariances],
-    config: OscarConfig = METHODS["oscar-int2"],
     progress: bool = True,
+    config: OscarConfig | None = None,
 ) -> tuple[RotationSet, dict[int, LayerChoice]]:
     """The rotations (and clip ratios) ``recipe`` makes from ``covariances`` and calibration rows ``batches``,
-    with the clip search's choices; ``config``: the method whose quantization the search measures."""
+    with the clip search's choices, measured under ``recipe.search_for``'s quantization (``config``: that
+    method with other windows or groups, as an ablation varies them)."""
     if not recipe.clip_search:
         rotations = rotations_from_covariances(covariances, recipe.objective, recipe.factors, recipe.per_head)
         if recipe.center_keys:
@@ -232,6 +245,7 @@ def fit(
                 rotations, key_mean={i: c.key_mean_heads.float() for i, c in covariances.items()}
             )
         return rotations, {}
+    config = config or METHODS[recipe.search_for]
     rows = _search_rows(batches, config)
     rotations, choices = search_layers(
         model, rows, covariances, config, progress=progress, per_head=recipe.per_head, center_keys=recipe.center_keys

@@ -120,6 +120,14 @@ def add_calibrate_command(commands) -> None:
         "default oscar-int2); only that method takes the stored widths",
     )
     calibrate.add_argument(
+        "--search-for",
+        choices=sorted(name for name, config in METHODS.items() if config.rotation == "calibrated"),
+        default="oscar-int2",
+        metavar="METHOD",
+        help="the method whose quantization the clip search measures errors under (default oscar-int2; "
+        "e.g. oscar-k3v2 for a set made for 3-bit keys)",
+    )
+    calibrate.add_argument(
         "--from-rotations",
         metavar="DIR",
         help="with --allocate-bits: start from a saved set's rotations and clip ratios instead of "
