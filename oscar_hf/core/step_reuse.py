@@ -78,10 +78,11 @@ def keep_idle(model: PreTrainedModel, step: CapturedStep) -> None:
 
 def take_idle(model: PreTrainedModel, signature: tuple) -> CapturedStep | None:
     """The step kept for ``model``, if its signature is ``signature`` (it is then no longer kept)."""
-    step = _idle.get(model)
-    if step is None or step.signature != signature:
+    step = _idle.pop(model, None)  # taken first: a cache ending meanwhile (a finalizer) may keep another
+    if step is not None and step.signature != signature:
+        _idle.setdefault(model, step)
         return None
-    return _idle.pop(model)
+    return step
 
 
 def release_captured_steps(model: PreTrainedModel | None = None) -> None:
