@@ -118,3 +118,14 @@ def test_token_stats_do_not_depend_on_the_chunk_of_positions():
     log_probs, expected = logits.float().log_softmax(-1), reference.float().log_softmax(-1)
     torch.testing.assert_close(whole[1], (expected.exp() * (expected - log_probs)).sum(-1))
     torch.testing.assert_close(whole[0], -log_probs[torch.arange(10), targets])
+
+
+def test_a_pass_keeps_no_rotations_cast_for_its_cache(tiny):
+    """Bit allocation runs a pass for each of dozens of caches of one model: their rotations cast to the
+    model's dtype must not pile up (on the 8B shape they were several GiB), and the logits stay the same."""
+    ids = torch.randint(3, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    layers = list(range(tiny.config.num_hidden_layers))
+    cache = OscarCache(tiny, "oscar-int2", rotations=RotationSet.hadamard(16, layers), **SMALL)
+    first = teacher_forced_logits(tiny, ids, cache)
+    assert all(not layer.rotation_copies() for layer in cache.layers if isinstance(layer, OscarLayer))
+    torch.testing.assert_close(teacher_forced_logits(tiny, ids, cache), first)

@@ -126,6 +126,9 @@ def _teacher_forced(model: PreTrainedModel, cache: OscarCache, prefill: int) -> 
             yield
     finally:
         _state.clear()
+        for layer in cache.layers:  # one pass per cache: keep no rotations cast for it
+            if isinstance(layer, OscarLayer):
+                layer.drop_rotation_copies()
 
 
 @torch.no_grad()

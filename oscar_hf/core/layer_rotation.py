@@ -147,6 +147,11 @@ class RotatedLayer:
         if self.key_mean is not None:
             self._copy(("mean", None, self.head_dim, dtype, device))
 
+    def drop_rotation_copies(self) -> None:
+        """Forget the cast copies (made again when next asked for): a calibration probes dozens of caches
+        of one model, whose copies would otherwise add up to several times its activations."""
+        self._rotation_copies = {}
+
     def rotation_copies(self) -> dict[tuple, torch.Tensor]:
         """The cast copies of R_K, R_V and ``mu R_K`` made so far, by what they are."""
         return dict(self._rotation_copies)
