@@ -208,6 +208,7 @@ class StaticDecoder:
         if kept is not None:
             kept.adopt(self.cache, ids, positions)
             self.current = kept
+            logger.debug("decoding from the %s step kept for these shapes", "cache's own" if kept is own else "model's")
             return True
         self.current = CapturedStep(signature, self.cache.static, ids.clone(), positions)
         return False
