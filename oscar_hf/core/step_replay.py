@@ -192,6 +192,7 @@ class StaticDecoder:
                 step.graph.replay()
             except BaseException as error:  # the mirror has advanced; what the device holds is unknown
                 cache.mark_broken(f"a replayed decode step raised {type(error).__name__} ({error})")
+                self.current = None  # nor is the step kept for another cache
                 raise
             logits = step.logits.clone()
         step.take_frames()
