@@ -231,8 +231,8 @@ class StaticDecoding:
         self.cache.static = self
 
     def release(self) -> None:
-        """Forget the cache and layers this state served (they are gone); its tensors stay."""
-        self._cache, self.layers = lambda: None, []
+        """Forget the layers of the cache this state served, which is gone; its tensors stay."""
+        self.layers = []
 
     @property
     def stored_length(self) -> int:

@@ -115,11 +115,13 @@ class RotatedLayer:
         if master is None and not identity:
             return None
         heads = like.shape[heads_axis] if expand and master is not None and master.ndim == 3 else None
-        which = which if master is not None else "identity"
         return self._copy((which, heads, like.shape[-1], like.dtype, like.device))
 
     def _copy(self, key: tuple) -> torch.Tensor:
-        """The copy ``(which, heads, head_dim, dtype, device)`` names, made at the first ask."""
+        """The copy ``(which, heads, head_dim, dtype, device)`` names (``which``: ``key``, ``value`` or
+        ``mean``; a missing R is the identity), made at the first ask."""
+        if key[0] != "mean" and (self.key_rotation if key[0] == "key" else self.value_rotation) is None:
+            key = ("identity", *key[1:])
         if key not in self._rotation_copies:
             self._rotation_copies[key] = self._make_copy(*key)
         return self._rotation_copies[key]
@@ -142,8 +144,8 @@ class RotatedLayer:
         Made inside a captured step, they would live in the graph's memory and be recomputed from this
         layer's float32 masters at every replay, which a cache that takes the step over
         (:mod:`oscar_hf.core.step_reuse`) outlives."""
-        for which, master in (("key", self.key_rotation), ("value", self.value_rotation)):
-            self._copy((which if master is not None else "identity", None, self.head_dim, dtype, device))
+        for which in ("key", "value"):
+            self._copy((which, None, self.head_dim, dtype, device))
         if self.key_mean is not None:
             self._copy(("mean", None, self.head_dim, dtype, device))
 

@@ -105,7 +105,6 @@ class StaticDecoder:
         self.eager_forward = eager_forward(model)
         self.keyword = cache_keyword(model)
         self.current: CapturedStep | None = None  # the frozen cache's step, kept through a thaw
-        self.running = False  # whether `current` serves the cache's present freeze
         self._ending = weakref.finalize(cache, _cache_ended, self)
         self._ending.atexit = False
 
@@ -120,7 +119,11 @@ class StaticDecoder:
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
         """The CUDA graph the next step replays (None before its capture, or while not frozen)."""
-        return self.current.graph if self.running else None
+        return self.current.graph if self._serves(self.cache) else None
+
+    def _serves(self, cache) -> bool:
+        """Whether ``current`` is the step of ``cache``'s present freeze (a thaw or another freeze ends it)."""
+        return self.current is not None and self.current.static is cache.static
 
     def stop(self) -> None:
         """Leave static decoding: the cache back in its eager layout, the projections unfused. The step is
@@ -129,7 +132,6 @@ class StaticDecoder:
         if self.fusion is not None:
             self.fusion.close()
             self.fusion = None
-        self.running = False
 
     def close(self) -> None:
         """:meth:`stop`, and free the step instead of keeping it (for a decoder made for one call)."""
@@ -168,15 +170,14 @@ class StaticDecoder:
             return None
         ids = kwargs["input_ids"]
         static = cache.static
-        if static is not None and self.running and static.grows and static.full():
+        if static is not None and self._serves(cache) and static.grows and static.full():
             self.stop()  # a growing cache: freeze again with more rows, capture again
-        if cache.static is None or not self.running:  # (re)freeze: a kept step, or a new one
+        if cache.static is None or not self._serves(cache):  # (re)freeze: a kept step, or a new one
             if not cache.start_static(self.capacity, kwargs.get("attention_mask"), stay_eager_if_refused=True):
                 return None
             if self.fuse_projections and self.fusion is None:
                 self.fusion = contextlib.ExitStack()
                 self.fusion.enter_context(fused_projections(self.model))
-            self.running = True
             if not self._take_step(ids, kwargs) and not self._warmed_up():
                 return self._first_step()
         else:
