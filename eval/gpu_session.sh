@@ -45,11 +45,17 @@ gpu_tests() {  # the GPU test files given (default: all), under a header line wi
     echo "$command  # $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $versions, $(date -u +%F)"
     $command
 }
-merge() {  # merge NAME PART...: runs of one benchmark (one a batch or width) as one result, when there are several
+merge() {  # merge NAME PART...: runs of one benchmark (one a batch, width or shape) as one result named NAME
     local name=$1
     shift
-    [ $# -gt 1 ] && python3 -m eval.bench_gpu --merge "$@" --name "$name" --out "$work" >"$work/merge_$name.log" 2>&1
+    [ $# -gt 0 ] && python3 -m eval.bench_gpu --merge "$@" --name "$name" --out "$work" >"$work/merge_$name.log" 2>&1
     tar czf "$out/results.tgz" -C "$work" .
+}
+
+merge_graph() {  # the graph steps' runs (8B, 4B, 8B at 64K, 8B at 100K) as one bench_graph result
+    local parts=()
+    for part in 8b 4b 8b_64k 100k; do [ -f "$work/bench_graph_$part.json" ] && parts+=("$work/bench_graph_$part.json"); done
+    merge bench_graph "${parts[@]}"
 }
 
 export -f gpu_tests
@@ -119,8 +125,9 @@ for step in "$@"; do
             merge bench_e2e_32k "$work"/bench_e2e_32k_b*.json ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
-        graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph \
-                   --set 'models=["qwen3-8b"]' --set 'contexts=[32768,100000]' ;;
+        graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph_8b \
+                   --set 'models=["qwen3-8b"]' --set 'contexts=[32768,100000]'
+            merge_graph ;;
         graph-4b | graph-8b-64k)  # fewer variants: eager, captured, and the best captured one
             caches='caches=["dynamic","oscar-int2","oscar-int2+graph","oscar-int2+absorbed+graph+compile+fused"]'
             if [ "$step" = graph-4b ]; then
@@ -130,11 +137,13 @@ for step in "$@"; do
                 run "$step" 120 $bench --config eval/configs/bench_graph.json --name bench_graph_8b_64k \
                     --set 'models=["qwen3-8b"]' --set 'contexts=[65536]' --set "$caches" \
                     --set 'compiled_static.models=[]' --set 'profile.model="none"'
-            fi ;;
+            fi
+            merge_graph ;;
         graph-100k)  # the 8B at 100K: eager DynamicCache against the best captured step, profiled at batch 1
             run graph_100k 300 $bench --config eval/configs/bench_graph.json --name bench_graph_100k \
                 --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \
-                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile+fused"]' ;;
+                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile+fused"]'
+            merge_graph ;;
         graph-gemms)  # the best captured 8B step at 100K, its GEMMs autotuned by Inductor or not
             run graph_gemms 420 $bench --config eval/configs/bench_graph.json --name bench_graph_gemms \
                 --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \
