@@ -797,13 +797,16 @@ def test_the_cli_takes_the_bundled_set_of_each_methods_recipe() -> None:
 
 
 def test_oscar_k3v2_takes_its_own_bundled_set() -> None:
-    """The default model's oscar-k3v2 set: the clip-searched rotations with uncentered keys (its config records
-    the command that made them), widths allocated against K3 V2; the 2-bit set centers its keys."""
+    """The default model's oscar-k3v2 set: rotations clip-searched under K3 V2 with centered keys (its config
+    records the command that made them), widths allocated against K3 V2; a set apart from the 2-bit one."""
     k3v2 = OscarCache.from_zoo(smollm2_config(), "default", "oscar-k3v2")
-    searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
-    assert k3v2.rotations.base_bits == (3, 2) and not k3v2.rotations.key_mean and len(searched.key_mean) == 30
-    origin = load_rotation_config(bundled_rotations_dir(f"{DEFAULT_ROTATIONS}-k3v2"))["rotations_from"]["command"]
-    assert "--clip-search --no-center-keys --allocate-bits 6" in origin
+    two_bit = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
+    assert k3v2.rotations.base_bits == (3, 2) and len(k3v2.rotations.key_mean) == len(two_bit.key_mean) == 30
+    searched_apart = [i for i in range(30) if not torch.equal(k3v2.rotations.key[i], two_bit.key[i])]
+    assert searched_apart or k3v2.rotations.key_clip != two_bit.key_clip
+    config = load_rotation_config(bundled_rotations_dir(f"{DEFAULT_ROTATIONS}-k3v2"))
+    assert config["recipe"]["search_for"] == "oscar-k3v2" and config["recipe"]["center_keys"]
+    assert "--search-for oscar-k3v2 --allocate-bits 6 --allocate-for oscar-k3v2" in config["command"]
     widths = [(layer.config.key.bits, layer.config.value.bits) for layer in k3v2.layers]
     assert widths.count((4, 2)) == 6 and widths.count((3, 1)) == 6 and widths.count((3, 2)) == 18
 
