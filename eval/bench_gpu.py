@@ -88,10 +88,16 @@ def merge_runs(parts: list[dict], name: str) -> dict:
     """One result from several runs of one benchmark: their cases in order, each marked with the settings
     its run differs in (e.g. ``k_bits``), a later run's case replacing an earlier one of the same
     :data:`CASE_KEYS` (a rerun), a config whose lists hold every run's values, and each run's command,
-    machine, date, time and config under ``runs``."""
+    machine, date, time and config under ``runs`` (a part that is itself a merge brings its runs). A
+    setting that one run's config lacks (added to the benchmark after that run) marks its cases with
+    ``None``."""
     if len({part["benchmark"] for part in parts}) != 1:
         raise ValueError(f"--merge takes runs of one benchmark, got {sorted({p['benchmark'] for p in parts})}")
-    runs = [{key: part[key] for key in ("command", "machine", "date", "seconds", "config")} for part in parts]
+    runs = [
+        run
+        for part in parts
+        for run in part.get("runs") or [{key: part[key] for key in ("command", "machine", "date", "seconds", "config")}]
+    ]
     configs = [part["config"] for part in parts]
     keys = dict.fromkeys(key for config in configs for key in config if key != "description")
     differing = [
@@ -103,7 +109,7 @@ def merge_runs(parts: list[dict], name: str) -> dict:
     cases: dict[tuple, dict] = {}
     for part in parts:
         for case in part["cases"]:
-            case = {**{key: part["config"][key] for key in differing}, **case}
+            case = {**{key: part["config"].get(key) for key in differing}, **case}
             cases[tuple(repr(case.get(key)) for key in (*CASE_KEYS, *differing))] = case
     return {
         **{key: value for key, value in parts[0].items() if key not in ("name", "cases", "runs")},

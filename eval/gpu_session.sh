@@ -52,6 +52,10 @@ merge() {  # merge NAME PART...: runs of one benchmark (one a batch, width or sh
     tar czf "$out/results.tgz" -C "$work" .
 }
 
+merge_e2e() {  # the e2e-32k and e2e-100k steps' runs (one a batch) as one bench_e2e result
+    merge bench_e2e $(ls "$work"/bench_e2e_32k_b*.json "$work"/bench_e2e_100k_b*.json 2>/dev/null)
+}
+
 merge_graph() {  # the graph steps' runs (8B, 4B, 8B at 64K, 8B at 100K) as one bench_graph result
     local parts=()
     for part in 8b 4b 8b_64k 100k; do [ -f "$work/bench_graph_$part.json" ] && parts+=("$work/bench_graph_$part.json"); done
@@ -95,7 +99,7 @@ for step in "$@"; do
                 --caches dynamic oscar-int2 oscar-int2+mixed-widths --out "$work/step_times" ;;
         gluon-tests) run gpu_tests_gluon 300 bash -c 'gpu_tests tests/test_gluon_history.py tests/test_key_centering.py' ;;
         e2e | e2e-4b)
-            model=qwen3-8b name=bench_e2e
+            model=qwen3-8b name=bench_e2e_8b
             [ "$step" = e2e-4b ] && model=qwen3-4b name=bench_e2e_4b
             run "$step" 420 $bench --config eval/configs/bench_e2e.json --name $name --set "models=[\"$model\"]" \
                 --set decode.repeats=2 --set decode.new_tokens=16 ;;
@@ -111,7 +115,7 @@ for step in "$@"; do
                     --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set "batches=[$batch]" \
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 "${extra[@]}"
             done
-            merge bench_e2e_100k "$work"/bench_e2e_100k_b*.json ;;
+            merge_e2e ;;
         e2e-32k)  # the 8B at 32K, the same caches, one round, no short generations; one run a batch; at batch 8
             # only OscarCache times whole calls (compiled StaticCache's 512-token calls there take minutes)
             for batch in ${E2E_BATCHES:-1 8}; do
@@ -122,7 +126,7 @@ for step in "$@"; do
                     --set 'caches=["dynamic","static","oscar-int2"]' --set decode.repeats=1 \
                     --set 'short_generations.caches=[]' --set 'prefill.caches=[]' ${calls[@]+"${calls[@]}"}
             done
-            merge bench_e2e_32k "$work"/bench_e2e_32k_b*.json ;;
+            merge_e2e ;;
         static-tests) run gpu_test_static 170 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_static.py \
                           tests/test_kernels.py -k "static or window or compiled" ;;
         graph) run graph 480 $bench --config eval/configs/bench_graph.json --name bench_graph_8b \

@@ -163,6 +163,11 @@ def test_runs_of_one_benchmark_merge_into_one_result(tmp_path):
     rerun = {**first, "cases": [{**case, "eager_us": -1.0} for case in first["cases"]]}
     merged = bench_gpu.merge_runs([first, rerun], "rerun")
     assert [case["eager_us"] for case in merged["cases"]] == [-1.0] * len(first["cases"]) and len(merged["runs"]) == 2
+    again = bench_gpu.merge_runs([merged, first], "again")  # a merge is a part too: its runs come along
+    assert [run["command"] for run in again["runs"]] == ["pytest part_b1"] * 3
+    older = {**first, "config": {k: v for k, v in first["config"].items() if k != "k_bits"}}  # before a setting existed
+    merged = bench_gpu.merge_runs([older, json.loads(Path(parts[1]).read_text())], "older")
+    assert [row["k_bits"] for row in merged["cases"]] == [None, 4]
 
 
 def test_e2e_benchmark(tmp_path):
