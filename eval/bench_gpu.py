@@ -81,7 +81,7 @@ def run_benchmark(config: dict, out_dir: Path, name: str, command: str) -> dict:
 
 
 # The settings that name a case in the benchmarks' rows (a merge keeps the latest run's case of each name).
-CASE_KEYS = ("part", "model", "context", "batch", "cache", "method", "kernel", "shape", "k_bits", "v_bits")
+CASE_KEYS = ("part", "model", "context", "batch", "cache", "method", "kernel", "shape", "head_dim", "k_bits", "v_bits")
 
 
 def merge_runs(parts: list[dict], name: str) -> dict:
@@ -99,17 +99,13 @@ def merge_runs(parts: list[dict], name: str) -> dict:
         for run in part.get("runs") or [{key: part[key] for key in ("command", "machine", "date", "seconds", "config")}]
     ]
     configs = [part["config"] for part in parts]
-    keys = dict.fromkeys(key for config in configs for key in config if key != "description")
-    differing = [
-        key
-        for key in keys
-        if not any(isinstance(config.get(key), (dict, list)) for config in configs)
-        and len({repr(config.get(key)) for config in configs}) > 1
-    ]
+    settings = [_scalar_settings(config) for config in configs]
+    keys = dict.fromkeys(key for setting in settings for key in setting)
+    differing = [key for key in keys if len({repr(setting.get(key)) for setting in settings}) > 1]
     cases: dict[tuple, dict] = {}
-    for part in parts:
+    for part, setting in zip(parts, settings):
         for case in part["cases"]:
-            case = {**{key: part["config"].get(key) for key in differing}, **case}
+            case = {**{key: setting.get(key) for key in differing}, **case}
             cases[tuple(repr(case.get(key)) for key in (*CASE_KEYS, *differing))] = case
     return {
         **{key: value for key, value in parts[0].items() if key not in ("name", "cases", "runs")},
@@ -119,6 +115,18 @@ def merge_runs(parts: list[dict], name: str) -> dict:
         "cases": list(cases.values()),
         "runs": runs,
     }
+
+
+def _scalar_settings(config: dict) -> dict:
+    """A run's scalar settings: the config's own and those one level down, by their own names (the kernel
+    shape's ``head_dim``); lists (the runs' axes) and the description are left out."""
+    settings = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            settings.update({name: inner for name, inner in value.items() if not isinstance(inner, (dict, list))})
+        elif key != "description" and not isinstance(value, list):
+            settings[key] = value
+    return settings
 
 
 def write_result(result: dict, out_dir: Path) -> None:

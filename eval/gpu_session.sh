@@ -75,23 +75,25 @@ for step in "$@"; do
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
             tests/test_gluon_history.py tests/test_static.py tests/test_quant.py \
             -k "int3 or k3v2 or 3bit or bit_exact or into_many or static_lengths or bit_widths or matches_reference" ;;
-        kernel-bits)  # decode attention at 100K: the Gluon span's 2/2, 4/2, 2/1, 4/1, then the Triton stage 1 by key width (and 2/1)
+        kernel-bits)  # decode attention at 100K, batches 1 and 8, by widths (K/V bits) at head_dim 128 (the Gluon span
+            # for 2/2, 4/2, 2/1, 4/1; 3-bit keys run the Triton loop) and 64 (the Triton loop): one run each,
+            # merged into kernel_widths; then the Triton loop at head_dim 128 by widths (kernel_widths_triton_loop)
             one="--config eval/configs/bench_kernel.json --set contexts=[100000] --set batches=[1,8] --set methods=[\"oscar_triton\"]"
-            d64="--set shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":64}"
-            run kernel_k2_gluon 120 $bench $one --name kernel_k2_gluon
-            run kernel_k4v2_gluon 120 $bench $one --set k_bits=4 --name kernel_k4v2_gluon
-            run kernel_k2v1_gluon 120 $bench $one --set v_bits=1 --name kernel_k2v1_gluon
-            run kernel_k4v1_gluon 120 $bench $one --set k_bits=4 --set v_bits=1 --name kernel_k4v1_gluon
-            merge kernel_widths "$work"/kernel_k2_gluon.json "$work"/kernel_k4v2_gluon.json "$work"/kernel_k2v1_gluon.json \
-                "$work"/kernel_k4v1_gluon.json
-            [ "${KERNEL_BITS:-all}" = gluon ] && continue  # KERNEL_BITS=gluon: the Gluon span's widths only
-            run kernel_k2v1_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set v_bits=1 --name kernel_k2v1_triton
-            for k in 2 3 4; do
-                run kernel_k${k}_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set k_bits=$k --name kernel_k${k}_triton
+            for d in 128 64; do
+                for widths in 2/2 4/2 2/1 4/1 3/2; do
+                    k=${widths%/*} v=${widths#*/}
+                    run kernel_k${k}v${v}_d$d 120 $bench $one --set "shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":$d}" \
+                        --set k_bits=$k --set v_bits=$v --name kernel_k${k}v${v}_d$d
+                done
             done
-            for k in 2 3; do
-                run kernel_k${k}_d64 120 env OSCAR_DECODE_HISTORY=triton $bench $one $d64 --set k_bits=$k --name kernel_k${k}_d64
-            done ;;
+            merge kernel_widths $(ls "$work"/kernel_k*v*_d*.json)
+            [ "${KERNEL_BITS:-all}" = widths ] && continue  # KERNEL_BITS=widths: kernel_widths only
+            for widths in 2/2 4/2 2/1 4/1; do
+                k=${widths%/*} v=${widths#*/}
+                run kernel_k${k}v${v}_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set k_bits=$k --set v_bits=$v \
+                    --name kernel_k${k}v${v}_triton
+            done
+            merge kernel_widths_triton_loop $(ls "$work"/kernel_k*v*_triton.json) ;;
         decode-graphs) run gpu_test_decode_graphs 300 python3 -m pytest -q -p no:cacheprovider tests/test_static.py -k gpu ;;
         step-times)  # every step of one generate call (freezing and capturing included), batches 1 and 8, uniform
             # 2-bit layers and the bundled recipe's mixed widths; STEP_BATCHES picks batches (default "1 8")

@@ -11,7 +11,9 @@ byte tile is the column block ``j`` of the rows: every tile (q, K, V, the accumu
 column blocks, and ``q·k`` as a sum of k dots. 3-bit codes are 2-bit codes (their low bits, in that
 layout) plus a 1-bit plane of their high bits (byte ``c`` holding dims ``c + i*D/8``): block ``j`` takes
 bits ``2j`` and ``2j + 1`` of the plane's bytes for its two halves, so they are handled as 4 column
-blocks too, each code assembled whole before its one dot. 1-bit codes are such a plane alone. Only
+blocks too, each code assembled whole before its one dot. 1-bit codes are such a plane alone. Once the
+second half of a block's plane bytes is shifted right by one, block ``j``'s bit sits at ``2j`` for both
+halves, so 1- and 3-bit codes unpack like 2-bit ones, block ``j`` at bit ``2j`` (:func:`block_shift`). Only
 loads, shifts and ``tl.dot`` are used: full-width tiles rebuilt with ``tl.interleave`` pass in the
 interpreter but give wrong results compiled on Hopper for some tile shapes.
 
@@ -36,7 +38,8 @@ CODE_MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0
 @triton.jit
 def part_factor(J: tl.constexpr, BITS: tl.constexpr, FREE: tl.constexpr):
     """Column block ``J``'s codes enter the dots as ``OFFSET + factor * c`` (see :func:`_code_block`)."""
-    return 1 << (J * BITS * (J < FREE))
+    SHIFT: tl.constexpr = 2 + 2 * (BITS // 4)  # block_shift
+    return 1 << (J * SHIFT * (J < FREE))
 
 
 @triton.jit
@@ -55,19 +58,20 @@ def _as_dtype(codes, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
 def _code_block(raw, J: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr):
     """Column block ``J`` of packed bytes (``int16``) as ``DTYPE`` values ``OFFSET + factor * code``, exactly.
 
-    Bits ``J*BITS..`` of byte ``c`` are dim ``J*D/k + c`` (k = 8/BITS codes per byte). For 16-bit
-    floats the code is OR-ed into the mantissa of a power of two whose ulp is 1 (``MAGIC``: bf16
-    128.0, fp16 1024.0), two integer operations and a free bitcast: an int-to-float conversion runs
-    at a quarter of the ALU rate, enough to bind the loop on unpacking. float32
+    Bits ``J*S..J*S+BITS`` of byte ``c`` are dim ``J*D/k + c`` (S = :func:`block_shift`, k = 8/S
+    blocks). For 16-bit floats the code is OR-ed into the mantissa of a power of two whose ulp is 1
+    (``MAGIC``: bf16 128.0, fp16 1024.0), two integer operations and a free bitcast: an int-to-float
+    conversion runs at a quarter of the ALU rate, enough to bind the loop on unpacking. float32
     (``MAGIC`` 0, offset 0) converts directly. The first ``FREE`` blocks lie inside the mantissa
-    where they are, so they skip the shift and come out multiplied by ``2**(J*BITS)``
+    where they are, so they skip the shift and come out multiplied by ``2**(J*S)``
     (:func:`part_factor`); q is divided by the same power of two, which is exact.
     """
     MASK: tl.constexpr = (1 << BITS) - 1
+    SHIFT: tl.constexpr = J * (2 + 2 * (BITS // 4))  # J * block_shift
     if J < FREE:
-        codes = raw & (MASK << (J * BITS))
+        codes = raw & (MASK << SHIFT)
     else:
-        codes = (raw >> (J * BITS)) & MASK
+        codes = (raw >> SHIFT) & MASK
     return _as_dtype(codes, DTYPE, MAGIC)
 
 
@@ -81,7 +85,7 @@ def _code_blocks(
     in one 32-bit register unpack together, about one instruction per code; the portable path
     (interpreter, float32) unpacks byte by byte with :func:`_code_block`. Both give the same values.
     """
-    PARTS: tl.constexpr = 8 // BITS
+    PARTS: tl.constexpr = 4 - 2 * (BITS // 4)  # 8 // block_shift
     if UNPACK != "":
         if PARTS == 4:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
@@ -115,20 +119,19 @@ def load_code_blocks(
     UNPACK: tl.constexpr,
 ):
     """The column blocks of packed rows ``rows`` of one head (``C`` its row 0), as :func:`_code_blocks`."""
-    if BITS == 1:
-        # Block j's two halves are bits 2j and 2j + 1 of the plane's bytes: a [N, D/4] tile of them, as
-        # 3-bit codes read their high plane.
-        DP1: tl.constexpr = D // 4
-        columns1 = tl.arange(0, DP1)
-        plane = tl.load(C + rows[:, None] * c_n + (columns1 % (D // 8))[None, :], mask=valid[:, None], other=0)
-        c0, c1, c2, c3 = _code_blocks1(plane, D, DTYPE, MAGIC)
-    elif BITS == 3:
+    if BITS == 1 or BITS == 3:
+        # Block j's two halves are bits 2j and 2j + 1 of the 1-bit plane's bytes: a [N, D/4] tile of
+        # them; ``odd`` marks the second half, whose bytes are shifted right by one as they unpack.
         DP: tl.constexpr = D // 4
         columns = tl.arange(0, DP)
-        low = tl.load(C + rows[:, None] * c_n + columns[None, :], mask=valid[:, None], other=0)
-        # Both halves of a block read the same high-plane bytes (different bits): a [N, D/4] tile of them.
-        high = tl.load(C + rows[:, None] * c_n + DP + (columns % (D // 8))[None, :], mask=valid[:, None], other=0)
-        c0, c1, c2, c3 = _code_blocks3(low, high, D, DTYPE, MAGIC)
+        PLANE: tl.constexpr = 0 if BITS == 1 else DP  # 3-bit rows: the 2-bit plane, then the 1-bit one
+        plane = tl.load(C + rows[:, None] * c_n + PLANE + (columns % (D // 8))[None, :], mask=valid[:, None], other=0)
+        odd = tl.broadcast_to((columns >= D // 8).to(tl.uint8)[None, :], plane.shape)
+        if BITS == 1:
+            c0, c1, c2, c3 = _code_blocks1(plane, odd, DTYPE, MAGIC, FREE, UNPACK)
+        else:
+            low = tl.load(C + rows[:, None] * c_n + columns[None, :], mask=valid[:, None], other=0)
+            c0, c1, c2, c3 = _code_blocks3(low, plane, odd, DTYPE, MAGIC, FREE, UNPACK)
     else:
         raw = tl.load(C + rows[:, None] * c_n + tl.arange(0, D * BITS // 8)[None, :], mask=valid[:, None], other=0)
         c0, c1, c2, c3 = _code_blocks(raw, BITS, DTYPE, MAGIC, FREE, UNPACK)
@@ -136,89 +139,118 @@ def load_code_blocks(
 
 
 @triton.jit
-def _code_blocks1(plane, D: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-    """1-bit codes as 4 column blocks ``OFFSET + code`` (factor 1); ``plane`` holds byte ``c % (D/8)`` at column ``c``."""
-    # Block j's second half reads bit 2j + 1: one shift of the tile puts every block's bit at 2j.
-    plane = plane.to(tl.int16) >> (tl.arange(0, D // 4) >= D // 8).to(tl.int16)[None, :]
-    c0 = _code1(plane, 0, DTYPE, MAGIC)
-    c1 = _code1(plane, 1, DTYPE, MAGIC)
-    c2 = _code1(plane, 2, DTYPE, MAGIC)
-    c3 = _code1(plane, 3, DTYPE, MAGIC)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _code1(plane, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-    """Block ``J``'s codes: bit ``2J`` of the (shifted) plane."""
-    codes = (plane >> (2 * J)) & 1
-    return _as_dtype(codes, DTYPE, MAGIC)
-
-
-@triton.jit
-def _code_blocks3(low, high, D: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-    """3-bit codes as 4 column blocks ``OFFSET + code`` (factor 1): ``low`` the 2-bit plane ``[N, D/4]``,
-    ``high`` the 1-bit plane's byte ``c % (D/8)`` at column ``c``."""
-    low = low.to(tl.int16)
-    # Block j's second half reads bit 2j + 1: one shift of the tile puts every block's bit at 2j.
-    high = high.to(tl.int16) >> (tl.arange(0, D // 4) >= D // 8).to(tl.int16)[None, :]
-    c0 = _code3(low, high, 0, DTYPE, MAGIC)
-    c1 = _code3(low, high, 1, DTYPE, MAGIC)
-    c2 = _code3(low, high, 2, DTYPE, MAGIC)
-    c3 = _code3(low, high, 3, DTYPE, MAGIC)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-    """Block ``J``'s codes: bits ``2J, 2J + 1`` of ``low`` and bit ``2J`` of ``high`` moved to bit 2."""
-    if J == 0:
-        top = (high << 2) & 4
+def _code_blocks1(plane, odd, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr, UNPACK: tl.constexpr):
+    """1-bit codes as 4 column blocks ``OFFSET + factor * code``: the 2-bit path once the bytes where
+    ``odd`` is 1 are shifted right by one (in the PTX from :func:`unpack_asm` when ``UNPACK``: a byte
+    operation on the tile costs Triton about an instruction a byte)."""
+    if UNPACK != "":
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [plane, odd], dtype=(DTYPE.value,) * 4, is_pure=True, pack=4
+        )
     else:
-        top = (high >> (2 * J - 2)) & 4
-    codes = ((low >> (2 * J)) & 3) | top
+        c0, c1, c2, c3 = _code_blocks(plane >> odd, 1, DTYPE, MAGIC, FREE, UNPACK)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _code_blocks3(low, high, odd, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr, UNPACK: tl.constexpr):
+    """3-bit codes as 4 column blocks ``OFFSET + factor * code``: ``low`` the 2-bit plane ``[N, D/4]``,
+    ``high`` the 1-bit plane, shifted right by one where ``odd`` is 1 (:func:`load_code_blocks`).
+    ``UNPACK``: PTX from :func:`unpack_asm` taking a word of each; else block by block with :func:`_code3`."""
+    if UNPACK != "":
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [low, high, odd], dtype=(DTYPE.value,) * 4, is_pure=True, pack=4
+        )
+    else:
+        low, high = low.to(tl.int16), (high >> odd).to(tl.int16)
+        c0 = _code3(low, high, 0, DTYPE, MAGIC, FREE)
+        c1 = _code3(low, high, 1, DTYPE, MAGIC, FREE)
+        c2 = _code3(low, high, 2, DTYPE, MAGIC, FREE)
+        c3 = _code3(low, high, 3, DTYPE, MAGIC, FREE)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr, FREE: tl.constexpr):
+    """Block ``J``'s codes: bits ``2J, 2J + 1`` of ``low`` and bit ``2J`` of ``high`` as bit 2, in place
+    (times ``4**J``) for the first ``FREE`` blocks."""
+    if J < FREE:
+        codes = (low & (3 << (2 * J))) | ((high << 2) & (4 << (2 * J)))
+    elif J == 0:
+        codes = (low & 3) | ((high << 2) & 4)
+    else:
+        codes = ((low >> (2 * J)) & 3) | ((high >> (2 * J - 2)) & 4)
     return _as_dtype(codes, DTYPE, MAGIC)
 
 
 # ----------------------------------------------------------------------------- host side
 
 
+def block_shift(bits: int) -> int:
+    """Bits between consecutive column blocks in a packed byte: 4 for 4-bit codes, else 2 (2-bit codes;
+    3-bit codes' 2-bit plane; 1-bit codes, each at bit ``2j`` once the plane is shifted, see
+    :func:`load_code_blocks`). The jitted functions repeat this expression, which Triton folds."""
+    return 2 + 2 * (bits // 4)
+
+
 def shift_free_blocks(bits: int, dtype: torch.dtype) -> int:
     """How many leading column blocks of a packed byte lie inside ``dtype``'s mantissa.
 
-    Such a block's codes are masked where they are, without a shift: ``OFFSET + 2**(j*bits) * c``
-    (:func:`part_factor`). bf16 with 2-bit codes: blocks 0-2 of 4, a quarter fewer unpacking
-    instructions than shifting each block down. None for 3-bit codes, assembled from two planes, nor
-    for 1-bit codes, unpacked in 4 blocks of two bits each.
+    Such a block's codes are masked where they are, without a shift: ``OFFSET + 2**(j*S) * c``
+    (S = :func:`block_shift`, :func:`part_factor`). bf16: blocks 0-2 of 4 for 2- and 3-bit codes, a
+    quarter fewer unpacking instructions than shifting each block down; all 4 for 1-bit codes (bits
+    0, 2, 4 and 6); block 0 of 2 for 4-bit codes.
     """
-    if bits in (1, 3):
-        return 0
-    return min(8 // bits, CODE_MAGIC[dtype][2] // bits)
+    shift = block_shift(bits)
+    return min(8 // shift, (CODE_MAGIC[dtype][2] - bits) // shift + 1)
 
 
 @functools.cache
 def unpack_asm(bits: int, dtype: torch.dtype) -> str:
-    """PTX for :func:`_code_blocks`: 4 packed bytes in, their codes as 16-bit floats ``OFFSET + f * c`` out.
+    """PTX for :func:`_code_blocks` (:func:`_code_blocks1`, :func:`_code_blocks3` for 1- and 3-bit codes):
+    4 packed bytes in (for 3-bit codes a word of each plane; for 1- and 3-bit codes then ``odd``'s word,
+    whose bytes are all 0 or all 1), their codes as 16-bit floats ``OFFSET + f * c`` out.
 
     ``prmt`` moves bytes 0 and 1 (then 2 and 3) into the low bytes of the two 16-bit halves of a
     register; per column block ``j`` one ``lop3`` ``(t & mask) | magic`` (after a shift of ``t`` by
-    ``j*bits`` for blocks outside the mantissa, :func:`shift_free_blocks`) then yields two codes,
-    the same values as :func:`_code_block`. Output element ``i`` depends on input byte ``i`` only, so
-    the result does not depend on how the compiler lays the bytes out across threads and registers.
-    Empty (the portable path) for float32 and for 1- and 3-bit codes; the interpreter runs the portable
-    path too.
+    ``j*S`` for blocks outside the mantissa, :func:`shift_free_blocks`) then yields two codes,
+    the same values as :func:`_code_block`. A 3-bit code's high bit, moved to bit ``2j + 2`` of its
+    half, enters by a second ``lop3``. Output element ``i`` depends on input byte ``i`` only, so the
+    result does not depend on how the compiler lays the bytes out across threads and registers. Empty
+    (the portable path) for float32; the interpreter runs the portable path too.
     """
     magic = CODE_MAGIC[dtype][0]
-    if magic == 0 or bits in (1, 3):
+    if magic == 0:
         return ""
-    free, magic2 = shift_free_blocks(bits, dtype), magic * 0x10001
-    lines = [".reg .b32 lo, hi, t;", "prmt.b32 lo, $IN, 0, 0x1100;", "prmt.b32 hi, $IN, 0, 0x3322;"]
-    for j in range(8 // bits):
-        for half, word in enumerate(("lo", "hi")):
-            mask = ((1 << bits) - 1) * 0x10001
+    free, magic2, shift = shift_free_blocks(bits, dtype), magic * 0x10001, block_shift(bits)
+    blocks, low_bits = 8 // shift, 2 if bits == 3 else bits  # low_bits: the codes' bits in ``lo``/``hi``
+    lines = [".reg .b32 lo, hi, t;"]
+    if bits in (1, 3):  # the 1-bit plane's word, shifted right by one where its bytes are odd (all or none)
+        lines += [".reg .b32 s, w;", "and.b32 s, $ODD, 1;", f"shr.b32 w, {'$IN' if bits == 1 else '$HIGH'}, s;"]
+    lines += [
+        f"prmt.b32 lo, {'w' if bits == 1 else '$IN'}, 0, 0x1100;",
+        f"prmt.b32 hi, {'w' if bits == 1 else '$IN'}, 0, 0x3322;",
+    ]
+    if bits == 3:  # each block's high bit moved up to the 2-bit field's third bit
+        lines += [".reg .b32 hlo, hhi, u, v;", "prmt.b32 hlo, w, 0, 0x1100;", "prmt.b32 hhi, w, 0, 0x3322;"]
+        lines += ["shl.b32 hlo, hlo, 2;", "shl.b32 hhi, hhi, 2;"]
+    for j in range(blocks):
+        for half, (word, high) in enumerate((("lo", "hlo"), ("hi", "hhi"))):
+            mask, top, base = ((1 << low_bits) - 1) * 0x10001, 4 * 0x10001, magic2
             if j < free:
-                source, mask = word, mask << (j * bits)
+                source, mask, top = word, mask << (j * shift), top << (j * shift)
             else:
                 source = "t"
-                lines.append(f"shr.b32 t, {word}, {j * bits};")
-            lines.append(f"lop3.b32 ${2 * j + half}, {source}, {mask}, {magic2}, 0xEA;")
-    return "{ " + " ".join(lines).replace("$IN", f"${2 * (8 // bits)}") + " }"
+                lines.append(f"shr.b32 t, {word}, {j * shift};")
+                if bits == 3:
+                    lines.append(f"shr.b32 v, {high}, {j * shift};")
+                    high = "v"
+            if bits == 3:
+                lines.append(f"lop3.b32 u, {high}, {top}, {magic2}, 0xEA;")
+                base = "u"
+            lines.append(f"lop3.b32 ${2 * j + half}, {source}, {mask}, {base}, 0xEA;")
+    inputs = ("$IN", "$ODD") if bits == 1 else ("$IN", "$HIGH", "$ODD") if bits == 3 else ("$IN",)
+    program = " ".join(lines)
+    for index, name in enumerate(inputs):  # operands follow the 2 * blocks outputs
+        program = program.replace(name, f"${2 * blocks + index}")
+    return "{ " + program + " }"

@@ -14,7 +14,7 @@ TOLERANCE = {
 
 
 def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
-    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, lop3 0xEA on 32-bit registers)
+    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, shl, and, lop3 0xEA on 32-bit registers)
     from the given input registers; returns every register."""
     registers = dict(registers)
     for statement in filter(None, (line.strip() for line in ptx.strip("{} ").split(";"))):
@@ -29,6 +29,10 @@ def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
             registers[dest] = int.from_bytes(result, "little")
         elif op == "shr.b32":
             registers[dest] = values[0] >> values[1]
+        elif op == "and.b32":
+            registers[dest] = values[0] & values[1]
+        elif op == "shl.b32":
+            registers[dest] = (values[0] << values[1]) & 0xFFFFFFFF
         elif op == "mov.b32":
             registers[dest] = values[0]
         else:

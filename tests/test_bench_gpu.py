@@ -168,6 +168,11 @@ def test_runs_of_one_benchmark_merge_into_one_result(tmp_path):
     older = {**first, "config": {k: v for k, v in first["config"].items() if k != "k_bits"}}  # before a setting existed
     merged = bench_gpu.merge_runs([older, json.loads(Path(parts[1]).read_text())], "older")
     assert [row["k_bits"] for row in merged["cases"]] == [None, 4]
+    narrow = {**first, "config": {**first["config"], "shape": {**first["config"]["shape"], "head_dim": 32}}}
+    merged = bench_gpu.merge_runs([first, narrow], "shapes")  # runs of two head_dims keep both, marked
+    head_dim = first["config"]["shape"]["head_dim"]
+    assert [row["head_dim"] for row in merged["cases"]] == [head_dim] * len(first["cases"]) + [32] * len(first["cases"])
+    assert "| head_dim |" in bench_gpu.markdown(merged)
 
 
 def test_e2e_benchmark(tmp_path):
@@ -331,14 +336,20 @@ def test_committed_configs_resolve():
 
 
 def test_sass_count_compiles_the_decode_kernel_for_sm90_without_a_gpu():
-    """kernels/tools/sass_count.py: the history loop of the compiled kernel, counted from its SASS."""
+    """kernels/tools/sass_count.py: the history loop of the compiled kernel, counted from its SASS, at
+    2-bit K and V and with the PTX unpacking of 1-bit values and 3-bit keys (which ptxas must accept)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tool = REPO / "kernels" / "tools" / "sass_count.py"
-    out = subprocess.run(
-        [sys.executable, str(tool), "--warps", "1"], capture_output=True, text=True, env=env, timeout=600, check=True
-    ).stdout
-    per_key = float(out.split("= ")[1].split(" warp-instructions")[0])
-    assert 10 < per_key < 100 and "HMMA" in out
+    command = [sys.executable, str(tool), "--warps", "1", "--bits", "2/2", "2/1", "3/2"]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=True).stdout
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("stage 1")] == [
+        "stage 1, K2 V2, head_dim 128",
+        "stage 1, K2 V1, head_dim 128",
+        "stage 1, K3 V2, head_dim 128",
+    ]
+    for tile in out.split("history loop: ")[1:]:
+        per_key = float(tile.split("= ")[1].split(" warp-instructions")[0])
+        assert 10 < per_key < 100 and "HMMA" in tile
 
 
 def test_helpers():

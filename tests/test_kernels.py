@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import pytest
 import torch
@@ -415,35 +416,40 @@ def test_decode_attention_matches_reference(name, dtype):
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
-def _run_unpack_ptx(ptx: str, word: int) -> dict[str, int]:
-    """``_unpack_asm``'s registers for one input word (its input register follows the outputs)."""
-    return run_ptx(ptx.replace(f"${ptx.count('lop3')}", "$in"), {"$in": word})  # one lop3 an output
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_unpack_ptx_gives_offset_plus_factor_times_code(bits, dtype):
     """The compiled kernels' PTX unpack (GPU only) against its specification, on every byte value:
-    block j of byte i comes out as OFFSET + 2**(j*bits) * code for the shift-free blocks, else
-    OFFSET + code, in output register 2j (bytes 0, 1) or 2j + 1 (bytes 2, 3)."""
-    from oscar_hf.kernels.decode_unpack import CODE_MAGIC, shift_free_blocks, unpack_asm
+    block j of byte i (bits j*S.., S = block_shift: 4 for 4-bit codes, else 2; 3-bit codes add bit j*S
+    of the high plane's byte as their bit 2) comes out as OFFSET + 2**(j*S) * code for the shift-free
+    blocks, else OFFSET + code, in output register 2j (bytes 0, 1) or 2j + 1 (bytes 2, 3). 1- and 3-bit
+    codes take the 1-bit plane's bytes shifted right by one where the ``odd`` operand is 1."""
+    from oscar_hf.kernels.decode_unpack import CODE_MAGIC, block_shift, shift_free_blocks, unpack_asm
 
     ptx, free, offset = unpack_asm(bits, dtype), shift_free_blocks(bits, dtype), CODE_MAGIC[dtype][1]
-    assert free >= 1 and ptx.count("shr") == 2 * (8 // bits - free)
-    for first in range(0, 256, 4):
-        word = int.from_bytes(bytes([first, first + 1, first + 2, first + 3]), "little")
-        registers = _run_unpack_ptx(ptx, word)
-        for j in range(8 // bits):
-            halves = [
-                registers[f"${2 * j}"] & 0xFFFF,
-                registers[f"${2 * j}"] >> 16,
-                registers[f"${2 * j + 1}"] & 0xFFFF,
-                registers[f"${2 * j + 1}"] >> 16,
-            ]
-            got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(dtype).float()
-            codes = torch.tensor([((first + i) >> (j * bits)) & ((1 << bits) - 1) for i in range(4)])
-            factor = 2 ** (j * bits) if j < free else 1
-            assert torch.equal(got, offset + factor * codes.float()), (j, first)
+    shift, low_bits = block_shift(bits), 2 if bits == 3 else bits
+    blocks, planes = 8 // shift, 2 if bits == 3 else 1
+    assert free >= 1 and ptx.count("shr") == (bits in (1, 3)) + 2 * (blocks - free) * planes
+    for first, odd in itertools.product(range(0, 256, 4), [0, 1] if bits in (1, 3) else [0]):
+        low = bytes([first, first + 1, first + 2, first + 3])
+        for high in [b"\x00" * 4, b"\xff" * 4, b"\x55\xaa\x0f\xf0", low[::-1]] if bits == 3 else [low]:
+            words = [low] + ([high] if bits == 3 else []) + ([bytes([odd] * 4)] if bits in (1, 3) else [])
+            registers = run_ptx(ptx, {f"${2 * blocks + k}": int.from_bytes(w, "little") for k, w in enumerate(words)})
+            plane = bytes(byte >> odd for byte in (high if bits == 3 else low))
+            for j in range(blocks):
+                halves = [
+                    registers[f"${2 * j}"] & 0xFFFF,
+                    registers[f"${2 * j}"] >> 16,
+                    registers[f"${2 * j + 1}"] & 0xFFFF,
+                    registers[f"${2 * j + 1}"] >> 16,
+                ]
+                got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(dtype).float()
+                source = plane if bits == 1 else low
+                codes = [(source[i] >> (j * shift)) & ((1 << low_bits) - 1) for i in range(4)]
+                if bits == 3:
+                    codes = [code | ((plane[i] >> (j * shift)) & 1) << 2 for i, code in enumerate(codes)]
+                factor = 2 ** (j * shift) if j < free else 1
+                assert torch.equal(got, offset + factor * torch.tensor(codes).float()), (j, first, high, odd)
 
 
 @pytest.mark.parametrize("num_warps", [1, 2])

@@ -157,19 +157,21 @@ KERNEL_COLUMNS: list[Column] = [
 ]
 
 
-WIDTH_COLUMNS: list[Column] = [("K bits", "k_bits", ""), ("V bits", "v_bits", "")]
+# Settings that merged runs of several shapes or widths mark their rows with (eval/bench_gpu.py's merge).
+SETTING_COLUMNS: list[Column] = [("head_dim", "head_dim", ""), ("K bits", "k_bits", ""), ("V bits", "v_bits", "")]
 
 
 def kernel_markdown(result: dict) -> str:
-    """The kernel rows as one markdown table, with their widths where runs of several are merged."""
-    widths = WIDTH_COLUMNS if any("k_bits" in row or "v_bits" in row for row in result["cases"]) else []
-    return table(result["cases"], KERNEL_COLUMNS[:3] + widths + KERNEL_COLUMNS[3:])
+    """The kernel rows as one markdown table, with their head_dim and widths where runs of several are merged."""
+    settings = [column for column in SETTING_COLUMNS if any(column[1] in row for row in result["cases"])]
+    return table(result["cases"], KERNEL_COLUMNS[:3] + settings + KERNEL_COLUMNS[3:])
 
 
 def _line_of(row: dict) -> str:
-    """A row's method, with its widths where the row carries them."""
+    """A row's method, with its head_dim and widths where the row carries them."""
     widths = f" K{row['k_bits']} V{row['v_bits']}" if "k_bits" in row and "v_bits" in row else ""
-    return row["method"] + widths
+    head_dim = f" d{row['head_dim']}" if "head_dim" in row else ""
+    return row["method"] + widths + head_dim
 
 
 def kernel_plot(result: dict, path: Path) -> None:

@@ -1,12 +1,12 @@
 """Instructions per history tile of the decode kernels, compiled for an H100/H200 (sm_90) on any machine.
 
-    python kernels/tools/sass_count.py [--warps 1] [--block-n 64] [--ring] [--sass out.sass]
+    python kernels/tools/sass_count.py [--warps 1] [--block-n 64] [--ring] [--bits 2/2 3/2 2/1] [--head-dim 64] [--sass out.sass]
     python kernels/tools/sass_count.py --span [--registers 128] [--bits 2/2 4/2 2/1 4/1]
 
 No GPU is needed: Triton compiles the stage-1 kernel (or, ``--span``, the Gluon history span of
 ``kernels/gluon_span_kernel.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
-specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128, INT2 K and V, or
-the span's other ``--bits``, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
+specialisations of a Qwen3-8B launch (32 query heads, 8 KV heads, head_dim 128 or ``--head-dim``,
+INT2 K and V or the other ``--bits``, 100K history), and Triton's bundled ``cuobjdump`` prints the SASS. The tile's instructions, mostly integer
 unpacking, are one of the history loop's bounds (``kernels/DESIGN.md``); this counts them without
 device time. ``--span`` prints the registers, the loop's instructions and those before it for each
 variant: the history length as an argument or read on the device (``ring``), tiles staged or not
@@ -41,8 +41,11 @@ class _Sm90Driver:
         return GPUTarget("cuda", 90, 32)
 
 
-def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_000):
-    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only)."""
+def compile_stage1(
+    num_warps: int, block_n: int, ring: bool, history: int = 100_000, dims: int = 128, k_bits: int = 2, v_bits: int = 2
+):
+    """The compiled stage-1 kernel for a Qwen3-8B-shaped batch-1 launch (types and alignments only), at
+    ``dims`` a head and ``k_bits``/``v_bits`` a code."""
     from triton.runtime import driver
 
     driver.set_active(_Sm90Driver())
@@ -50,11 +53,15 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
     from oscar_hf.kernels.decode_unpack import CODE_MAGIC, shift_free_blocks, unpack_asm
 
     bf16, u8, f32 = torch.bfloat16, torch.uint8, torch.float32
-    kv_heads, dims = 8, 128
+    kv_heads = 8
     dense = (kv_heads * 512 * dims, 512 * dims, dims)
-    codes, meta = (kv_heads * history * 32, history * 32, 32), (kv_heads * history, history, 1)
+    k_row, v_row = k_bits * dims // 8, v_bits * dims // 8  # bytes a packed row
+    k_codes, v_codes = (
+        (kv_heads * history * k_row, history * k_row, k_row),
+        (kv_heads * history * v_row, history * v_row, v_row),
+    )
+    meta = (kv_heads * history, history, 1)
     magic, offset = CODE_MAGIC[bf16][:2]
-    unpack, free = unpack_asm(2, bf16), shift_free_blocks(2, bf16)
     block_h, head_blocks, _ = decode_launch._block_sizes(4, dims, block_n)
     args = (
         bf16,
@@ -78,13 +85,13 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         1,
         16,
         u8,
-        codes,
+        k_codes,
         bf16,
         meta,
         bf16,
         meta,
         u8,
-        codes,
+        v_codes,
         bf16,
         meta,
         bf16,
@@ -112,16 +119,16 @@ def compile_stage1(num_warps: int, block_n: int, ring: bool, history: int = 100_
         BLOCK_N=block_n,
         DENSE_BLOCK_N=16,
         D=dims,
-        K_BITS=2,
+        K_BITS=k_bits,
         K_GROUPS=1,
-        V_BITS=2,
+        V_BITS=v_bits,
         V_GROUPS=1,
         MAGIC=magic,
         OFFSET=offset,
-        K_FREE=free,
-        V_FREE=free,
-        K_UNPACK=unpack,
-        V_UNPACK=unpack,
+        K_FREE=shift_free_blocks(k_bits, bf16),
+        V_FREE=shift_free_blocks(v_bits, bf16),
+        K_UNPACK=unpack_asm(k_bits, bf16),
+        V_UNPACK=unpack_asm(v_bits, bf16),
         HAS_MASK=False,
         RING=ring,
         INTERPRETED=False,
@@ -274,8 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--span", action="store_true", help="the Gluon history span instead of the stage-1 kernel")
     parser.add_argument("--registers", type=int, default=0, help="the span's register cap (default: the kernel's)")
     parser.add_argument(
-        "--bits", nargs="+", default=["2/2"], help="the span's K/V bit widths (2/2, 4/2, 2/1, 4/1; default 2/2)"
+        "--bits",
+        nargs="+",
+        default=["2/2"],
+        help="K/V bit widths (the span's: 2/2, 4/2, 2/1, 4/1; stage 1 also takes 3-bit keys; default 2/2)",
     )
+    parser.add_argument("--head-dim", type=int, default=128, help="the stage-1 kernel's head_dim (default 128)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     if args.span:
@@ -287,20 +298,24 @@ def main(argv: list[str] | None = None) -> None:
     from oscar_hf.kernels import decode_launch
 
     args.warps = args.warps or decode_launch._WARPS
-    args.block_n = decode_launch._block_sizes(4, 128, args.block_n)[2]
-    compiled = compile_stage1(args.warps, args.block_n, args.ring)
-    sass = sass_of(compiled)
-    print(f"stage 1: {resource_usage(compiled)}; shared {compiled.metadata.shared} B")
-    if args.sass:
-        args.sass.write_text(sass)
-    ops = history_loop(sass)
-    total = sum(ops.values())
-    per_key = total * args.warps / args.block_n
-    print(
-        f"history loop: {total} instructions per thread per {args.block_n}-key tile at {args.warps} warps "
-        f"= {per_key:.1f} warp-instructions per key"
-    )
-    print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
+    args.block_n = decode_launch._block_sizes(4, args.head_dim, args.block_n)[2]
+    for width in args.bits:
+        k_bits, v_bits = (int(b) for b in width.split("/"))
+        compiled = compile_stage1(args.warps, args.block_n, args.ring, dims=args.head_dim, k_bits=k_bits, v_bits=v_bits)
+        sass = sass_of(compiled)
+        print(
+            f"stage 1, K{k_bits} V{v_bits}, head_dim {args.head_dim}: {resource_usage(compiled)}; shared {compiled.metadata.shared} B"
+        )
+        if args.sass:
+            args.sass.write_text(sass)
+        ops = history_loop(sass)
+        total = sum(ops.values())
+        per_key = total * args.warps / args.block_n
+        print(
+            f"history loop: {total} instructions per thread per {args.block_n}-key tile at {args.warps} warps "
+            f"= {per_key:.1f} warp-instructions per key"
+        )
+        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
 
 
 if __name__ == "__main__":
