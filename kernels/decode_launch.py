@@ -234,10 +234,10 @@ def decode_attention_triton(
         *t(new_v),
         n_new,
         _dense_chunk(n_new, dense_splits, _DENSE_BLOCK_N),
-        *t(k_codes),
+        *_code_rows(k_codes, head_dim),
         *t(k_scale),
         *t(k_zero),
-        *t(v_codes),
+        *_code_rows(v_codes, head_dim),
         *t(v_scale),
         *t(v_zero),
         n_hist,
@@ -375,6 +375,16 @@ def _gluon_unavailable() -> str | None:
         logger.warning("the Gluon history span cannot load (%s): decoding uses the Triton kernel alone", reason)
         return reason
     return None
+
+
+def _code_rows(codes: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """As :func:`_last_dim_contiguous`, for packed codes whose rows the kernel takes to start ``head_dim / 8``
+    bytes apart or a multiple of that (:func:`.decode_unpack.load_code_blocks`): a row of any width is,
+    and the cache's buffers keep them so; another view is copied."""
+    codes, strides = _last_dim_contiguous(codes)
+    if strides[-1] % (head_dim // 8) and codes.numel():
+        codes, strides = _last_dim_contiguous(codes.contiguous())
+    return codes, strides
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -125,12 +125,15 @@ def load_code_blocks(
         DP: tl.constexpr = D // 4
         columns = tl.arange(0, DP)
         PLANE: tl.constexpr = 0 if BITS == 1 else DP  # 3-bit rows: the 2-bit plane, then the 1-bit one
-        plane = tl.load(C + rows[:, None] * c_n + PLANE + (columns % (D // 8))[None, :], mask=valid[:, None], other=0)
+        # Rows start D/8-byte aligned (the launcher's row stride is a multiple of D/8): said, so that
+        # rows of 8 or 24 bytes (head_dim 64) are staged in vectors, not loaded a byte at a time.
+        starts = tl.multiple_of(rows * c_n, D // 8)[:, None]
+        plane = tl.load(C + starts + PLANE + (columns % (D // 8))[None, :], mask=valid[:, None], other=0)
         odd = tl.broadcast_to((columns >= D // 8).to(tl.uint8)[None, :], plane.shape)
         if BITS == 1:
             c0, c1, c2, c3 = _code_blocks1(plane, odd, DTYPE, MAGIC, FREE, UNPACK)
         else:
-            low = tl.load(C + rows[:, None] * c_n + columns[None, :], mask=valid[:, None], other=0)
+            low = tl.load(C + starts + columns[None, :], mask=valid[:, None], other=0)
             c0, c1, c2, c3 = _code_blocks3(low, plane, odd, DTYPE, MAGIC, FREE, UNPACK)
     else:
         raw = tl.load(C + rows[:, None] * c_n + tl.arange(0, D * BITS // 8)[None, :], mask=valid[:, None], other=0)

@@ -460,6 +460,23 @@ def test_decode_attention_with_fewer_warps(name, num_warps):
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("k_bits, v_bits", [(3, 1), (2, 1)])
+def test_decode_attention_copies_code_rows_that_start_off_their_alignment(k_bits, v_bits):
+    """The kernel takes packed rows to start a multiple of head_dim / 8 bytes apart (so that rows of 8 or
+    24 bytes load as vectors); a codes view whose rows are a byte further apart is copied first, with
+    the same result."""
+    q, tiers = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, k_bits=k_bits, v_bits=v_bits)
+
+    def padded(rows: QuantizedRows) -> QuantizedRows:
+        wide = torch.zeros(*rows.codes.shape[:-1], rows.codes.shape[-1] + 1, dtype=torch.uint8, device=DEVICE)
+        wide[..., :-1] = rows.codes
+        return dataclasses.replace(rows, codes=wide[..., :-1])
+
+    odd = dataclasses.replace(tiers, history_k=padded(tiers.history_k), history_v=padded(tiers.history_v))
+    assert odd.history_v.codes.stride(-2) % 8
+    torch.testing.assert_close(_op(q, odd, 0.125, 3), _op(q, tiers, 0.125, 3), atol=0, rtol=0)
+
+
 def test_decode_attention_splits_do_not_change_the_result():
     """The log-sum-exp merge is exact: 1 split and 5 splits agree to float32 rounding."""
     q, tiers = _decode_inputs(1, 4, 2, 64, 4, 90, 6, 1, torch.float32, pads=[2])
