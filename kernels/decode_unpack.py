@@ -179,10 +179,8 @@ def _code3(low, high, J: tl.constexpr, DTYPE: tl.constexpr, MAGIC: tl.constexpr,
     (times ``4**J``) for the first ``FREE`` blocks."""
     if J < FREE:
         codes = (low & (3 << (2 * J))) | ((high << 2) & (4 << (2 * J)))
-    elif J == 0:
-        codes = (low & 3) | ((high << 2) & 4)
     else:
-        codes = ((low >> (2 * J)) & 3) | ((high >> (2 * J - 2)) & 4)
+        codes = ((low >> (2 * J)) & 3) | (((high >> (2 * J)) & 1) << 2)
     return _as_dtype(codes, DTYPE, MAGIC)
 
 
