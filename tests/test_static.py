@@ -7,6 +7,7 @@ replays a captured graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 
@@ -271,6 +272,37 @@ def test_fused_projections_in_the_static_step_keep_the_tokens(tiny, static_steps
     assert "forward" not in tiny.model.layers[0].self_attn.q_proj.__dict__
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate-projections", "fused-projections"])
+def test_a_step_of_fused_projections_is_kept_no_longer_than_they_are(tiny, fuse):
+    """Unfusing frees the stacked weights a captured step reads: after it, neither a later freeze of the
+    same cache nor the model's next cache may replay that step. A step of separate projections is kept."""
+    release_captured_steps(tiny)
+    cache = OscarCache(tiny, "quarot-int2", decode_graphs=False, **SMALL)
+    forward(tiny, prompts([30])[0][None], cache)
+    decoder = oscar_hf.StaticDecoder(tiny, cache, capacity=64, capture=False, fuse_projections=fuse)
+
+    def steps():
+        for _ in range(3):
+            decoder.step({"input_ids": torch.zeros(1, 1, dtype=torch.long), cache_keyword(tiny): decoder.cache})
+
+    steps()
+    step = decoder.current
+    decoder.stop()
+    assert (decoder.current is step) is not fuse
+    steps()
+    assert (decoder.current is step) is not fuse and (decoder.fusion is not None) is fuse
+    del cache  # the decoder's cache ends: its step is left with the model, unless it ran fused
+    assert (tiny in _idle_steps()) is not fuse
+    assert "forward" not in tiny.model.layers[0].self_attn.q_proj.__dict__  # unfused when the cache ended
+    release_captured_steps(tiny)
+
+
+def _idle_steps() -> dict:
+    from oscar_hf.core import step_reuse
+
+    return dict(step_reuse._idle)
+
+
 # ------------------------------------------------------------- plain generate on a frozen cache
 
 
@@ -411,6 +443,35 @@ def test_a_fresh_cache_replays_the_graph_a_gone_cache_left_on_gpu(arch, monkeypa
     cache = OscarCache(model, "oscar-int2", rotations=sets[1], **SMALL)
     assert torch.equal(generate(model, second, cache, max_new_tokens=64), want)
     assert cache.step_decoder.graph is graph and captures["count"] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+def test_a_captured_step_of_fused_projections_is_not_replayed_once_unfused_on_gpu():
+    """The benchmark's sequence: a StaticDecoder with fused projections captures its step and stops (the
+    stacked weights freed, their memory reused), its cache ends, then oscar_hf.generate decodes a fresh
+    cache with fused projections too. Replaying the first step would read the freed stacked weights."""
+    model = tiny_model("qwen3", head_dim=64).to("cuda")
+    release_captured_steps(model)
+    rotations = oscar_hf.RotationSet.hadamard(64, [0, 1])
+    ids = prompts([300], seed=3)[0][None].cuda()
+    make = functools.partial(OscarCache, model, "oscar-int2", rotations=rotations, max_cache_len=400, **SMALL)
+    want = generate(
+        model,
+        ids,
+        OscarCache(model, "oscar-int2", rotations=rotations, decode_graphs=False, **SMALL),
+        max_new_tokens=32,
+    )
+    cache = make()
+    forward(model, ids, cache)
+    decoder = oscar_hf.StaticDecoder(model, cache, compile=True, fuse_projections=True)
+    for _ in range(3):  # freeze, warm up, capture
+        decoder.step({"input_ids": ids[:, -1:], cache_keyword(model): cache})
+    stacked = [p.shape for name, p in model.named_parameters() if "oscar_stacked" in name]
+    decoder.stop()
+    junk = [torch.full(shape, float("nan"), device="cuda") for shape in stacked]  # takes the freed blocks
+    del decoder, cache
+    assert torch.equal(fast(model, ids, make(), capture=True, compile=True, max_new_tokens=32), want)
+    del junk
 
 
 def count_replays(monkeypatch) -> dict:

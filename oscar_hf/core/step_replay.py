@@ -76,7 +76,8 @@ class StaticDecoder:
             over their stacked weights (:mod:`oscar_hf.core.fused_projections`; the same outputs up to
             rounding, no extra memory). At batch 1 the small k and v projections read their weights at
             a lower bandwidth than q's, which the stacked GEMM avoids (``eval/results/bench_graph.md``).
-            The weights are views into the stacked ones until :meth:`stop` clones them back.
+            The weights are views into the stacked ones until :meth:`stop` (or the end of the cache) clones
+            them back; a step run on the stacked weights is not kept past that.
 
     Raises:
         ValueError: ``capture`` without CUDA, or a compile mode that is not one of :data:`COMPILE_MODES`.
@@ -127,11 +128,17 @@ class StaticDecoder:
 
     def stop(self) -> None:
         """Leave static decoding: the cache back in its eager layout, the projections unfused. The step is
-        kept: a freeze of the same shapes replays its graph again."""
+        kept (a freeze of the same shapes replays its graph again) unless it ran fused projections."""
         self.cache.stop_static()
+        self._unfuse()
+
+    def _unfuse(self) -> None:
+        """Give the projections their own weights back. A step run on the stacked ones ends with them: its
+        graph reads their addresses, which unfusing frees."""
         if self.fusion is not None:
             self.fusion.close()
             self.fusion = None
+            self.current = None
 
     def close(self) -> None:
         """:meth:`stop`, and free the step instead of keeping it (for a decoder made for one call)."""
@@ -292,7 +299,9 @@ class StaticDecoder:
 
 
 def _cache_ended(decoder: StaticDecoder) -> None:
-    """The decoder's cache is gone: leave its step with the model for the next cache."""
+    """The decoder's cache is gone: leave its step with the model for the next cache (a step of fused
+    projections ends with them instead)."""
+    decoder._unfuse()
     if decoder.current is not None:
         keep_idle(decoder.model, decoder.current)
         decoder.current = None
