@@ -8,7 +8,7 @@
 # device call. The steps:
 #   GPU tests          tests (all GPU test files), gluon-tests, static-tests, threebit-tests, decode-graphs, gluon (the Gluon history span's
 #                      tests, diagnosis and timing), multigpu-tests (2 GPUs)
-#   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, e2e-32k, graph, graph-4b, graph-8b-64k, graph-100k,
+#   benchmarks         kernel, kernel-bits, e2e, e2e-4b, e2e-100k, e2e-32k, graph, graph-4b, graph-8b-64k,
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
 #   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
@@ -56,9 +56,9 @@ merge_e2e() {  # the e2e-32k and e2e-100k steps' runs (one a batch) as one bench
     merge bench_e2e $(ls "$work"/bench_e2e_32k_b*.json "$work"/bench_e2e_100k_b*.json 2>/dev/null)
 }
 
-merge_graph() {  # the graph steps' runs (8B, 4B, 8B at 64K, 8B at 100K) as one bench_graph result
+merge_graph() {  # the graph steps' runs (8B, 4B, 8B at 64K) as one bench_graph result
     local parts=()
-    for part in 8b 4b 8b_64k 100k; do [ -f "$work/bench_graph_$part.json" ] && parts+=("$work/bench_graph_$part.json"); done
+    for part in 8b 4b 8b_64k; do [ -f "$work/bench_graph_$part.json" ] && parts+=("$work/bench_graph_$part.json"); done
     merge bench_graph "${parts[@]}"
 }
 
@@ -144,11 +144,6 @@ for step in "$@"; do
                     --set 'models=["qwen3-8b"]' --set 'contexts=[65536]' --set "$caches" \
                     --set 'compiled_static.models=[]' --set 'profile.model="none"'
             fi
-            merge_graph ;;
-        graph-100k)  # the 8B at 100K: eager DynamicCache against the best captured step, profiled at batch 1
-            run graph_100k 300 $bench --config eval/configs/bench_graph.json --name bench_graph_100k \
-                --set 'models=["qwen3-8b"]' --set 'contexts=[100000]' --set 'compiled_static.models=[]' \
-                --set 'caches=["dynamic","oscar-int2+absorbed+graph+compile+fused"]'
             merge_graph ;;
         graph-gemms)  # the best captured 8B step at 100K, its GEMMs autotuned by Inductor or not
             run graph_gemms 420 $bench --config eval/configs/bench_graph.json --name bench_graph_gemms \
