@@ -25,6 +25,7 @@ from oscar_hf.core.storage import aligned_rows
 from tests.conftest import forward, generate, tiny_model
 from tests.test_absorption import random_rotations
 from tests.test_cache_contract import left_pad, prompts
+from tests.test_step_replay import idle_steps
 
 SMALL = dict(sink=4, recent=8, block=4)
 # oscar-k3v2's bit widths and clipping (3-bit K, 2-bit V) with Hadamard rotations: no calibration needed
@@ -292,15 +293,9 @@ def test_a_step_of_fused_projections_is_kept_no_longer_than_they_are(tiny, fuse)
     steps()
     assert (decoder.current is step) is not fuse and (decoder.fusion is not None) is fuse
     del cache  # the decoder's cache ends: its step is left with the model, unless it ran fused
-    assert (tiny in _idle_steps()) is not fuse
+    assert (tiny in idle_steps()) is not fuse
     assert "forward" not in tiny.model.layers[0].self_attn.q_proj.__dict__  # unfused when the cache ended
     release_captured_steps(tiny)
-
-
-def _idle_steps() -> dict:
-    from oscar_hf.core import step_reuse
-
-    return dict(step_reuse._idle)
 
 
 # ------------------------------------------------------------- plain generate on a frozen cache

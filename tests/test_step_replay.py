@@ -219,9 +219,9 @@ def test_a_step_is_kept_only_once_its_cache_is_gone_and_until_released(tiny):
     assert torch.equal(generate(tiny, out, alive, max_new_tokens=6), generate(tiny, out, reference, max_new_tokens=6))
     steps = [weakref.ref(alive.step_decoder.current), weakref.ref(other.step_decoder.current)]
     del alive, other  # the last to go is kept, the other freed
-    assert _idle_steps()[tiny] in [step() for step in steps]
+    assert idle_steps()[tiny] in [step() for step in steps]
     release_captured_steps(tiny)
-    assert tiny not in _idle_steps() and all(step() is None for step in steps)
+    assert tiny not in idle_steps() and all(step() is None for step in steps)
 
 
 def test_a_cache_frozen_again_decodes_from_its_own_step(tiny):
@@ -237,7 +237,7 @@ def test_a_cache_frozen_again_decodes_from_its_own_step(tiny):
     assert cache.step_decoder.current is step
 
 
-def _idle_steps() -> dict:
+def idle_steps() -> dict:
     from oscar_hf.core import step_reuse
 
     return dict(step_reuse._idle)
