@@ -26,7 +26,7 @@ from eval.benchmarks import REPO, multigpu
 from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for, with_bundled_widths
 from eval.benchmarks.cases import guarded, median_round
 from eval.benchmarks.config import apply_sets, deep_merge
-from eval.benchmarks.decoding import generate
+from eval.benchmarks.decoding import MEASURED, dense_kv_bytes, generate, roofline
 from eval.benchmarks.graph import graph_variant
 from eval.benchmarks.memory import predict_max_batch
 from eval.benchmarks.models import (
@@ -201,12 +201,18 @@ def test_e2e_benchmark(tmp_path):
     decode = [r for r in rows if r["part"] == "decode"]
     caches = ("dynamic", "static", "oscar-int2", "oscar-int2+absorbed")
     assert "Short generations" in (tmp_path / "e2e.md").read_text()
+    assert "Rooflines at 100 GB/s" in (tmp_path / "e2e.md").read_text()
     assert {(r["batch"], r["cache"]) for r in decode} == {(b, c) for b in (1, 2) for c in caches}
     for row in decode:
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["speedup_tokens_per_s"] > 0
         assert row["roofline_ms"] > 0 and row["step_over_roofline"] == pytest.approx(
             row["step_ms"] / row["roofline_ms"]
         )
+        bf16_over_own = row["bf16_roofline_ms"] / row["roofline_ms"]
+        if row["cache"] == "dynamic":
+            assert bf16_over_own == pytest.approx(1.0)
+        else:  # StaticCache holds its capacity; OscarCache less than BF16
+            assert bf16_over_own < 1 if row["cache"] == "static" else bf16_over_own > 1
         assert len(row["tokens_per_s_rounds"]) == 2 and row["tokens_per_s"] in row["tokens_per_s_rounds"]
         assert all(row[f"call{n}_{which}_tokens_per_s"] > 0 for n in (2, 3) for which in ("first", "second"))
     oscar = next(r for r in decode if r["cache"] == "oscar-int2" and r["batch"] == 1)
@@ -235,6 +241,22 @@ def test_graph_benchmark(tmp_path):
     graph = [r for r in decode if "+graph" in r["cache"]]
     assert all(r["generate_tokens_per_s"] > 0 and r["captured"] is False for r in graph)  # no CUDA here
     assert [r["kernel"] for r in rows if r["part"] == "profile"] == ["(all kernels)"]
+
+
+def test_a_measured_roofline_rate_draws_no_roofline_on_cpu():
+    model = build_model(TINY_MODEL, "cpu", torch.float32)
+    assert roofline(model, 1000, 1.0, {"bandwidth_bytes_per_s": MEASURED}, 100, 1) == {}
+    row = roofline(model, 1000, 1.0, {"bandwidth_bytes_per_s": 1e9}, 100, 1)
+    assert row["bandwidth_bytes_per_s"] == 1e9 and row["bf16_roofline_ms"] > 0
+
+
+def test_bf16_cache_bytes_count_a_sliding_layer_at_its_window():
+    model = build_model(TINY_MODEL, "cpu", torch.bfloat16)
+    per_token = 2 * 2 * 64 * 2  # K and V, 2 KV heads, head_dim 64, bf16
+    assert dense_kv_bytes(model, 1000, 3) == 2 * 1000 * 3 * per_token
+    config = model.config
+    config.sliding_window, config.layer_types = 256, ["sliding_attention", "full_attention"]
+    assert dense_kv_bytes(model, 1000, 3) == (256 + 1000) * 3 * per_token
 
 
 def test_absorbed_case_folds_r_v_for_its_duration_only():

@@ -6,10 +6,12 @@ import functools
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from oscar_hf import RotationSet
 from oscar_hf.core.compat import cache_keyword
+from oscar_hf.model_info import head_dim_of, text_config_of
 
 from .caches import attention_for, kv_bytes, make_cache
 from .cases import free_memory
@@ -18,6 +20,7 @@ from .timing import elapsed_ms, median, model_devices, synchronize
 
 # The decode timing of the e2e, graph and multigpu benchmarks, unless their config says otherwise.
 DECODE_DEFAULTS = {"new_tokens": 32, "repeats": 3, "warmup_steps": 3, "steps": 16, "fill_chunk_rows": 65536}
+MEASURED = "measured"  # a run's ``bandwidth_bytes_per_s``: BF16 SDPA's read rate on the run's GPU
 
 
 def generate(
@@ -93,17 +96,81 @@ def first_and_second_calls(
     return calls
 
 
-def roofline(model: PreTrainedModel, cache_bytes: int, step_ms: float, bandwidth: float | None) -> dict:
-    """A decode step's memory roofline: every weight and the whole KV cache read once at ``bandwidth``.
+@functools.cache
+def sdpa_read_rate(device: str) -> float:
+    """Bytes per second at which BF16 SDPA reads a dense K/V on ``device``: one query token of the Qwen3-8B
+    attention shape (32 query and 8 KV heads, head_dim 128) over 100,000 tokens at batch 4, 1.6 GB, far
+    past any cache; the median of 10 calls. No BF16 decode step reads its K/V faster than this."""
+    generator = torch.Generator(device).manual_seed(0)
+    k = torch.randn(4, 8, 100_000, 128, generator=generator, device=device, dtype=torch.bfloat16)
+    v, q = torch.randn_like(k), torch.randn(4, 32, 1, 128, generator=generator, device=device, dtype=k.dtype)
+    call = functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+    for _ in range(3):
+        call()
+    ms = median([elapsed_ms(call, [torch.device(device)]) for _ in range(10)])
+    return 2 * k.numel() * k.element_size() / (ms * 1e-3)
 
-    All parameters count, though a step gathers only a few rows of an untied input embedding. Empty
-    without a configured bandwidth.
+
+def step_bandwidth(model: PreTrainedModel, run: dict) -> float | None:
+    """A run's roofline rate: its ``bandwidth_bytes_per_s`` (bytes/s, or ``"measured"`` for
+    :func:`sdpa_read_rate` on the model's GPU; None on CPU, where no roofline is drawn)."""
+    bandwidth = run.get("bandwidth_bytes_per_s")
+    if bandwidth != MEASURED:
+        return bandwidth
+    device = input_device(model)
+    return sdpa_read_rate(str(device)) if device.type == "cuda" else None
+
+
+def dense_kv_bytes(model: PreTrainedModel, tokens: int, batch: int) -> int:
+    """Bytes of an unquantized cache in the model's dtype (transformers' layout, BF16 in the benchmarks)
+    holding ``tokens`` tokens of ``batch`` sequences in every layer; a sliding-window layer holds its window."""
+    config = text_config_of(model)
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    kinds = kinds or ["full_attention"] * config.num_hidden_layers
+    rows = sum(min(tokens, window) if kind == "sliding_attention" and window else tokens for kind in kinds)
+    return 2 * rows * batch * config.num_key_value_heads * head_dim_of(model) * model.dtype.itemsize
+
+
+ROOFLINE_COLUMNS: list[tuple[str, str, str]] = [
+    ("roofline ms", "roofline_ms", ".2f"),
+    ("step / roofline", "step_over_roofline", ".2f"),
+    ("BF16 roofline ms", "bf16_roofline_ms", ".2f"),
+    ("step / BF16 roofline", "step_over_bf16_roofline", ".2f"),
+]
+
+
+def roofline_note(rows: list[dict]) -> str:
+    """The sentence under a table that says at which read rate its rooflines are drawn."""
+    rates = sorted({round(r["bandwidth_bytes_per_s"] / 1e9) for r in rows if r.get("bandwidth_bytes_per_s")})
+    if not rates:
+        return ""
+    shown = " and ".join(f"{rate:,} GB/s" for rate in rates)
+    return (
+        f"\n\nRooflines at {shown}, BF16 SDPA's measured read rate on the run's GPU; the BF16 roofline is the "
+        "step with a BF16 cache of the same context, the time no BF16 decoding reaches."
+    )
+
+
+def roofline(model: PreTrainedModel, cache_bytes: int, step_ms: float, run: dict, context: int, batch: int) -> dict:
+    """A decode step's memory roofline: every weight and the whole KV cache read once at the run's rate
+    (:func:`step_bandwidth`); beside it the same step's roofline with a BF16 cache of ``context`` tokens,
+    the time no BF16 decoding can beat. Empty without a rate.
+
+    All parameters count, though a step gathers only a few rows of an untied input embedding.
     """
+    bandwidth = step_bandwidth(model, run)
     if not bandwidth:
         return {}
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     roofline_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
-    return {"roofline_ms": roofline_ms, "step_over_roofline": step_ms / roofline_ms}
+    bf16_ms = (weight_bytes + dense_kv_bytes(model, context, batch)) / bandwidth * 1e3
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "roofline_ms": roofline_ms,
+        "step_over_roofline": step_ms / roofline_ms,
+        "bf16_roofline_ms": bf16_ms,
+        "step_over_bf16_roofline": step_ms / bf16_ms,
+    }
 
 
 def decode_case(
@@ -151,7 +218,7 @@ def decode_case(
     step_ms, total_ms = median(steps), median(generate_times)
     return {
         **row,
-        **roofline(model, row["kv_bytes"], step_ms, run.get("bandwidth_bytes_per_s")),
+        **roofline(model, row["kv_bytes"], step_ms, run, context, batch),
         "step_ms": step_ms,
         "step_tokens_per_s": batch * 1e3 / step_ms,
         "generate_ms": total_ms,

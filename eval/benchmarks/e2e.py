@@ -17,7 +17,7 @@ from oscar_hf.core.compat import cache_keyword
 from . import Benchmark
 from .caches import attention_for, make_cache, model_for, synthetic_fill
 from .cases import add_speedups, free_memory, guarded, median_round
-from .decoding import DECODE_DEFAULTS, decode_case, generate
+from .decoding import DECODE_DEFAULTS, ROOFLINE_COLUMNS, decode_case, generate, roofline_note
 from .models import model_cases, model_rotations, random_tokens
 from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import elapsed_ms, median, model_devices
@@ -156,8 +156,7 @@ E2E_COLUMNS: list[Column] = [
     ("tokens/s at the median step", "step_tokens_per_s", ".1f"),
     ("speedup vs Dynamic", "speedup_tokens_per_s", ".2f"),
     ("KV GiB", "kv_bytes", "GiB"),
-    ("roofline ms", "roofline_ms", ".2f"),
-    ("step / roofline", "step_over_roofline", ".1f"),
+    *ROOFLINE_COLUMNS,
 ]
 
 
@@ -205,7 +204,7 @@ def e2e_markdown(result: dict) -> str:
         ("Prefill (real forward, quantize-on-write included)", "prefill", PREFILL_COLUMNS),
     ]
     tables = [(title, [r for r in cases if r.get("part") == part], cols) for title, part, cols in sections]
-    return "\n\n".join(f"{title}\n\n{table(rows, cols)}" for title, rows, cols in tables if rows)
+    return "\n\n".join(f"{title}\n\n{table(rows, cols)}{roofline_note(rows)}" for title, rows, cols in tables if rows)
 
 
 def e2e_plot(result: dict, path: Path) -> None:

@@ -23,13 +23,20 @@ from transformers import PreTrainedModel
 import oscar_hf
 from oscar_hf import RotationSet, StaticDecoder
 from oscar_hf.core.compat import cache_keyword
-from oscar_hf.model_info import head_dim_of, text_config_of
 
 from . import Benchmark
 from .caches import attention_for, fill_cache, kv_bytes, make_cache, model_for, synthetic_fill
 from .cases import add_speedups, free_memory, guarded
-from .decoding import DECODE_DEFAULTS, decode_steps, generate_ms, roofline
-from .models import DTYPES, input_device, model_cases, model_rotations, random_tokens
+from .decoding import (
+    DECODE_DEFAULTS,
+    ROOFLINE_COLUMNS,
+    decode_steps,
+    dense_kv_bytes,
+    generate_ms,
+    roofline,
+    roofline_note,
+)
+from .models import input_device, model_cases, model_rotations, random_tokens
 from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import elapsed_ms, median, model_devices, synchronize
 
@@ -124,7 +131,7 @@ def graph_case(
             free_memory()
         row["generate_tokens_per_s"] = batch * run["new_tokens"] * 1e3 / median(times[1:])
     row["step_ms"] = median(row["step_ms_all"])
-    return {**row, **roofline(model, row["kv_bytes"], row["step_ms"], run.get("bandwidth_bytes_per_s"))}
+    return {**row, **roofline(model, row["kv_bytes"], row["step_ms"], run, context, batch)}
 
 
 def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: dict) -> dict:
@@ -147,13 +154,12 @@ def compiled_static_case(model: PreTrainedModel, context: int, batch: int, run: 
         del cache
         free_memory()
     step_ms = (median(times[long]) - median(times[short])) / (long - short)
-    cache_bytes = 2 * text_config_of(model).num_hidden_layers * batch * text_config_of(model).num_key_value_heads
-    cache_bytes *= capacity * head_dim_of(model) * DTYPES[run.get("dtype", "bfloat16")].itemsize
+    cache_bytes = dense_kv_bytes(model, capacity, batch)
     return {
         "step_ms": step_ms,
         "kv_bytes": cache_bytes,
         "generate_ms_by_tokens": times,
-        **roofline(model, cache_bytes, step_ms, run.get("bandwidth_bytes_per_s")),
+        **roofline(model, cache_bytes, step_ms, run, context, batch),
     }
 
 
@@ -267,8 +273,7 @@ GRAPH_COLUMNS: list[Column] = [
     ("cache", "cache", ""),
     ("median step ms", "step_ms", ".2f"),
     ("speedup vs Dynamic", "speedup_step_ms", ".2f"),
-    ("roofline ms", "roofline_ms", ".2f"),
-    ("step / roofline", "step_over_roofline", ".2f"),
+    *ROOFLINE_COLUMNS,
     ("generate tokens/s", "generate_tokens_per_s", ".1f"),
     ("generate vs Dynamic", "speedup_generate_tokens_per_s", ".2f"),
     ("KV GiB", "kv_bytes", "GiB"),
@@ -286,9 +291,10 @@ PROFILE_COLUMNS: list[Column] = [
 def graph_markdown(result: dict) -> str:
     """The decode-step table, then the captured step's profile if there is one."""
     cases = result["cases"]
+    decode = [r for r in cases if r.get("part") != "profile"]
     text = (
         "Decode step (synthetic context; eager rows: transformers' forward per step; `+graph`: one CUDA "
-        "graph replay per step)\n\n" + table([r for r in cases if r.get("part") != "profile"], GRAPH_COLUMNS)
+        "graph replay per step)\n\n" + table(decode, GRAPH_COLUMNS) + roofline_note(decode)
     )
     profile = [r for r in cases if r.get("part") == "profile"]
     if profile:
