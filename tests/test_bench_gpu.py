@@ -26,7 +26,7 @@ from eval.benchmarks import REPO, multigpu
 from eval.benchmarks.caches import attention_for, fill_cache, make_cache, model_for, with_bundled_widths
 from eval.benchmarks.cases import guarded, median_round
 from eval.benchmarks.config import apply_sets, deep_merge
-from eval.benchmarks.decoding import MEASURED, dense_kv_bytes, generate, roofline
+from eval.benchmarks.decoding import MEASURED, dense_kv_bytes, generate, roofline, with_bandwidth
 from eval.benchmarks.graph import graph_variant
 from eval.benchmarks.memory import predict_max_batch
 from eval.benchmarks.models import (
@@ -245,7 +245,7 @@ def test_graph_benchmark(tmp_path):
 
 def test_a_measured_roofline_rate_draws_no_roofline_on_cpu():
     model = build_model(TINY_MODEL, "cpu", torch.float32)
-    assert roofline(model, 1000, 1.0, {"bandwidth_bytes_per_s": MEASURED}, 100, 1) == {}
+    assert roofline(model, 1000, 1.0, with_bandwidth(model, {"bandwidth_bytes_per_s": MEASURED}), 100, 1) == {}
     row = roofline(model, 1000, 1.0, {"bandwidth_bytes_per_s": 1e9}, 100, 1)
     assert row["bandwidth_bytes_per_s"] == 1e9 and row["bf16_roofline_ms"] > 0
 

@@ -96,8 +96,7 @@ def first_and_second_calls(
     return calls
 
 
-@functools.cache
-def sdpa_read_rate(device: str) -> float:
+def sdpa_read_rate(device: torch.device) -> float:
     """Bytes per second at which BF16 SDPA reads a dense K/V on ``device``: one query token of the Qwen3-8B
     attention shape (32 query and 8 KV heads, head_dim 128) over 100,000 tokens at batch 4, 1.6 GB, far
     past any cache; the median of 10 calls. No BF16 decode step reads its K/V faster than this."""
@@ -107,18 +106,18 @@ def sdpa_read_rate(device: str) -> float:
     call = functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True)
     for _ in range(3):
         call()
-    ms = median([elapsed_ms(call, [torch.device(device)]) for _ in range(10)])
+    ms = median([elapsed_ms(call, [device]) for _ in range(10)])
     return 2 * k.numel() * k.element_size() / (ms * 1e-3)
 
 
-def step_bandwidth(model: PreTrainedModel, run: dict) -> float | None:
-    """A run's roofline rate: its ``bandwidth_bytes_per_s`` (bytes/s, or ``"measured"`` for
-    :func:`sdpa_read_rate` on the model's GPU; None on CPU, where no roofline is drawn)."""
-    bandwidth = run.get("bandwidth_bytes_per_s")
-    if bandwidth != MEASURED:
-        return bandwidth
+def with_bandwidth(model: PreTrainedModel, run: dict) -> dict:
+    """``run`` with its roofline rate in bytes/s: ``bandwidth_bytes_per_s`` as configured, or for ``"measured"``
+    :func:`sdpa_read_rate` on the model's GPU, measured now, before any case fills the GPU (None on CPU, where
+    no roofline is drawn)."""
+    if run.get("bandwidth_bytes_per_s") != MEASURED:
+        return run
     device = input_device(model)
-    return sdpa_read_rate(str(device)) if device.type == "cuda" else None
+    return {**run, "bandwidth_bytes_per_s": sdpa_read_rate(device) if device.type == "cuda" else None}
 
 
 def dense_kv_bytes(model: PreTrainedModel, tokens: int, batch: int) -> int:
@@ -153,12 +152,12 @@ def roofline_note(rows: list[dict]) -> str:
 
 def roofline(model: PreTrainedModel, cache_bytes: int, step_ms: float, run: dict, context: int, batch: int) -> dict:
     """A decode step's memory roofline: every weight and the whole KV cache read once at the run's rate
-    (:func:`step_bandwidth`); beside it the same step's roofline with a BF16 cache of ``context`` tokens,
+    (:func:`with_bandwidth`); beside it the same step's roofline with a BF16 cache of ``context`` tokens,
     the time no BF16 decoding can beat. Empty without a rate.
 
     All parameters count, though a step gathers only a few rows of an untied input embedding.
     """
-    bandwidth = step_bandwidth(model, run)
+    bandwidth = run.get("bandwidth_bytes_per_s")
     if not bandwidth:
         return {}
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -17,7 +17,7 @@ from oscar_hf.core.compat import cache_keyword
 from . import Benchmark
 from .caches import attention_for, make_cache, model_for, synthetic_fill
 from .cases import add_speedups, free_memory, guarded, median_round
-from .decoding import DECODE_DEFAULTS, ROOFLINE_COLUMNS, decode_case, generate, roofline_note
+from .decoding import DECODE_DEFAULTS, ROOFLINE_COLUMNS, decode_case, generate, roofline_note, with_bandwidth
 from .models import model_cases, model_rotations, random_tokens
 from .report import Column, bars, figure, no_data, short_tokens, table
 from .timing import elapsed_ms, median, model_devices
@@ -83,7 +83,7 @@ def e2e_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     between device calls and would otherwise favour whichever cache ran in a fast stretch.
     """
     rotations = model_rotations(model, config)
-    run, rows = config["decode"], []
+    run, rows = with_bandwidth(model, config["decode"]), []
     rounds = run.get("rounds", 1)
     grid = [
         (c, b, r, k)

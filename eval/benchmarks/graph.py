@@ -35,6 +35,7 @@ from .decoding import (
     generate_ms,
     roofline,
     roofline_note,
+    with_bandwidth,
 )
 from .models import input_device, model_cases, model_rotations, random_tokens
 from .report import Column, bars, figure, no_data, short_tokens, table
@@ -204,7 +205,7 @@ def profile_graph_step(
 def graph_model(config: dict, name: str, model: PreTrainedModel) -> list[dict]:
     """One model's decode rows per (context, batch, cache), compiled StaticCache rows and the profile rows."""
     rotations = model_rotations(model, config)
-    run, rows = {**config["decode"], "dtype": config["dtype"]}, []
+    run, rows = with_bandwidth(model, config["decode"]), []
     grid = [(c, b, k) for c in config["contexts"] for b in config["batches"] for k in config["caches"]]
     for context, batch, cache_name in tqdm(grid, desc=f"graph {name}"):
 
