@@ -143,10 +143,10 @@ def roofline_note(rows: list[dict]) -> str:
     rates = sorted({round(r["bandwidth_bytes_per_s"] / 1e9) for r in rows if r.get("bandwidth_bytes_per_s")})
     if not rates:
         return ""
-    shown = " and ".join(f"{rate:,} GB/s" for rate in rates)
+    shown = f"{rates[0]:,} GB/s" if len(rates) == 1 else f"{rates[0]:,}-{rates[-1]:,} GB/s (each run measures its own)"
     return (
-        f"\n\nRooflines at {shown}, BF16 SDPA's measured read rate on the run's GPU; the BF16 roofline is the "
-        "step with a BF16 cache of the same context, the time no BF16 decoding reaches."
+        f"\n\nRooflines at {shown}: BF16 SDPA's read rate on the run's GPU. The BF16 roofline is the step with a "
+        "BF16 cache of the same context: no BF16 decoding is faster."
     )
 
 
