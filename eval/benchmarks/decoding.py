@@ -16,6 +16,7 @@ from oscar_hf.model_info import head_dim_of, text_config_of
 from .caches import attention_for, kv_bytes, make_cache
 from .cases import free_memory
 from .models import input_device
+from .report import Column
 from .timing import elapsed_ms, median, model_devices, synchronize
 
 # The decode timing of the e2e, graph and multigpu benchmarks, unless their config says otherwise.
@@ -130,7 +131,7 @@ def dense_kv_bytes(model: PreTrainedModel, tokens: int, batch: int) -> int:
     return 2 * rows * batch * config.num_key_value_heads * head_dim_of(model) * model.dtype.itemsize
 
 
-ROOFLINE_COLUMNS: list[tuple[str, str, str]] = [
+ROOFLINE_COLUMNS: list[Column] = [
     ("roofline ms", "roofline_ms", ".2f"),
     ("step / roofline", "step_over_roofline", ".2f"),
     ("BF16 roofline ms", "bf16_roofline_ms", ".2f"),
