@@ -75,12 +75,12 @@ for step in "$@"; do
         threebit-tests) run threebit_tests 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
             tests/test_gluon_history.py tests/test_static.py tests/test_quant.py \
             -k "int3 or k3v2 or 3bit or bit_exact or into_many or static_lengths or bit_widths or matches_reference" ;;
-        kernel-bits)  # decode attention at 100K, batches 1 and 8, by widths (K/V bits) at head_dim 128 (the Gluon span
-            # for 2/2, 4/2, 2/1, 4/1; 3-bit keys run the Triton loop) and 64 (the Triton loop): one run each,
-            # merged into kernel_widths; then the Triton loop at head_dim 128 by widths (kernel_widths_triton_loop)
+        kernel-bits)  # decode attention at 100K, batches 1 and 8, by widths (K/V bits) at head_dim 128 (the Gluon
+            # span) and 64 (the Triton loop): one run each, merged into kernel_widths; then the Triton loop at
+            # head_dim 128 by widths (kernel_widths_triton_loop)
             one="--config eval/configs/bench_kernel.json --set contexts=[100000] --set batches=[1,8] --set methods=[\"oscar_triton\"]"
             for d in 128 64; do
-                for widths in 2/2 4/2 2/1 4/1 3/2; do
+                for widths in 2/2 4/2 2/1 4/1 3/2 3/1; do
                     k=${widths%/*} v=${widths#*/}
                     run kernel_k${k}v${v}_d$d 120 $bench $one --set "shape={\"q_heads\":32,\"kv_heads\":8,\"head_dim\":$d}" \
                         --set k_bits=$k --set v_bits=$v --name kernel_k${k}v${v}_d$d
@@ -88,7 +88,7 @@ for step in "$@"; do
             done
             merge kernel_widths $(ls "$work"/kernel_k*v*_d*.json)
             [ "${KERNEL_BITS:-all}" = widths ] && continue  # KERNEL_BITS=widths: kernel_widths only
-            for widths in 2/2 4/2 2/1 4/1; do
+            for widths in 2/2 4/2 2/1 4/1 3/2 3/1; do
                 k=${widths%/*} v=${widths#*/}
                 run kernel_k${k}v${v}_triton 120 env OSCAR_DECODE_HISTORY=triton $bench $one --set k_bits=$k --set v_bits=$v \
                     --name kernel_k${k}v${v}_triton

@@ -1,6 +1,6 @@
 """The packed-history span of decode attention in Gluon, host side: stage the inputs and launch.
 
-The span covers 2- or 4-bit K and 2- or 1-bit V (:data:`BIT_WIDTHS`) with one (scale, zero) per row,
+The span covers 2-, 3- or 4-bit K and 2- or 1-bit V (:data:`BIT_WIDTHS`) with one (scale, zero) per row,
 bf16, head_dim 128 and up to 8 query heads per KV head. On a GPU the decode call (:mod:`.decode_launch`) takes its history slots from
 here for the shapes it covers (``OSCAR_DECODE_HISTORY=triton`` opts out); the dense tiers (a Triton
 launch) and the merge follow it, as programmatic dependent launches on Hopper, so they start in the
@@ -62,7 +62,7 @@ def history_into(
     shape = (head_dim, k_scale.shape[-1], v_scale.shape[-1], q.dtype)
     if shape != (128, 1, 1, torch.bfloat16) or bits not in BIT_WIDTHS:
         raise ValueError(
-            "the span covers 2- or 4-bit K with 2- or 1-bit V, head_dim 128, one group, bf16 only; "
+            "the span covers 2-, 3- or 4-bit K with 2- or 1-bit V, head_dim 128, one group, bf16 only; "
             f"got {bits[0]}-bit K and {bits[1]}-bit V"
         )
     if group > 8:

@@ -1,6 +1,6 @@
 """The packed-history span of decode attention with explicit layouts (Gluon): the kernel body.
 
-For 2- or 4-bit K and 2- or 1-bit V, one (scale, zero) per row, bf16, head_dim 128, up to 8 query
+For 2-, 3- or 4-bit K and 2- or 1-bit V, one (scale, zero) per row, bf16, head_dim 128, up to 8 query
 heads per KV head, 64-key tiles on one warp. :mod:`.decode_history_gluon` stages the inputs and launches it; it writes
 the same partial slots as the Triton stage 1 (:mod:`.decode_stages`), whose merge follows.
 
@@ -19,8 +19,8 @@ head, each tile's two halves of 32 keys share them, see ``gluon_span_layouts.PAI
   thread) and the MMAs' K index, the keys and the dims are *relabelled* to match what each thread
   holds: reshapes/permutes of register dimensions that ``convert_layout(..., assert_trivial=True)``
   proves free (:mod:`.gluon_span_layouts`). q is gathered once into the same order and the output is
-  scattered back by pointer arithmetic; the cache's byte layout does not change. 4-bit keys and 1-bit
-  values are read into the 2-bit words' order as they load (:func:`_key_words`, :func:`_value_words`),
+  scattered back by pointer arithmetic; the cache's byte layout does not change. 3- and 4-bit keys and
+  1-bit values are read into the 2-bit words' order as they load (:func:`_key_words`, :func:`_value_words`),
   so all that follows is the same;
 * per-head sums over keys (l, and the two value corrections) stay per lane inside the loop and are
   reduced across lanes once at the end; only the running max crosses lanes each tile;
@@ -100,9 +100,15 @@ def _words(P, ok, MASKED: gl.constexpr):
 @gluon.jit
 def _key_words(KC, offsets, ok, K_BITS: gl.constexpr, MASKED: gl.constexpr):
     """K's words as :func:`.gluon_span_operands.unpack_k` takes them: 2-bit words, or for 4-bit keys the
-    pair of 4-bit words ``w`` and ``w + 8`` that 2-bit word ``w``'s blocks lie in."""
+    pair of 4-bit words ``w`` and ``w + 8`` that 2-bit word ``w``'s blocks lie in. A 3-bit row is a 2-bit
+    row (words 0-7) and a 1-bit plane (words 8-11) whose word ``w % 4`` shifted right by ``w // 4`` holds
+    the third bits of 2-bit word ``w``, as :func:`_value_words` reads 1-bit rows."""
     if K_BITS == 4:
         return _words(KC + offsets, ok, MASKED), _words(KC + 8 + offsets, ok, MASKED)
+    elif K_BITS == 3:
+        words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
+        high = _words((KC + (8 - 4 * (words // 4))) + offsets, ok, MASKED) >> (words // 4)
+        return _words(KC + offsets, ok, MASKED), high
     else:
         return _words(KC + offsets, ok, MASKED)
 
@@ -299,7 +305,7 @@ def history_kernel(
     """Program ``(b, kv head, split)``: history rows ``[split*chunk, (split+1)*chunk)`` of one KV head for
     its ``GROUP`` query heads, into partial slot ``split`` (``PM``/``PL`` ``[B, Hq, n_slots]``, ``PACC``
     ``[B, Hq, n_slots, D]``, as the Triton stage 1 writes its history slots). Codes come as 32-bit words
-    ``[B, Hkv, L, 4 * bits]`` (``K_BITS`` 2 or 4, ``V_BITS`` 2 or 1), K's rows ``K_ROW`` words apart and V's
+    ``[B, Hkv, L, 4 * bits]`` (``K_BITS`` 2, 3 or 4, ``V_BITS`` 2 or 1), K's rows ``K_ROW`` words apart and V's
     ``V_ROW`` (more than a row's words where rows of K and V alternate in one buffer); scale/zero
     ``[B, Hkv, L]`` (one group). ``PIPELINE`` needs 2-bit K and V. ``RING`` (static decoding): the valid
     history rows are ``LENGTHS[0]`` (device memory), split in ``num_programs(2)`` chunks as the Triton

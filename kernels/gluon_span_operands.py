@@ -160,6 +160,18 @@ K4_UNPACK = gl.constexpr(
     "shr.b32 t, $4, 4; lop3.b32 $2, t, 0x0F0F0F0F, 0, 0xEA; shr.b32 t, $8, 4; lop3.b32 $3, t, 0x0F0F0F0F, 0, 0xEA; }"
 )
 K4_FACTORS = (1.0, 1.0, 1.0, 1.0)
+# 3-bit keys: 2-bit word w's blocks are the low two bits, and word w of the high-bit plane (its word
+# w % 4 shifted right by w // 4, _key_words) holds each field's third bit at bit 2j of its bytes. Two
+# words in: one lop3 selects blocks 0 and 2 (then 1 and 3) as 3-bit codes in a byte's two nibbles, low
+# bits from the 2-bit word, the rest from the high word shifted so that the third bits land at bit 2 of
+# each nibble (bit 3 is garbage), then a mask each (f = 1, 1, 16, 16: 16 * 7 stays below int8's 128).
+K3_UNPACK = gl.constexpr(
+    "{ .reg .b32 t, u, c; shl.b32 u, $8, 2; lop3.b32 c, $4, 0x33333333, u, 0xE2; "
+    "and.b32 $0, c, 0x07070707; and.b32 $2, c, 0x70707070; "
+    "shr.b32 t, $4, 2; lop3.b32 c, t, 0x33333333, $8, 0xE2; "
+    "and.b32 $1, c, 0x07070707; and.b32 $3, c, 0x70707070; }"
+)
+K3_FACTORS = (1.0, 1.0, 16.0, 16.0)
 # q's fixed point: |q| * scale <= Q_RANGE, so a dot is at most 128 * 15 * Q_RANGE < 2**31 (int32, 4-bit
 # codes) and each half fits int8 (hi <= 125). Past 2**24 (4-bit keys) the dot's float32 conversion
 # rounds, by at most 2**-24 of it: below the rounding of the zero-point product that joins it.
@@ -181,20 +193,22 @@ Q_BYTES = gl.constexpr(
 @gluon.jit
 def unpack_k(words, K_BITS: gl.constexpr):
     """Per column block j the int8 codes ``f_j * c`` ``[keys, bytes]`` (byte ``4w + b`` of the 2-bit
-    layout) of K's ``[keys, words]``: 2-bit words, or for 4-bit keys a pair (words w, words w + 8)."""
-    if K_BITS == 4:
+    layout) of K's ``[keys, words]``: 2-bit words, or a pair for 4-bit keys (words w, words w + 8) and
+    for 3-bit keys (low-bit words, high-bit words)."""
+    if K_BITS == 2:
+        o = gl.inline_asm_elementwise(
+            K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [_fourfold(words)], dtype=(gl.int8,) * 4, is_pure=True, pack=4
+        )
+    else:
+        PAIR_UNPACK: gl.constexpr = K4_UNPACK if K_BITS == 4 else K3_UNPACK
         low, high = words
         o = gl.inline_asm_elementwise(
-            K4_UNPACK,
+            PAIR_UNPACK,
             "=r,=r,=r,=r" + ",r" * 8,
             [_fourfold(low), _fourfold(high)],
             dtype=(gl.int8,) * 4,
             is_pure=True,
             pack=4,
-        )
-    else:
-        o = gl.inline_asm_elementwise(
-            K_UNPACK, "=r,=r,=r,=r,r,r,r,r", [_fourfold(words)], dtype=(gl.int8,) * 4, is_pure=True, pack=4
         )
     return (
         gl.reshape(o[0], [64, 32]),
@@ -264,13 +278,14 @@ def q_int8(Q, GROUP: gl.constexpr, PACK: gl.constexpr, K_BITS: gl.constexpr):
     amax = gl.max(gl.maximum(gl.maximum(gl.abs(d0), gl.abs(d1)), gl.maximum(gl.abs(d2), gl.abs(d3))), axis=0)
     amax = gl.maximum(amax, 1e-30)  # heads past GROUP (and an all-zero q) quantize to 0
     scale = Q_RANGE / amax
-    # the factors are K_FACTORS (1, 4, 16, 16) or K4_FACTORS (all 1), written out: a jitted function
-    # reads only constexpr globals
-    STEP: gl.constexpr = 1.0 if K_BITS == 4 else 4.0
+    # the factors are K_FACTORS (1, 4, 16, 16), K3_FACTORS (1, 1, 16, 16) or K4_FACTORS (all 1), written
+    # out: a jitted function reads only constexpr globals
+    F1: gl.constexpr = 4.0 if K_BITS == 2 else 1.0
+    F2: gl.constexpr = 1.0 if K_BITS == 4 else 16.0
     h0, l0, s0 = _q_halves(d0, scale, 1.0)
-    h1, l1, s1 = _q_halves(d1, scale, STEP)
-    h2, l2, s2 = _q_halves(d2, scale, STEP * STEP)
-    h3, l3, s3 = _q_halves(d3, scale, STEP * STEP)
+    h1, l1, s1 = _q_halves(d1, scale, F1)
+    h2, l2, s2 = _q_halves(d2, scale, F2)
+    h3, l3, s3 = _q_halves(d3, scale, F2)
     neg_q_sum = gl.convert_layout(-gl.sum(s0 + s1 + s2 + s3, axis=0).to(gl.float32), HEAD_COLS)
     unit = gl.convert_layout(amax * (1.0 / Q_RANGE), HEAD_COLS)
     # columns past GROUP hold 0 and a unit of 1e-30 / Q_RANGE: a half's sum and max are its heads'

@@ -14,7 +14,7 @@ TOLERANCE = {
 
 
 def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
-    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, shl, and, lop3 0xEA on 32-bit registers)
+    """Execute the PTX subset of the unpacking asm (mov, prmt, shr, shl, and, lop3 on 32-bit registers)
     from the given input registers; returns every register."""
     registers = dict(registers)
     for statement in filter(None, (line.strip() for line in ptx.strip("{} ").split(";"))):
@@ -36,6 +36,15 @@ def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
         elif op == "mov.b32":
             registers[dest] = values[0]
         else:
-            assert op == "lop3.b32" and values[3] == 0xEA, statement  # (a & b) | c
-            registers[dest] = (values[0] & values[1]) | values[2]
+            assert op == "lop3.b32", statement
+            registers[dest] = _lop3(*values)
     return registers
+
+
+def _lop3(a: int, b: int, c: int, table: int) -> int:
+    """``lop3.b32``: bit i of the result is bit ``4 a_i + 2 b_i + c_i`` of ``table`` (a = 0xF0, b = 0xCC, c = 0xAA)."""
+    result, ones = 0, 0xFFFFFFFF
+    for row in range(8):
+        if table >> row & 1:
+            result |= (a if row & 4 else ~a) & (b if row & 2 else ~b) & (c if row & 1 else ~c) & ones
+    return result

@@ -51,14 +51,15 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels ne
 TOOLS = Path(__file__).resolve().parents[1] / "kernels" / "tools"
 
 
-WIDTHS = ("2/2", "4/2", "2/1", "4/1")  # K/V bits, gluon_span_variant.BIT_WIDTHS
+WIDTHS = ("2/2", "4/2", "2/1", "4/1", "3/2", "3/1")  # K/V bits, gluon_span_variant.BIT_WIDTHS
 
 
 def test_the_span_compiles_for_sm90_within_its_register_budget():
     """``python kernels/tools/sass_count.py --span`` in its own process (it swaps Triton's driver for a
-    fake sm_90 one): each variant (the length as an argument or on the device, tiles staged or not; 4-bit
-    keys and 1-bit values direct only) of each K/V width within 128 registers, no local memory, under
-    680 instructions a tile and 700 before the loop."""
+    fake sm_90 one): each variant (the length as an argument or on the device, tiles staged or not; 3- and
+    4-bit keys and 1-bit values direct only) of each K/V width within 128 registers, no local memory, under
+    700 instructions before the loop and, a tile, 680 (760 with 3-bit keys, whose words take a second
+    plane and two more masks)."""
     pytest.importorskip("triton.experimental.gluon")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run(
@@ -80,10 +81,11 @@ def test_the_span_compiles_for_sm90_within_its_register_budget():
         *direct,
         ("False", "True"),
         ("True", "True"),
-        *direct * 3,
+        *direct * (len(WIDTHS) - 1),
     ], done.stdout
-    for _, _, registers, local, instructions, prologue in rows:
-        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < 680, done.stdout
+    tile_limits = [680] * 4 + [680 if w[0] != "3" else 760 for w in WIDTHS[1:] for _ in direct]
+    for (_, _, registers, local, instructions, prologue), limit in zip(rows, tile_limits, strict=True):
+        assert int(registers) <= 128 and int(local) == 0 and int(instructions) < limit, done.stdout
         assert int(prologue) < 700, done.stdout  # 496-640 (Triton 3.9), the first tile's copy included
 
 
@@ -143,6 +145,28 @@ def test_the_span_unpacks_4_bit_key_word_pairs_as_int8_codes():
         registers = run_ptx(K4_UNPACK.value, {"$4": low, "$8": high})
         for j, word in enumerate((low, high, low >> 4, high >> 4)):
             assert registers[f"${j}"] == word & 0x0F0F0F0F, (j, first)
+
+
+def test_3_bit_keys_unpack_to_the_reference_codes():
+    """``K3_UNPACK`` executed on the CPU on quantized 3-bit rows: with 2-bit word w (the row's low-bit
+    plane) and the high-bit plane's word ``w % 4`` shifted right by ``w // 4`` (``_key_words``), output j's
+    byte b is ``f_j`` times the code of dim ``4w + b + 32j`` as ``quant.unpack`` gives it."""
+    pytest.importorskip("triton.experimental.gluon")
+    from oscar_hf.kernels.gluon_span_operands import K3_FACTORS, K3_UNPACK
+    from oscar_hf.quant import quantize, unpack
+
+    generator = torch.Generator().manual_seed(12)
+    keys = quantize(torch.randn(8, 128, generator=generator), 3, 128)
+    codes, words = unpack(keys.codes, 3), keys.codes.view(torch.int32).tolist()
+    assert codes.unique().tolist() == list(range(8))
+    for row in range(8):
+        for w in range(8):
+            high = (words[row][8 + w % 4] >> (w // 4)) & 0xFFFFFFFF  # int32's arithmetic shift
+            registers = run_ptx(K3_UNPACK.value, {"$4": words[row][w] & 0xFFFFFFFF, "$8": high})
+            for j, factor in enumerate(K3_FACTORS):
+                got = list(registers[f"${j}"].to_bytes(4, "little"))
+                want = codes[row, 4 * w + 32 * j : 4 * w + 32 * j + 4] * int(factor)
+                assert got == want.tolist(), (row, w, j)
 
 
 def test_4_bit_keys_and_1_bit_values_unpack_to_the_reference_codes():
@@ -433,12 +457,12 @@ def test_staging_refuses_unaligned_metadata():
 
 @GPU
 def test_history_span_refuses_what_it_does_not_cover():
-    """3-bit keys, and staging for a width other than 2-bit K and V."""
+    """4-bit values, and staging for a width other than 2-bit K and V."""
     from oscar_hf.kernels.decode_history_gluon import history_partials
 
-    args, _ = _flat_inputs(1, 4, 1, 128, 0, 64, 0, 0, torch.bfloat16, 3, 2, seed=3)
+    args, _ = _flat_inputs(1, 4, 1, 128, 0, 64, 0, 0, torch.bfloat16, 2, 4, seed=3)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
-    with pytest.raises(ValueError, match="2- or 4-bit K with 2- or 1-bit V.*got 3-bit K and 2-bit V"):
+    with pytest.raises(ValueError, match="2-, 3- or 4-bit K with 2- or 1-bit V.*got 2-bit K and 4-bit V"):
         history_partials(q, *packed, sm_scale=0.088, splits=1)
     args, _ = _flat_inputs(1, 4, 1, 128, 0, 64, 0, 0, torch.bfloat16, 4, 2, seed=3)
     q, _, _, *packed, _, _, _, _ = [a.cuda() for a in args]
@@ -484,7 +508,7 @@ def test_a_settled_history_is_read_while_the_kernel_before_writes_q(monkeypatch)
 
 
 @GPU
-@pytest.mark.parametrize("widths", ["2/2", "4/1"])
+@pytest.mark.parametrize("widths", ["2/2", "4/1", "3/2"])
 @pytest.mark.parametrize("history", [1000, 100], ids=["long", "short-history-many-empty-splits"])
 def test_static_lengths_reach_the_span(monkeypatch, history, widths):
     """Static decoding: the span reads the history length from the device tensor, as the Triton kernel
@@ -558,10 +582,10 @@ def test_the_history_kernel_choice(monkeypatch, choice, available, want):
 
 @pytest.mark.parametrize(
     "k_bits, v_bits, span",
-    [(4, 2, True), (2, 1, True), (4, 1, True), (3, 2, False), (3, 3, False), (2, 4, False), (1, 2, False)],
+    [(4, 2, True), (2, 1, True), (4, 1, True), (3, 2, True), (3, 1, True), (3, 3, False), (2, 4, False), (1, 2, False)],
 )
 def test_bit_widths_take_the_span_or_the_triton_history(monkeypatch, k_bits, v_bits, span):
-    """The span covers 2- or 4-bit K with 2- or 1-bit V (``BIT_WIDTHS``); other widths (3-bit keys, 4-bit
+    """The span covers 2-, 3- or 4-bit K with 2- or 1-bit V (``BIT_WIDTHS``); other widths (3- or 4-bit
     values, 1-bit keys) go to the Triton stage 1 on the same shape, also under ``OSCAR_DECODE_HISTORY=gluon``."""
     import types
 

@@ -9,8 +9,8 @@ q's fixed point, scores,
 online softmax with lane-partial sums, value corrections and output scatter, for one KV head and
 one split. The one non-elementwise step, ``movmatrix``, is replayed by where its values land: the
 register that held ``W[8i + g, 2t + e]`` of the scores' accumulator holds ``W[8i + 2t + e, g]``.
-4-bit keys and 1-bit values are read as the kernel reads them (``_key_words``, ``K4_UNPACK``,
-``_value_words``): as the 2-bit words' blocks. The result is compared with
+3- and 4-bit keys and 1-bit values are read as the kernel reads them (``_key_words``, ``K3_UNPACK``,
+``K4_UNPACK``, ``_value_words``): as the 2-bit words' blocks. The result is compared with
 ``decode_attention_reference`` in float32 for each K/V width the span reads. A GPU failure of
 ``tests/test_gluon_history.py`` with this passing points at layouts or the asm, not the algebra.
 """
@@ -21,11 +21,11 @@ from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_refe
 from oscar_hf.kernels.testing import decode_inputs
 
 OFFSET, SM_SCALE = 128.0, 0.088
-WIDTHS = ((2, 2), (4, 2), (2, 1), (4, 1))  # (K bits, V bits), decode_history_gluon.BIT_WIDTHS
+WIDTHS = ((2, 2), (4, 2), (2, 1), (4, 1), (3, 2), (3, 1))  # (K bits, V bits), gluon_span_variant.BIT_WIDTHS
 # V's column block j as bf16 OFFSET + f_j * code (2-bit block 3 shifted down), value_factors(bits)
 V_FACTORS = {2: (1.0, 4.0, 16.0, 1.0), 1: (1.0, 4.0, 16.0, 64.0)}
-# K's block j as int8 f_j * code (K_FACTORS, K4_FACTORS); q's fixed-point range
-K_FACTORS, Q_RANGE = {2: (1, 4, 16, 16), 4: (1, 1, 1, 1)}, 32000.0
+# K's block j as int8 f_j * code (K_FACTORS, K3_FACTORS, K4_FACTORS); q's fixed-point range
+K_FACTORS, Q_RANGE = {2: (1, 4, 16, 16), 3: (1, 1, 16, 16), 4: (1, 1, 1, 1)}, 32000.0
 
 
 def value_words(rows: torch.Tensor, bits: int) -> torch.Tensor:
@@ -55,10 +55,17 @@ def v_codes(words: torch.Tensor, block: int, pack: int, bits: int) -> list[torch
 def key_bytes(words: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     """``_key_words`` then ``unpack_k``: block j's int8 ``f_j * code`` ``[keys, 8 words, 4 bytes]`` of K's code
     rows as int32 words ``[keys, 4 * bits]``. 4-bit: 2-bit word w's blocks are the low nibbles of words w
-    (j = 0) and w + 8 (j = 1), then their high nibbles (j = 2, 3), factor 1."""
+    (j = 0) and w + 8 (j = 1), then their high nibbles (j = 2, 3), factor 1. 3-bit: the 2-bit words (0-7)
+    give the low bits, word ``8 + w % 4`` shifted right by ``w // 4`` the third bit."""
     if bits == 4:
         source = words[:, 8:] if block % 2 else words[:, :8]
         return torch.stack([(source >> (8 * b + 4 * (block // 2))) & 15 for b in range(4)], -1)
+    if bits == 3:
+        high = torch.stack([words[:, 8 + w % 4] >> (w // 4) for w in range(8)], dim=1)
+        fields = [
+            (words[:, :8] >> (8 * b + 2 * block)) & 3 | ((high >> (8 * b + 2 * block)) & 1) << 2 for b in range(4)
+        ]
+        return torch.stack(fields, -1) * K_FACTORS[3][block]
     shift = 2 * block - (2 if block == 3 else 0)  # block 3 shifted down by 2 before its mask
     return torch.stack([((words >> (8 * b + 2 * block)) & 3) << shift for b in range(4)], -1)
 

@@ -1,7 +1,7 @@
 """Instructions per history tile of the decode kernels, compiled for an H100/H200 (sm_90) on any machine.
 
     python kernels/tools/sass_count.py [--warps 1] [--block-n 64] [--ring] [--bits 2/2 3/2 2/1] [--head-dim 64] [--sass out.sass]
-    python kernels/tools/sass_count.py --span [--registers 128] [--bits 2/2 4/2 2/1 4/1]
+    python kernels/tools/sass_count.py --span [--registers 128] [--bits 2/2 4/2 2/1 4/1 3/2 3/1]
 
 No GPU is needed: Triton compiles the stage-1 kernel (or, ``--span``, the Gluon history span of
 ``kernels/gluon_span_kernel.py``) for ``GPUTarget("cuda", 90, 32)`` with the argument types and
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         "--bits",
         nargs="+",
         default=["2/2"],
-        help="K/V bit widths (the span's: 2/2, 4/2, 2/1, 4/1; stage 1 also takes 3-bit keys; default 2/2)",
+        help="K/V bit widths (the span's: 2/2, 4/2, 2/1, 4/1, 3/2, 3/1; default 2/2)",
     )
     parser.add_argument("--head-dim", type=int, default=128, help="the stage-1 kernel's head_dim (default 128)")
     args = parser.parse_args(argv)
