@@ -164,7 +164,7 @@ K4_FACTORS = (1.0, 1.0, 1.0, 1.0)
 # w % 4 shifted right by w // 4, _key_words) holds each field's third bit at bit 2j of its bytes. Two
 # words in: one lop3 selects blocks 0 and 2 (then 1 and 3) as 3-bit codes in a byte's two nibbles, low
 # bits from the 2-bit word, the rest from the high word shifted so that the third bits land at bit 2 of
-# each nibble (bit 3 is garbage), then a mask each (f = 1, 1, 16, 16: 16 * 7 stays below int8's 128).
+# each nibble (bit 3 holds a stray bit), then a mask each (f = 1, 1, 16, 16: 16 * 7 stays below 128).
 K3_UNPACK = gl.constexpr(
     "{ .reg .b32 t, u, c; shl.b32 u, $8, 2; lop3.b32 c, $4, 0x33333333, u, 0xE2; "
     "and.b32 $0, c, 0x07070707; and.b32 $2, c, 0x70707070; "
