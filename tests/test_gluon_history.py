@@ -17,6 +17,7 @@ import torch
 
 from oscar_hf.core.storage import RowBuffer
 from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
+from oscar_hf.kernels.gluon_span_variant import BIT_WIDTHS
 from oscar_hf.kernels.testing import decode_inputs, reference_partials
 from tests.kernel_checks import TOLERANCE, run_ptx
 
@@ -51,7 +52,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels ne
 TOOLS = Path(__file__).resolve().parents[1] / "kernels" / "tools"
 
 
-WIDTHS = ("2/2", "4/2", "2/1", "4/1", "3/2", "3/1")  # K/V bits, gluon_span_variant.BIT_WIDTHS
+WIDTHS = tuple(f"{k}/{v}" for k, v in BIT_WIDTHS)  # K/V bits the span reads, 2/2 first
 
 
 def test_the_span_compiles_for_sm90_within_its_register_budget():

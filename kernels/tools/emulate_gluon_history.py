@@ -18,10 +18,10 @@ register that held ``W[8i + g, 2t + e]`` of the scores' accumulator holds ``W[8i
 import torch
 
 from oscar_hf.kernels.decode_attention import DecodeTiers, decode_attention_reference
+from oscar_hf.kernels.gluon_span_variant import BIT_WIDTHS
 from oscar_hf.kernels.testing import decode_inputs
 
 OFFSET, SM_SCALE = 128.0, 0.088
-WIDTHS = ((2, 2), (4, 2), (2, 1), (4, 1), (3, 2), (3, 1))  # (K bits, V bits), gluon_span_variant.BIT_WIDTHS
 # V's column block j as bf16 OFFSET + f_j * code (2-bit block 3 shifted down), value_factors(bits)
 V_FACTORS = {2: (1.0, 4.0, 16.0, 1.0), 1: (1.0, 4.0, 16.0, 64.0)}
 # K's block j as int8 f_j * code (K_FACTORS, K3_FACTORS, K4_FACTORS); q's fixed-point range
@@ -188,7 +188,7 @@ def emulated_and_reference(group: int, k_bits: int, v_bits: int, seed: int = 3) 
 
 def main() -> None:
     torch.manual_seed(0)
-    for k_bits, v_bits in WIDTHS:
+    for k_bits, v_bits in BIT_WIDTHS:
         for group in (4, 8):  # two halves of 32 keys a tile, and one of 64
             got, want = emulated_and_reference(group, k_bits, v_bits)
             print(
