@@ -36,6 +36,7 @@ import logging
 import os
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ import torch
 from oscar_hf import OscarCache
 from oscar_hf.calibration.covariances import collect_covariances
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
-from oscar_hf.calibration.recipe import Recipe, allocate, fit
+from oscar_hf.calibration.recipe import Recipe, feedback_batches, finish, fit
 from oscar_hf.config import METHODS, OscarConfig, resolve_method
 from oscar_hf.core.memory import bits_per_element
 from oscar_hf.core.models import DTYPES, load_model, model_context
@@ -72,14 +73,16 @@ def read_text(data_dir: Path, spec: dict) -> str:
     return text[start:end]
 
 
-def calibration_inputs(tokenizer, data_dir: Path, spec: dict) -> list[torch.Tensor]:
+def calibration_inputs(tokenizer, data_dir: Path, spec: dict) -> tuple[CalibrationTexts, list[torch.Tensor]]:
+    """A calibration's texts and its rows."""
     files = [data_dir / f for f in spec["files"]]
     if "chars" in spec:
         start, end = spec["chars"]
         texts = CalibrationTexts(documents=[f.read_text(encoding="utf-8")[start:end] for f in files])
     else:
         texts = read_calibration_files(files, tokenizer, chat=spec.get("chat", False))
-    return calibration_batches(tokenizer, texts, spec["tokens"], spec.get("seq_len", 2048), spec.get("seed", 0))
+    batches = calibration_batches(tokenizer, texts, spec["tokens"], spec.get("seq_len", 2048), spec.get("seed", 0))
+    return texts, batches
 
 
 def per_context(config: dict) -> list[tuple[int, int]]:
@@ -124,19 +127,24 @@ def recipe_config(variant: dict) -> OscarConfig:
 
 
 class Calibrations:
-    """Covariances (and clip-search batches) of each named calibration, collected on first use."""
+    """Covariances, clip-search batches and the key feedback's rows (a function of the recipe) of each named
+    calibration, collected on first use."""
 
     def __init__(self, model, tokenizer, data_dir: Path, specs: dict) -> None:
         self.model, self.tokenizer, self.data_dir, self.specs = model, tokenizer, data_dir, specs
-        self.done: dict[str, tuple[dict, list[torch.Tensor]]] = {}
+        self.done: dict[str, tuple] = {}
 
-    def __getitem__(self, name: str) -> tuple[dict, list[torch.Tensor]]:
+    def __getitem__(self, name: str) -> tuple[dict, list[torch.Tensor], Callable[[Recipe], list[torch.Tensor]]]:
         if name not in self.specs:
             raise ValueError(f"unknown calibration {name!r}; the config defines {sorted(self.specs)}")
         if name not in self.done:
             logger.info("calibration %s", name)
-            batches = calibration_inputs(self.tokenizer, self.data_dir, self.specs[name])
-            self.done[name] = (collect_covariances(self.model, batches), batches)
+            texts, batches = calibration_inputs(self.tokenizer, self.data_dir, self.specs[name])
+
+            def feedback_rows(recipe: Recipe) -> list[torch.Tensor]:
+                return feedback_batches(self.model, self.tokenizer, texts, recipe)
+
+            self.done[name] = (collect_covariances(self.model, batches), batches, feedback_rows)
         return self.done[name]
 
 
@@ -152,7 +160,7 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
     if "rotations" in variant:
         rotations = resolve_rotations(model, variant["rotations"], method=config)
     elif "calibration" in variant:
-        covariances, batches = calibrations[variant["calibration"]]
+        covariances, batches, feedback_rows = calibrations[variant["calibration"]]
         searched = {"search_for": variant["method"]} if variant.get("clip_search") else {}
         try:  # the library's recipe, validated as oscar_hf.calibrate validates it
             recipe = Recipe(
@@ -165,7 +173,8 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         if recipe.from_rotations:
             raise ValueError(f"variant {label!r}: give a saved set as rotations, not calibrate.from_rotations")
         rotations, _ = fit(recipe, model, batches, covariances, progress=False, config=config)
-        rotations, _ = allocate(recipe, model, batches, rotations, progress=False)
+        rows = feedback_rows(recipe) if recipe.key_feedback else None
+        rotations, _, _ = finish(recipe, model, batches, rotations, rows, progress=False)
     return OscarCache(model, config, rotations=rotations)
 
 

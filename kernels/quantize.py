@@ -29,7 +29,14 @@ import sys
 
 import torch
 
-from oscar_hf.quant import SCALE_FLOOR, SIGMA_STRETCH, QuantizedRows, check_bits, check_symmetric, clip_index, quantize
+from oscar_hf.quant import (
+    QuantizedRows,
+    check_bits,
+    check_feedback,
+    check_symmetric,
+    clip_index,
+    quantize,
+)
 
 from ._triton import (
     HAS_TRITON,
@@ -41,150 +48,11 @@ from ._triton import (
     op_or_launcher,
     runs_triton,
     tl,
-    to_dtype,
     triton,
 )
+from .quantize_tile import quantize_tile, store_tile
 
 # ------------------------------------------------------------------------------------------ kernel
-
-_STRETCH = tl.constexpr(SIGMA_STRETCH)
-_FLOOR = tl.constexpr(SCALE_FLOOR)
-
-
-@triton.jit
-def _tree_sum(x, BLOCK_N: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
-    """Sums over the last dim of ``[BLOCK_N, NG, G]`` (G a power of two) by halving, in the order of
-    :func:`oscar_hf.quant.tree_sum`: each step adds column ``c`` and ``c + width/2`` (a sum of two
-    floats, exact whatever the reduction's order)."""
-    for step in tl.static_range(1, 16):  # groups of up to 2^15 channels
-        if (G >> step) > 0:
-            x = tl.sum(tl.reshape(x, (BLOCK_N, NG, 2, G >> step)), axis=2)
-    return tl.reshape(x, (BLOCK_N, NG))
-
-
-@triton.jit
-def _sigma_levels(groups, BLOCK_N: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
-    """1-bit ``(codes, scale, zero)`` of ``[BLOCK_N, NG, G]`` float32 groups, as :func:`oscar_hf.quant.sigma_levels`."""
-    mu = tl.math.div_rn(_tree_sum(groups, BLOCK_N, NG, G), G * 1.0)
-    deviation = groups - mu[:, :, None]
-    sigma = tl.math.sqrt_rn(tl.math.div_rn(_tree_sum(deviation * deviation, BLOCK_N, NG, G), G * 1.0))
-    scale = tl.maximum(sigma * _STRETCH, _FLOOR)
-    zero = 0.5 - tl.math.div_rn(mu, scale)
-    codes = (groups >= mu[:, :, None]).to(tl.int32)
-    return codes, scale, zero
-
-
-@triton.jit
-def _order_statistic(magnitudes, index):
-    """Per row, the ``index``-th smallest of non-negative floats ``[BLOCK_N, D]``, exactly.
-
-    Non-negative floats order like their bit patterns, so a binary search over the int32 pattern
-    finds the smallest ``v`` with ``#{x <= v} > index``, which is ``sort(row)[index]``. 31 steps of
-    compare-and-count: cheaper than ``tl.sort`` (a bitonic network) and much faster in the interpreter.
-    """
-    bits = magnitudes.to(tl.int32, bitcast=True)
-    low = tl.zeros((magnitudes.shape[0],), dtype=tl.int32)
-    high = tl.max(bits, axis=1)
-    for _ in tl.static_range(31):
-        mid = low + (high - low) // 2
-        enough = tl.sum((bits <= mid[:, None]).to(tl.int32), axis=1) > index
-        high = tl.where(enough, mid, high)
-        low = tl.where(enough, low, mid + 1)
-    return high.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _peel_order_statistic(magnitudes, above):
-    """Per row, the value with ``above`` elements after it in ``sort(row)``, by peeling off maxima.
-
-    Each step takes the largest magnitude below the previous one and counts its copies (ties); the
-    answer is the value whose copies reach past ``above``. At most ``above + 1`` steps.
-    """
-    current = tl.full((magnitudes.shape[0],), float("inf"), tl.float32)
-    result = tl.zeros((magnitudes.shape[0],), tl.float32)
-    remaining = tl.zeros((magnitudes.shape[0],), tl.int32) + above
-    for _ in range(above + 1):
-        peak = tl.max(tl.where(magnitudes < current[:, None], magnitudes, -1.0), axis=1)
-        copies = tl.sum((magnitudes == peak[:, None]).to(tl.int32), axis=1)
-        result = tl.where((remaining >= 0) & (copies > remaining), peak, result)
-        remaining -= copies
-        current = peak
-    return result
-
-
-@triton.jit
-def _quantize_tile(
-    x,
-    clip_index,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    BITS: tl.constexpr,
-    SYMMETRIC: tl.constexpr,
-    RECIPROCAL: tl.constexpr,
-):
-    """Float32 rows ``[BLOCK_N, D]`` -> (packed ``uint8 [BLOCK_N, D*BITS/8]`` as two planes, scale, zero ``[BLOCK_N, D/G]``).
-
-    The planes are ``[BLOCK_N, D/4]`` low bits and ``[BLOCK_N, D/8]`` high bits for 3-bit codes; for
-    1, 2 and 4 bits the first holds all the bytes and the second repeats it (unused).
-    ``clip_index`` < 0 disables clipping (a constexpr or a runtime value).
-    """
-    NG: tl.constexpr = D // G
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-
-    if clip_index >= 0:
-        # The threshold is the clip_index-th smallest |x| of the whole row (not per group).
-        above = D - 1 - clip_index
-        # Peeling costs two reductions per magnitude above the threshold, bisection one per bit (31).
-        if above < 15:
-            threshold = _peel_order_statistic(tl.abs(x), above)[:, None]
-        else:
-            threshold = _order_statistic(tl.abs(x), clip_index)[:, None]
-        x = tl.minimum(tl.maximum(x, -threshold), threshold)
-
-    groups = tl.reshape(x, (BLOCK_N, NG, G))
-    if BITS == 1:
-        codes, scale, zero = _sigma_levels(groups, BLOCK_N, NG, G)
-    else:
-        if SYMMETRIC:
-            low = tl.zeros((BLOCK_N, NG), tl.float32)
-            span = tl.maximum(2.0 * tl.max(tl.abs(groups), axis=2), 1e-8)
-        else:
-            low = tl.min(groups, axis=2)
-            span = tl.maximum(tl.max(groups, axis=2) - low, 1e-8)
-        # torch divides a tensor by a Python number as a true division on CPU but as a multiply by the
-        # float32 reciprocal on CUDA (at times one ulp apart): do what torch does on the same device.
-        if RECIPROCAL:
-            scale = span * (1.0 / LEVELS)
-        else:
-            scale = tl.math.div_rn(span, LEVELS * 1.0)
-        if SYMMETRIC:
-            zero = tl.full((BLOCK_N, NG), LEVELS / 2, tl.float32)
-        else:
-            zero = tl.math.div_rn(-low, scale)
-
-        # Three separately rounded float32 steps, as torch evaluates `groups / scale + zero + 0.5`.
-        codes = tl.math.div_rn(groups, scale[:, :, None]) + zero[:, :, None]
-        codes = tl.floor(codes + 0.5)
-        codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int32)
-
-    if BITS == 3:
-        packed = _pack_plane(codes & 3, BLOCK_N, D, 2)
-        high = _pack_plane(codes >> 2, BLOCK_N, D, 1)
-    else:
-        packed = _pack_plane(codes, BLOCK_N, D, BITS)
-        high = packed
-    return packed, high, scale, zero
-
-
-@triton.jit
-def _pack_plane(codes, BLOCK_N: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
-    """``WIDTH``-bit codes ``[BLOCK_N, D]`` (int32) packed ``8 / WIDTH`` to a byte ``[BLOCK_N, D*WIDTH/8]``."""
-    PER_BYTE: tl.constexpr = 8 // WIDTH
-    # Row-major reshape puts dim j * DP + c at [j, c]: summing the shifted parts over j packs byte c.
-    parts = tl.reshape(codes, (BLOCK_N, PER_BYTE, D // PER_BYTE))
-    shifts = tl.arange(0, PER_BYTE) * WIDTH
-    return tl.sum(parts << shifts[None, :, None], axis=1).to(tl.uint8)
 
 
 @triton.jit
@@ -209,8 +77,21 @@ def _quantize_pack_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rows < n_rows
     x = tl.load(X + rows[:, None] * stride_x + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-    packed, high, scale, zero = _quantize_tile(x.to(tl.float32), CLIP_INDEX, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
-    _store_tile(
+    packed, high, scale, zero = quantize_tile(
+        x.to(tl.float32),
+        CLIP_INDEX,
+        X,
+        BLOCK_N,
+        D,
+        G,
+        BITS,
+        SYMMETRIC,
+        RECIPROCAL,
+        False,
+        SCALE.dtype.element_ty,
+        INTERPRETED,
+    )
+    store_tile(
         packed,
         high,
         scale,
@@ -224,33 +105,6 @@ def _quantize_pack_kernel(
         BITS,
         INTERPRETED,
     )
-
-
-@triton.jit
-def _store_tile(
-    packed,
-    high,
-    scale,
-    zero,
-    CODES,
-    SCALE,
-    ZERO,
-    valid,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    BITS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """Store a tile's codes (``high``: 3-bit codes' 1-bit plane, after the rest) and metadata;
-    ``CODES``/``SCALE``/``ZERO`` point at each row's start ``[BLOCK_N, 1]``."""
-    if BITS == 3:
-        tl.store(CODES + tl.arange(0, D // 4)[None, :], packed, mask=valid[:, None])
-        tl.store(CODES + D // 4 + tl.arange(0, D // 8)[None, :], high, mask=valid[:, None])
-    else:
-        tl.store(CODES + tl.arange(0, D * BITS // 8)[None, :], packed, mask=valid[:, None])
-    groups = tl.arange(0, D // G)[None, :]
-    tl.store(SCALE + groups, to_dtype(scale, SCALE.dtype.element_ty, INTERPRETED), mask=valid[:, None])
-    tl.store(ZERO + groups, to_dtype(zero, ZERO.dtype.element_ty, INTERPRETED), mask=valid[:, None])
 
 
 # Columns of the int64 job table of _quantize_pack_many_kernel, one row per (source, destination) pair:
@@ -270,6 +124,8 @@ _JOB_COLUMNS = (
     "meta_h",
     "meta_n",
     "clip_index",
+    "factor",
+    "factor_h",
 )
 
 
@@ -290,6 +146,7 @@ def _quantize_pack_many_kernel(
     BLOCK_N: tl.constexpr,
     RECIPROCAL: tl.constexpr,
     DEVICE_WINDOW: tl.constexpr,
+    FEEDBACK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program ``(tile, job)``: quantize rows of job ``job``'s ``[B, H, n, D]`` source into its destination.
@@ -320,11 +177,27 @@ def _quantize_pack_many_kernel(
                 SYMMETRIC,
                 BLOCK_N,
                 RECIPROCAL,
+                FEEDBACK,
                 INTERPRETED,
             )
     else:
         _quantize_job(
-            job, b, h, t, t, valid, SRC_DTYPE, META_DTYPE, D, G, BITS, SYMMETRIC, BLOCK_N, RECIPROCAL, INTERPRETED
+            job,
+            b,
+            h,
+            t,
+            t,
+            valid,
+            SRC_DTYPE,
+            META_DTYPE,
+            D,
+            G,
+            BITS,
+            SYMMETRIC,
+            BLOCK_N,
+            RECIPROCAL,
+            FEEDBACK,
+            INTERPRETED,
         )
 
 
@@ -344,6 +217,7 @@ def _quantize_job(
     SYMMETRIC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RECIPROCAL: tl.constexpr,
+    FEEDBACK: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Quantize rows ``(b, h, source_row)`` of a job's source into rows ``(b, h, target_row)`` of its destination."""
@@ -351,14 +225,17 @@ def _quantize_job(
     offsets = b * tl.load(job + 1) + h * tl.load(job + 2) + source_row * tl.load(job + 3)
     x = tl.load(src + offsets[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     clip_index = tl.load(job + 13).to(tl.int32)
-    packed, high, scale, zero = _quantize_tile(x, clip_index, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL)
+    factor = tl.load(job + 14).to(tl.pointer_type(tl.float32)) + h * tl.load(job + 15)  # each row's head's factor
+    packed, high, scale, zero = quantize_tile(
+        x, clip_index, factor, BLOCK_N, D, G, BITS, SYMMETRIC, RECIPROCAL, FEEDBACK, META_DTYPE, INTERPRETED
+    )
 
     codes = tl.load(job + 4).to(tl.pointer_type(tl.uint8))
     codes_rows = b * tl.load(job + 5) + h * tl.load(job + 6) + target_row * tl.load(job + 7)
     meta_rows = b * tl.load(job + 10) + h * tl.load(job + 11) + target_row * tl.load(job + 12)
     scale_base = tl.load(job + 8).to(tl.pointer_type(META_DTYPE))
     zero_base = tl.load(job + 9).to(tl.pointer_type(META_DTYPE))
-    _store_tile(
+    store_tile(
         packed,
         high,
         scale,
@@ -426,10 +303,11 @@ def quantize_pack_triton(
     return codes, scale, zero
 
 
-def _exact(bits: int) -> dict:
+def _exact(bits: int, feedback: bool = False) -> dict:
     """Launch options that keep the kernel's float32 operations those of the torch reference: no FMA
-    contraction of the 1-bit sum of squares (the other widths multiply nothing into a sum)."""
-    return {"enable_fp_fusion": False} if bits == 1 else {}
+    contraction of the 1-bit sum of squares or of the feedback's updates (without them, nothing
+    multiplied is added)."""
+    return {"enable_fp_fusion": False} if bits == 1 or feedback else {}
 
 
 # -------------------------------------------------------------------------------- torch reference
@@ -449,6 +327,7 @@ def quantize_pack_many_triton(
     symmetric: bool,
     clip_ratios: list[float],
     metadata_dtype: torch.dtype,
+    feedback: list[torch.Tensor] | None = None,
     block_rows: int = 0,
     num_warps: int = 0,
 ) -> None:
@@ -457,19 +336,35 @@ def quantize_pack_many_triton(
     ``block_rows`` (rows per program) and ``num_warps`` are tuning knobs, 0 meaning the defaults
     (``kernels/tools/tune_quantize.py``).
     """
-    table = _job_table(sources, destinations, clip_ratios)
+    table = _job_table(sources, destinations, clip_ratios, feedback)
     _launch_many(
-        table, sources[0], sources[0].shape[2], bits, group_size, symmetric, metadata_dtype, None, block_rows, num_warps
+        table,
+        sources[0],
+        sources[0].shape[2],
+        bits,
+        group_size,
+        symmetric,
+        metadata_dtype,
+        None,
+        feedback is not None,
+        block_rows,
+        num_warps,
     )
 
 
 def _job_table(
-    sources: list[torch.Tensor], destinations: list[QuantizedRows], clip_ratios: list[float]
+    sources: list[torch.Tensor],
+    destinations: list[QuantizedRows],
+    clip_ratios: list[float],
+    feedback: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """The device table of :func:`_quantize_pack_many_kernel`: addresses, strides, clip index per job."""
+    """The device table of :func:`_quantize_pack_many_kernel`: addresses, strides, clip index and feedback
+    factor (address and head stride, 0 for a shared one) per job."""
     head_dim, jobs = sources[0].shape[-1], []
-    for source, target, ratio in zip(sources, destinations, clip_ratios):
+    factors = feedback or [None] * len(sources)
+    for source, target, ratio, factor in zip(sources, destinations, clip_ratios, factors):
         clip = clip_index(ratio, head_dim) if ratio > 0 else -1
+        factor_columns = [0, 0] if factor is None else [factor.data_ptr(), factor.stride(0) if factor.ndim == 3 else 0]
         jobs.append(
             [
                 source.data_ptr(),
@@ -480,6 +375,7 @@ def _job_table(
                 target.zero.data_ptr(),
                 *target.scale.stride()[:3],
                 clip,
+                *factor_columns,
             ]
         )
     return torch.tensor(jobs, dtype=torch.int64).to(sources[0].device, non_blocking=True)
@@ -494,6 +390,7 @@ def _launch_many(
     symmetric: bool,
     metadata_dtype: torch.dtype,
     window: torch.Tensor | None,
+    feedback: bool,
     block_rows: int = 0,
     num_warps: int = 0,
 ) -> None:
@@ -518,9 +415,10 @@ def _launch_many(
         BLOCK_N=block,
         RECIPROCAL=like.is_cuda and not INTERPRET,
         DEVICE_WINDOW=window is not None,
+        FEEDBACK=feedback,
         INTERPRETED=INTERPRET,
         num_warps=num_warps or _NUM_WARPS,
-        **_exact(bits),
+        **_exact(bits, feedback),
     )
 
 
@@ -532,10 +430,19 @@ def quantize_pack_many_reference(
     symmetric: bool,
     clip_ratios: list[float],
     metadata_dtype: torch.dtype,
+    feedback: list[torch.Tensor] | None = None,
 ) -> None:
     """The torch reference of :func:`quantize_pack_into`: one :func:`oscar_hf.quant.quantize` per job."""
-    for source, target, ratio in zip(sources, destinations, clip_ratios):
-        rows = quantize(source, bits, group_size, symmetric=symmetric, clip_ratio=ratio, metadata_dtype=metadata_dtype)
+    for source, target, ratio, factor in zip(sources, destinations, clip_ratios, feedback or [None] * len(sources)):
+        rows = quantize(
+            source,
+            bits,
+            group_size,
+            symmetric=symmetric,
+            clip_ratio=ratio,
+            metadata_dtype=metadata_dtype,
+            feedback=factor,
+        )
         target.codes.copy_(rows.codes)
         target.scale.copy_(rows.scale)
         target.zero.copy_(rows.zero)
@@ -584,6 +491,7 @@ def quantize_pack(
     symmetric: bool = False,
     clip_ratio: float = 0.0,
     metadata_dtype: torch.dtype = torch.bfloat16,
+    feedback: torch.Tensor | None = None,
 ) -> QuantizedRows:
     """Clip, quantize and pack ``rows [..., D]``: a drop-in for :func:`oscar_hf.quant.quantize`.
 
@@ -599,14 +507,55 @@ def quantize_pack(
         raise ValueError(f"clip ratio must be in [0, 1], got {clip_ratio}")
     if not (runs_triton(rows) and kernel_supports_quantize(head_dim, group_size)):
         return quantize_pack_reference(
-            rows, bits, group_size, symmetric=symmetric, clip_ratio=clip_ratio, metadata_dtype=metadata_dtype
+            rows,
+            bits,
+            group_size,
+            symmetric=symmetric,
+            clip_ratio=clip_ratio,
+            metadata_dtype=metadata_dtype,
+            feedback=feedback,
         )
+    if feedback is not None:
+        return _quantize_pack_with_feedback(rows, bits, group_size, symmetric, clip_ratio, metadata_dtype, feedback)
     lead = rows.shape[:-1]
     launch = op_or_launcher(torch.ops.oscar.quantize_pack, quantize_pack_triton)
     codes, scale, zero = launch(
         rows.reshape(-1, head_dim), bits, group_size, symmetric, float(clip_ratio), metadata_dtype
     )
     return QuantizedRows(*(t.view(*lead, t.shape[-1]) for t in (codes, scale, zero)))
+
+
+def _quantize_pack_with_feedback(
+    rows: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    clip_ratio: float,
+    metadata_dtype: torch.dtype,
+    feedback: torch.Tensor,
+) -> QuantizedRows:
+    """:func:`quantize_pack` with a feedback factor: one job of :func:`quantize_pack_into` over ``rows [..., H, n, D]``
+    seen as ``[B, H, n, D]`` (per-head factor) or ``[1, 1, N, D]`` (shared)."""
+    check_feedback(feedback, rows, bits)
+    head_dim = rows.shape[-1]
+    batched = rows.reshape(-1, *rows.shape[-3:]) if feedback.ndim == 3 else rows.reshape(1, 1, -1, head_dim)
+    target = QuantizedRows(
+        batched.new_empty(*batched.shape[:3], head_dim * bits // 8, dtype=torch.uint8),
+        batched.new_empty(*batched.shape[:3], head_dim // group_size, dtype=metadata_dtype),
+        batched.new_empty(*batched.shape[:3], head_dim // group_size, dtype=metadata_dtype),
+    )
+    quantize_pack_into(
+        [batched.contiguous()],
+        [target],
+        bits,
+        group_size,
+        symmetric=symmetric,
+        clip_ratios=[clip_ratio],
+        metadata_dtype=metadata_dtype,
+        feedback=[feedback],
+    )
+    lead = rows.shape[:-1]
+    return QuantizedRows(*(t.view(*lead, t.shape[-1]) for t in (target.codes, target.scale, target.zero)))
 
 
 def quantize_pack_into(
@@ -618,25 +567,34 @@ def quantize_pack_into(
     symmetric: bool = False,
     clip_ratios: list[float],
     metadata_dtype: torch.dtype = torch.bfloat16,
+    feedback: list[torch.Tensor] | None = None,
 ) -> None:
     """Quantize each ``sources[i]`` ``[B, H, n, D]`` into the preallocated views ``destinations[i]``.
 
     Every layer's demoted K and V rows in one launch: all jobs share shape, dtype and format, each
     has its own clip ratio (``clip_ratios[i]``, 0 disables) and may be any strided view whose last
-    dim is contiguous. Codes and metadata are identical to :func:`quantize_pack` job by job.
+    dim is contiguous. ``feedback``, if given, holds every job's feedback factor (float32 ``[D, D]``
+    or ``[H, D, D]``, contiguous, on the sources' device; see :func:`oscar_hf.quant.quantize`). Codes
+    and metadata are identical to :func:`quantize_pack` job by job.
     """
-    if not _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_dtype):
+    if not _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_dtype, feedback):
         return
     fits = _kernel_fits(sources, destinations, group_size)
     launch = quantize_pack_many_triton if runs_triton(sources[0]) and fits else quantize_pack_many_reference
-    launch(sources, destinations, bits, group_size, symmetric, clip_ratios, metadata_dtype)
+    launch(sources, destinations, bits, group_size, symmetric, clip_ratios, metadata_dtype, feedback)
 
 
-def _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_dtype) -> bool:
+def _check_jobs(sources, destinations, bits, group_size, clip_ratios, metadata_dtype, feedback=None) -> bool:
     """Validate jobs of :func:`quantize_pack_into`; False when there are none."""
     check_bits(bits)
     if not (len(sources) == len(destinations) == len(clip_ratios)):
         raise ValueError("sources, destinations and clip_ratios must have one entry per job")
+    if feedback is not None and len(feedback) != len(sources):
+        raise ValueError("feedback must hold one factor per job (a launch feeds errors forward in every job or none)")
+    for source, factor in zip(sources, feedback or []):
+        check_feedback(factor, source, bits)
+        if factor.dtype != torch.float32 or not factor.is_contiguous() or factor.device != source.device:
+            raise ValueError(f"a feedback factor must be float32 and contiguous on {source.device}")
     if not sources:
         return False
     shape, head_dim = sources[0].shape, sources[0].shape[-1]
@@ -681,7 +639,7 @@ class WindowQuantizer:
         destinations: whole history buffers, one per source.
         count: rows per job.
         window: the device tensor described above; the caller updates it in place.
-        bits, group_size, symmetric, clip_ratios, metadata_dtype: as :func:`quantize_pack_into`.
+        bits, group_size, symmetric, clip_ratios, metadata_dtype, feedback: as :func:`quantize_pack_into`.
     """
 
     def __init__(
@@ -696,6 +654,7 @@ class WindowQuantizer:
         symmetric: bool = False,
         clip_ratios: list[float],
         metadata_dtype: torch.dtype = torch.bfloat16,
+        feedback: list[torch.Tensor] | None = None,
     ):
         _check_jobs(
             [s[:, :, :count] for s in sources],
@@ -704,6 +663,7 @@ class WindowQuantizer:
             group_size,
             clip_ratios,
             metadata_dtype,
+            feedback,
         )
         if window.shape != (3,) or window.dtype != torch.int64 or window.device != sources[0].device:
             raise ValueError(
@@ -711,9 +671,10 @@ class WindowQuantizer:
             )
         self.sources, self.destinations, self.count, self.window = sources, destinations, count, window
         self.format = dict(bits=bits, group_size=group_size, symmetric=symmetric, metadata_dtype=metadata_dtype)
-        self.clip_ratios = clip_ratios
+        self.clip_ratios, self.feedback = clip_ratios, feedback  # the factors stay alive while the table points at them
         fits = _kernel_fits(sources, destinations, group_size)
-        self.table = _job_table(sources, destinations, clip_ratios) if runs_triton(sources[0]) and fits else None
+        kernel = runs_triton(sources[0]) and fits
+        self.table = _job_table(sources, destinations, clip_ratios, feedback) if kernel else None
 
     def __call__(self) -> None:
         f = self.format
@@ -727,6 +688,7 @@ class WindowQuantizer:
                 f["symmetric"],
                 f["metadata_dtype"],
                 self.window,
+                self.feedback is not None,
             )
             return
         active, source_row, target_row = (int(v) for v in self.window.tolist())  # reference: a host sync
@@ -734,7 +696,14 @@ class WindowQuantizer:
             sources = [s[:, :, source_row : source_row + self.count] for s in self.sources]
             targets = [_rows_of(d, self.count, target_row) for d in self.destinations]
             quantize_pack_many_reference(
-                sources, targets, f["bits"], f["group_size"], f["symmetric"], self.clip_ratios, f["metadata_dtype"]
+                sources,
+                targets,
+                f["bits"],
+                f["group_size"],
+                f["symmetric"],
+                self.clip_ratios,
+                f["metadata_dtype"],
+                self.feedback,
             )
 
 

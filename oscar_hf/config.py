@@ -85,7 +85,8 @@ class OscarConfig:
     others) replace the widths of the method they were allocated for (the set's ``base_bits``); they
     must keep the method's history bits (see :func:`check_bit_budget`) unless ``allow_bits_change``. ``shared_rotations`` asks for the
     reference implementation's rotations: one per layer for all its KV heads, and, from a bundled
-    set, the one made without the clip search.
+    set, the one made without the clip search. With ``key_feedback``, keys of 2 bits or more take the
+    feedback factors stored with calibrated rotations (:attr:`~oscar_hf.rotations.rotation_set.RotationSet.key_feedback`).
     """
 
     method: str = "custom"
@@ -101,9 +102,10 @@ class OscarConfig:
     shared_rotations: bool = False
     layer_bits: bool = True
     allow_bits_change: bool = False
+    key_feedback: bool = True
 
     def __post_init__(self) -> None:
-        flags = ("check_finite", "layer_clip", "shared_rotations", "layer_bits", "allow_bits_change")
+        flags = ("check_finite", "layer_clip", "shared_rotations", "layer_bits", "allow_bits_change", "key_feedback")
         _check_types(
             "OscarConfig",
             {
@@ -226,7 +228,8 @@ METHODS: dict[str, OscarConfig] = {
     "oscar-int2": OscarConfig(
         "oscar-int2", TensorQuantConfig(2, clip_ratio=K_CLIP), TensorQuantConfig(2, clip_ratio=V_CLIP), "calibrated"
     ),
-    # The paper's recipe, to reproduce its numbers: one U·H·P rotation per layer, fixed clips, 2 bits everywhere.
+    # The paper's recipe, to reproduce its numbers: one U·H·P rotation per layer, fixed clips, 2 bits everywhere,
+    # round-to-nearest keys.
     "oscar-int2-paper": OscarConfig(
         "oscar-int2-paper",
         TensorQuantConfig(2, clip_ratio=K_CLIP),
@@ -235,6 +238,7 @@ METHODS: dict[str, OscarConfig] = {
         layer_clip=False,
         layer_bits=False,
         shared_rotations=True,
+        key_feedback=False,
     ),
     "int4": OscarConfig("int4", TensorQuantConfig(4), TensorQuantConfig(4), "hadamard"),
     "oscar-k4v2": OscarConfig(

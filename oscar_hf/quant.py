@@ -23,6 +23,12 @@ that ``(code - zero) * scale`` still dequantizes them:
 ``mu`` and ``sigma`` (population) come from pairwise sums in a fixed order (:func:`tree_sum`) and a
 correctly rounded square root, so the Triton write kernel reproduces them bit for bit.
 
+With a *feedback factor* ``W`` (:func:`feedback_factor`), codes are chosen one channel at a time on the
+stored grid (the scale and zero-point rounded to the metadata dtype) and each channel's error is fed
+forward into the channels after it, ``x[j+1:] -= (x_j - x_hat_j) W[j, j+1:]``: GPTQ's update (Frantar
+et al., 2023, arXiv:2210.17323) with the rotated query covariance as its Hessian, so that errors cancel
+in the scores ``q . k`` rather than in ``k`` itself. The grid is the one the rows would take without it.
+
 1-, 2- and 4-bit codes pack ``8 / bits`` to a byte. 3-bit codes are stored as two bit planes, so that
 kernels unpack them with the same column blocks as 2-bit codes: the low two bits in the 2-bit
 layout (``D/4`` bytes), then the high bit in a 1-bit plane (``D/8`` bytes), ``3D/8`` bytes a row.
@@ -110,6 +116,38 @@ def clip_rows(rows: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.minimum(torch.maximum(rows, -threshold), threshold)
 
 
+def feedback_factor(hessian: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
+    """The feedback factor of a quantizer whose error ``e`` costs ``e H e^T`` (``hessian [..., D, D]``,
+    symmetric positive semi-definite): the upper Cholesky factor ``U`` of ``(H + lambda I)^-1`` with each
+    row divided by its diagonal, so ``W[j, j] = 1`` (``lambda`` is ``damping`` times the mean diagonal)."""
+    if hessian.shape[-1] != hessian.shape[-2]:
+        raise ValueError(f"a Hessian is square, got {tuple(hessian.shape)}")
+    hessian = hessian.double()
+    eye = torch.eye(hessian.shape[-1], dtype=torch.float64, device=hessian.device)
+    scale = hessian.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+    damped = hessian + damping * scale * eye
+    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    return (upper / upper.diagonal(dim1=-2, dim2=-1)[..., None]).float()
+
+
+def check_feedback(feedback: torch.Tensor, rows: torch.Tensor, bits: int) -> None:
+    """Raise unless ``feedback`` (``[D, D]`` or ``[H, D, D]`` for rows ``[..., H, n, D]``) fits ``bits``-bit rows."""
+    if bits == 1:
+        raise ValueError("1-bit rows take their levels from each group's mean and spread: they take no key feedback")
+    dim = rows.shape[-1]
+    heads = None if feedback.ndim == 2 else (rows.shape[-3] if rows.ndim >= 3 else None)
+    if (
+        feedback.shape[-2:] != (dim, dim)
+        or feedback.ndim not in (2, 3)
+        or feedback.ndim == 3
+        and feedback.shape[0] != heads
+    ):
+        raise ValueError(
+            f"a feedback factor of shape {tuple(feedback.shape)} does not fit rows {tuple(rows.shape)}: "
+            f"it is ({dim}, {dim}) or (heads, {dim}, {dim}) for rows (..., heads, tokens, {dim})"
+        )
+
+
 def quantize(
     rows: torch.Tensor,
     bits: int,
@@ -118,17 +156,22 @@ def quantize(
     symmetric: bool = False,
     clip_ratio: float = 0.0,
     metadata_dtype: torch.dtype = torch.bfloat16,
+    feedback: torch.Tensor | None = None,
 ) -> QuantizedRows:
     """Clip, quantize per token and group, and pack ``rows [..., D]``.
 
     ``symmetric`` is the naive baseline: the grid is centred on zero (zero-point fixed at
     (2^bits - 1) / 2) and spans [-max|x|, max|x|]. 1-bit rows take the sigma levels (module docstring).
+    ``feedback`` (``[D, D]``, or ``[H, D, D]`` for rows ``[..., H, n, D]``) feeds each channel's error
+    forward (module docstring).
     """
     check_bits(bits)
     check_symmetric(bits, symmetric)
     head_dim = rows.shape[-1]
     if head_dim % group_size:
         raise ValueError(f"group_size {group_size} must divide head_dim {head_dim}")
+    if feedback is not None:
+        check_feedback(feedback, rows, bits)
     levels = 2**bits - 1
     groups = clip_rows(rows.float(), clip_ratio).unflatten(-1, (head_dim // group_size, group_size))
     if bits == 1:
@@ -143,9 +186,29 @@ def quantize(
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = torch.clamp(high - low, min=SCALE_FLOOR) / levels
         zero = -low / scale
-    codes = torch.floor(groups / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels)
-    packed = pack(codes.flatten(-2).to(torch.uint8), bits)
-    return QuantizedRows(packed, scale.to(metadata_dtype), zero.to(metadata_dtype))
+    stored_scale, stored_zero = scale.to(metadata_dtype), zero.to(metadata_dtype)
+    if feedback is None:
+        codes = torch.floor(groups / scale[..., None] + zero[..., None] + 0.5).clamp_(0, levels).flatten(-2)
+    else:
+        codes = _feedback_codes(groups.flatten(-2), stored_scale.float(), stored_zero.float(), levels, feedback)
+    return QuantizedRows(pack(codes.to(torch.uint8), bits), stored_scale, stored_zero)
+
+
+def _feedback_codes(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int, feedback: torch.Tensor
+) -> torch.Tensor:
+    """Codes of float32 rows ``x [..., D]`` on the grid ``scale``/``zero`` ``[..., D/G]``, channel by channel,
+    each channel's error fed forward with ``feedback``'s row (the write kernel repeats these operations)."""
+    head_dim, group = x.shape[-1], x.shape[-1] // scale.shape[-1]
+    factor = feedback.float() if feedback.ndim == 2 else feedback.float()[:, None]  # [H, 1, D, D]: rows [.., H, n, D]
+    x, codes = x.clone(), torch.empty_like(x)
+    for j in range(head_dim):
+        s, z = scale[..., j // group], zero[..., j // group]
+        code = torch.floor(x[..., j] / s + z + 0.5).clamp_(0, levels)
+        codes[..., j] = code
+        error = x[..., j] - (code - z) * s
+        x[..., j + 1 :] -= error[..., None] * factor[..., j, j + 1 :]
+    return codes
 
 
 def dequantize(quantized: QuantizedRows, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -135,7 +135,7 @@ def test_a_variant_that_allocates_bits_gets_per_layer_widths():
     model = tiny_model("llama")
     torch.manual_seed(0)
     batches = [torch.randint(3, 256, (1, 400)) for _ in range(2)]  # longer than oscar-int2's windows
-    calibrations = {"text": (collect_covariances(model, batches, progress=False), batches)}
+    calibrations = {"text": (collect_covariances(model, batches, progress=False), batches, lambda recipe: batches)}
     variant = {"label": "allocated", "method": "oscar-int2", "calibration": "text", "clip_search": True}
     plain = ablate.variant_cache(model, variant, calibrations)
     allocated = ablate.variant_cache(model, {**variant, "calibrate": {"allocate_bits": 1}}, calibrations)

@@ -220,8 +220,8 @@ def test_calibrate_command_refuses_allocations_it_cannot_make(tmp_path):
         main([*common, "--allocate-for", "oscar-k3v2"])
     with pytest.raises(SystemExit, match="'oscar-k4v2' \\(K4 V2\\)"):
         main([*common, "--allocate-bits", "1", "--allocate-for", "oscar-k4v2"])
-    with pytest.raises(SystemExit, match="add --allocate-bits N"):
-        main([*common, "--from-rotations", str(tmp_path)])
+    with pytest.raises(SystemExit, match="add --allocate-bits N or --key-feedback"):
+        main([*common, "--from-rotations", str(tmp_path), "--no-key-feedback"])
     with pytest.raises(SystemExit, match="drop refine, per_head and center_keys \\(--refine"):
         main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1", "--refine"])
     with pytest.raises(SystemExit, match="--from-rotations: .* holds no config.json"):

@@ -197,6 +197,51 @@ def test_window_quantizer_reads_its_rows_on_the_device(use_kernel, monkeypatch):
         assert not history.codes[:, :, :12].any() and not history.scale[:, :, 16:].any()
 
 
+def _feedback_factor(heads: int | None, head_dim: int, seed: int) -> torch.Tensor:
+    """A factor of a random query covariance with a few strong channels, ``[D, D]`` or ``[heads, D, D]``."""
+    from oscar_hf.quant import feedback_factor
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (heads or 1, head_dim, head_dim)
+    queries = torch.randn(*shape, generator=generator) * torch.linspace(4, 0.2, head_dim)
+    factor = feedback_factor(queries @ queries.mT / head_dim)
+    return (factor if heads else factor[0]).to(DEVICE).contiguous()
+
+
+@pytest.mark.parametrize("bits, groups, per_head", [(2, 1, True), (3, 2, False), (4, 1, True)])
+def test_quantize_pack_feedback_bit_exact(bits, groups, per_head, monkeypatch):
+    """Error feedback in one launch (views of several buffers, a factor per job and KV head) = the torch quantizer."""
+    monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
+    head_dim, group_size = 32, 32 // groups
+    generator = torch.Generator().manual_seed(bits)
+    buffers = [(torch.randn(2, 3, 9, head_dim, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(2)]
+    sources = [buffer[:, :, start : start + 5] for buffer, start in zip(buffers, (0, 3))]
+    factors = [_feedback_factor(3 if per_head else None, head_dim, seed) for seed in (1, 2)]
+    targets = [quantize_pack(source, bits, group_size) for source in sources]  # right shapes, overwritten
+    quantize_pack_into(sources, targets, bits, group_size, clip_ratios=[0.9, 0.0], feedback=factors)
+    for source, target, ratio, factor in zip(sources, targets, [0.9, 0.0], factors):
+        want = quantize(source, bits, group_size, clip_ratio=ratio, feedback=factor)
+        _assert_same(target, want)
+        assert not torch.equal(target.codes, quantize(source, bits, group_size, clip_ratio=ratio).codes)
+    rows = sources[0].float()  # one call (what calibration's round trips take) runs the same launch
+    _assert_same(
+        quantize_pack(rows, bits, group_size, clip_ratio=0.9, feedback=factors[0]),
+        quantize(rows, bits, group_size, clip_ratio=0.9, feedback=factors[0]),
+    )
+
+
+def test_window_quantizer_feeds_errors_forward():
+    """Static decoding's demotion with key feedback writes what the eager cache's quantizer writes."""
+    generator = torch.Generator().manual_seed(4)
+    ring = (torch.randn(1, 2, 16, 32, generator=generator) * 3).bfloat16().to(DEVICE)
+    history = quantize_pack(torch.zeros(1, 2, 12, 32, device=DEVICE), 2, 32)
+    factor = _feedback_factor(2, 32, 5)
+    window = torch.tensor([1, 4, 8], device=DEVICE)
+    _quantize.WindowQuantizer([ring], [history], 4, window, 2, 32, clip_ratios=[0.9], feedback=[factor])()
+    want = quantize(ring[:, :, 4:8], 2, 32, clip_ratio=0.9, feedback=factor)
+    _assert_same(QuantizedRows(*(t[:, :, 8:12] for t in (history.codes, history.scale, history.zero))), want)
+
+
 def test_quantize_pack_into_validates_jobs():
     rows = torch.randn(1, 2, 4, 64, device=DEVICE)
     target = QuantizedRows(
@@ -209,6 +254,12 @@ def test_quantize_pack_into_validates_jobs():
         quantize_pack_into([rows], [target], 4, 64, clip_ratios=[0.0])
     with pytest.raises(ValueError, match="share shape"):
         quantize_pack_into([rows, rows[:, :, :2]], [target, target], 2, 64, clip_ratios=[0.0, 0.0])
+    with pytest.raises(ValueError, match="one factor per job"):
+        quantize_pack_into([rows], [target], 2, 64, clip_ratios=[0.0], feedback=[])
+    with pytest.raises(ValueError, match="does not fit rows"):
+        quantize_pack_into([rows], [target], 2, 64, clip_ratios=[0.0], feedback=[torch.eye(64, device=DEVICE)[None]])
+    with pytest.raises(ValueError, match="float32 and contiguous"):
+        quantize_pack_into([rows], [target], 2, 64, clip_ratios=[0.0], feedback=[torch.eye(64, device=DEVICE).double()])
 
 
 # -------------------------------------------------------------------------------------- rotation

@@ -1,14 +1,16 @@
 """Sweep the fused write kernel's tile settings on a GPU for a prefill's worth of K and V rows.
 
-    python kernels/tools/tune_quantize.py [--context 32768] [--out kernels/measurements]
+    python kernels/tools/tune_quantize.py [--context 32768] [--feedback] [--out kernels/measurements]
 
 One layer of a Qwen3-4B/8B-shaped prefill (batch 1, 8 KV heads, head_dim 128, bf16): K and V rows
 quantized to INT2 in one launch (two jobs), as ``OscarLayer`` writes a prefill's middle part. Clip
 ratios: off, the usual K 0.96 / V 0.92 (the threshold found by peeling maxima) and 0.5 (found by
 bisection). Every setting's codes are checked bit-exact against the torch reference. Times are
 ``triton.testing.do_bench`` medians (CUDA events; each call also copies its small job table to the
-device, as the cache's calls do, which rules out graph capture). Writes
-``quantize_kernel_tuning.json`` and ``.md`` with command, machine and date.
+device, as the cache's calls do, which rules out graph capture). With ``--feedback`` both jobs feed
+their errors forward through a per-head factor (as keys of a set with key feedback do). Writes
+``quantize_kernel_tuning.json`` and ``.md`` (``_feedback`` added with ``--feedback``) with command,
+machine and date.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from oscar_hf.provenance import command_line, machine_line, provenance
-from oscar_hf.quant import QuantizedRows, quantize
+from oscar_hf.quant import QuantizedRows, feedback_factor, quantize
 
 CLIPS = {"off": (0.0, 0.0), "k0.96/v0.92": (0.96, 0.92), "0.5": (0.5, 0.5)}
 
@@ -30,7 +32,9 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
-def sweep(context: int, kv_heads: int, head_dim: int, blocks: tuple[int, ...], warps: tuple[int, ...]) -> list[dict]:
+def sweep(
+    context: int, kv_heads: int, head_dim: int, blocks: tuple[int, ...], warps: tuple[int, ...], feedback: bool
+) -> list[dict]:
     import triton.testing
 
     from oscar_hf.kernels.quantize import quantize_pack_many_triton
@@ -43,6 +47,10 @@ def sweep(context: int, kv_heads: int, head_dim: int, blocks: tuple[int, ...], w
         )
         for _ in range(2)
     ]
+    factors = None
+    if feedback:  # a factor of a random covariance per KV head
+        samples = torch.randn(kv_heads, 4 * head_dim, head_dim, device="cuda")
+        factors = [feedback_factor(samples.mT @ samples).contiguous() for _ in sources]
     read_bytes = sum(s.numel() * s.element_size() for s in sources)
     rows = []
     for (clip_name, ratios), block, num_warps in itertools.product(CLIPS.items(), blocks, warps):
@@ -56,14 +64,15 @@ def sweep(context: int, kv_heads: int, head_dim: int, blocks: tuple[int, ...], w
                 False,
                 list(ratios),
                 torch.bfloat16,
+                factors,
                 block_rows=block,
                 num_warps=num_warps,
             )
 
         run()
         exact = all(
-            torch.equal(d.codes, quantize(s, 2, head_dim, clip_ratio=r).codes)
-            for s, d, r in zip(sources, destinations, ratios)
+            torch.equal(d.codes, quantize(s, 2, head_dim, clip_ratio=r, feedback=f).codes)
+            for s, d, r, f in zip(sources, destinations, ratios, factors or [None, None])
         )
         us = triton.testing.do_bench(run, rep=100, return_mode="median") * 1e3
         rows.append(
@@ -87,7 +96,9 @@ def to_markdown(info: dict, rows: list[dict]) -> str:
         f"`{info['command']}`",
         "",
         f"One layer's K and V rows of a {info['context']}-token prefill (1 x {info['kv_heads']} KV heads x "
-        f"head_dim {info['head_dim']}, bf16) to INT2 in one launch; medians of do_bench.",
+        f"head_dim {info['head_dim']}, bf16) to INT2 in one launch"
+        + (", each row's error fed forward (key feedback)" if info.get("feedback") else "")
+        + "; medians of do_bench.",
         "",
         "| clip | block rows | warps | µs | GB/s read | bit-exact |",
         "|---|---|---|---|---|---|",
@@ -107,18 +118,21 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--blocks", type=_ints, default=(4, 8, 16, 32))
     parser.add_argument("--warps", type=_ints, default=(1, 2, 4, 8))
+    parser.add_argument("--feedback", action="store_true", help="feed errors forward through per-head factors")
     parser.add_argument("--out", type=Path, default=Path("kernels/measurements"))
     options = parser.parse_args()
-    rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps)
+    rows = sweep(options.context, options.kv_heads, options.head_dim, options.blocks, options.warps, options.feedback)
     info = {
         **provenance(command_line()),
         "context": options.context,
         "kv_heads": options.kv_heads,
         "head_dim": options.head_dim,
+        "feedback": options.feedback,
     }
     options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "quantize_kernel_tuning.json").write_text(json.dumps({**info, "results": rows}, indent=1))
-    (options.out / "quantize_kernel_tuning.md").write_text(to_markdown(info, rows))
+    stem = "quantize_kernel_tuning" + ("_feedback" if options.feedback else "")
+    (options.out / f"{stem}.json").write_text(json.dumps({**info, "results": rows}, indent=1))
+    (options.out / f"{stem}.md").write_text(to_markdown(info, rows))
 
 
 if __name__ == "__main__":

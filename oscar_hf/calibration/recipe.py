@@ -26,7 +26,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits, value_layers_per_key_layer
 from oscar_hf.calibration.clip_search import LayerChoice, search_layers
 from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
-from oscar_hf.calibration.data import calibration_batches, read_calibration_files
+from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
+from oscar_hf.calibration.key_feedback import DAMPING, key_feedback_factors
 from oscar_hf.calibration.refine import refine_rotations
 from oscar_hf.config import K_CLIP, METHODS, V_CLIP, OscarConfig
 from oscar_hf.provenance import provenance
@@ -62,7 +63,12 @@ class Recipe:
         allocate_for: the method the allocation trades against (``oscar-int2`` or ``oscar-k3v2``).
         search_for: the calibrated method whose quantization the clip search (and refinement) measures
             errors under, e.g. ``oscar-k3v2`` for a set made for 3-bit keys.
-        from_rotations: a saved set to take rotations and clip ratios from (with ``allocate_bits``).
+        from_rotations: a saved set to take rotations and clip ratios from (with ``allocate_bits`` or
+            ``key_feedback``).
+        key_feedback: store each layer's key feedback factors (:mod:`oscar_hf.calibration.key_feedback`), from
+            the queries of the calibration texts in rows of ``feedback_seq_len`` tokens (the budget rounded up
+            to whole rows, at most the model's context). ``None``: on with the clip search, off for the paper's
+            recipe.
         tokens, seq_len, seed, chat: the calibration token budget, row length, sampling seed, and whether
             ``.jsonl`` prompts are rendered with the chat template.
 
@@ -80,6 +86,8 @@ class Recipe:
     allocate_for: str = "oscar-int2"
     search_for: str = "oscar-int2"
     from_rotations: str | None = None
+    key_feedback: bool | None = None
+    feedback_seq_len: int = 8192
     tokens: int = 20000
     seq_len: int = 2048
     seed: int = 0
@@ -89,12 +97,14 @@ class Recipe:
         if self.center_keys is None:
             centered = self.clip_search and not self.refine and not self.from_rotations
             object.__setattr__(self, "center_keys", centered)
+        if self.key_feedback is None:
+            object.__setattr__(self, "key_feedback", self.clip_search)
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, not {self.objective!r}")
         if self.factors not in COMPOSITION_NAMES:
             raise ValueError(f"factors must be one of {sorted(COMPOSITION_NAMES)}, not {self.factors!r}")
-        if min(self.tokens, self.seq_len) < 1 or self.allocate_bits < 0:
-            raise ValueError("tokens and seq_len must be positive and allocate_bits not negative")
+        if min(self.tokens, self.seq_len, self.feedback_seq_len) < 1 or self.allocate_bits < 0:
+            raise ValueError("tokens, seq_len and feedback_seq_len must be positive and allocate_bits not negative")
         if self.clip_search and (self.objective != "qqt_sst" or self.factors != "UHP"):
             raise ValueError(
                 "the clip search chooses between U·H·P and H·P itself: set clip_search=False (--no-clip-search) "
@@ -106,10 +116,10 @@ class Recipe:
                 f"{name} starts from the clip search's rotations and ratios: keep clip_search=True "
                 "(drop --no-clip-search)"
             )
-        if self.from_rotations and not self.allocate_bits:
+        if self.from_rotations and not (self.allocate_bits or self.key_feedback):
             raise ValueError(
-                "from_rotations takes a saved set's rotations and clip ratios to allocate bit widths anew: "
-                "set allocate_bits (add --allocate-bits N)"
+                "from_rotations takes a saved set's rotations and clip ratios to allocate bit widths anew or to add "
+                "key feedback: set allocate_bits or key_feedback (add --allocate-bits N or --key-feedback)"
             )
         if self.from_rotations and (self.refine or self.per_head or self.center_keys):
             raise ValueError(
@@ -139,7 +149,11 @@ class Recipe:
             )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, ``from_rotations`` by folder name (a saved set records no path of this machine)."""
+        fields = dataclasses.asdict(self)
+        if self.from_rotations:
+            fields["from_rotations"] = Path(self.from_rotations).name
+        return fields
 
 
 @dataclass
@@ -184,7 +198,8 @@ def calibrate(
         covariances = collect_covariances(model, batches, progress=progress)
         rotations, choices = fit(recipe, model, batches, covariances, progress=progress)
         made = _how_made(recipe, rotations, choices)
-    rotations, allocation = allocate(recipe, model, batches, rotations, progress=progress)
+    rows = feedback_batches(model, tokenizer, texts, recipe) if recipe.key_feedback else None
+    rotations, allocation, feedback = finish(recipe, model, batches, rotations, rows, progress)
     tokens = sum(b.numel() for b in batches)
     # the windows the clip search and bit allocation ran with: a cache takes them with the set
     windows = (METHODS[recipe.search_for].sink, METHODS[recipe.search_for].recent)
@@ -203,6 +218,7 @@ def calibrate(
             "seq_len": recipe.seq_len,
             "rows": len(batches),
             "seed": recipe.seed,
+            **({"key_feedback": feedback} if feedback else {}),
         },
         "tokens": tokens,
         **provenance(command or f"oscar_hf.calibrate(model, tokenizer, data, {recipe!r})"),
@@ -256,6 +272,32 @@ def fit(
     return rotations, choices
 
 
+def finish(
+    recipe: Recipe,
+    model: PreTrainedModel,
+    batches: list[torch.Tensor],
+    rotations: RotationSet,
+    feedback_rows: list[torch.Tensor] | None,
+    progress: bool = True,
+) -> tuple[RotationSet, BitAllocation | None, dict]:
+    """The stages after the rotations: the key feedback factors from the queries of ``feedback_rows``
+    (:func:`feedback_batches`; with ``recipe.key_feedback``), before the bit allocation, which then measures
+    the cache as it will run; then the allocation. Returns the set, the allocation (or None) and how the
+    factors were measured (empty without them)."""
+    made = {}
+    if recipe.key_feedback:
+        if not feedback_rows:
+            raise ValueError("a recipe with key feedback needs its rows (feedback_batches)")
+        factors = key_feedback_factors(model, feedback_rows, rotations, progress=progress)
+        length = feedback_rows[0].shape[1]
+        described = f"{rotations.description}; key feedback from C_Q on rows of {length} tokens"
+        rotations = dataclasses.replace(rotations, key_feedback=factors, description=described)
+        tokens = sum(r.numel() for r in feedback_rows)
+        made = {"seq_len": length, "rows": len(feedback_rows), "tokens": tokens, "damping": DAMPING}
+    rotations, allocation = allocate(recipe, model, batches, rotations, progress=progress)
+    return rotations, allocation, made
+
+
 def allocate(
     recipe: Recipe, model: PreTrainedModel, batches: list[torch.Tensor], rotations: RotationSet, progress: bool = True
 ) -> tuple[RotationSet, BitAllocation | None]:
@@ -265,6 +307,17 @@ def allocate(
         return rotations, None
     method = METHODS[recipe.allocate_for]
     return allocate_bits(model, _search_rows(batches), rotations, recipe.allocate_bits, method, progress=progress)
+
+
+def feedback_batches(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: CalibrationTexts, recipe: Recipe
+) -> list[torch.Tensor]:
+    """The rows the key feedback factors are measured on: ``recipe.feedback_seq_len`` tokens (at most the
+    model's context) each, the token budget rounded up to whole rows."""
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    length = min(recipe.feedback_seq_len, context or recipe.feedback_seq_len)
+    budget = -(-recipe.tokens // length) * length
+    return calibration_batches(tokenizer, texts, budget, length, recipe.seed)
 
 
 def _how_made(recipe: Recipe, rotations: RotationSet, choices: dict[int, LayerChoice]) -> dict:
@@ -295,7 +348,7 @@ def existing_set(path: str) -> tuple[RotationSet, dict]:
     config = load_rotation_config(path)
     rotations = load_rotations(path)
     recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
-    made = {key: config.get(key) for key in ("command", "calibration_data", "tokens")}
+    made = {key: config.get(key) for key in ("command", "recipe", "calibration_data", "tokens")}
     recipe["rotations_from"] = {**made, "files": _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())}
     return rotations, recipe
 

@@ -130,8 +130,22 @@ def add_calibrate_command(commands) -> None:
     calibrate.add_argument(
         "--from-rotations",
         metavar="DIR",
-        help="with --allocate-bits: start from a saved set's rotations and clip ratios instead of "
-        "calibrating them (e.g. to allocate widths for another method from the same set)",
+        help="with --allocate-bits or --key-feedback: start from a saved set's rotations and clip ratios "
+        "instead of calibrating them (e.g. to allocate widths for another method from the same set)",
+    )
+    calibrate.add_argument(
+        "--key-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store each layer's key feedback factors (keys then feed their quantization errors forward so that "
+        "they cancel in the scores), from the queries of rows of --feedback-seq-len tokens; default: on with "
+        "the clip search, off with --no-clip-search",
+    )
+    calibrate.add_argument(
+        "--feedback-seq-len",
+        type=checks.positive_int,
+        default=8192,
+        help="row length of the key feedback's queries: the contexts the cache will hold (at most the model's)",
     )
     calibrate.add_argument("--chat", action="store_true", help="render .jsonl prompts with the chat template")
     calibrate.add_argument("--seq-len", type=checks.positive_int, default=2048)

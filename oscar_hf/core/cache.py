@@ -131,7 +131,9 @@ class OscarCache(StepGuard, FrozenLayouts, Cache):
         if self.values_prerotated:
             value_rotation = None  # v_proj already emits v @ R_V and o_proj expects rotated outputs
         key_mean = rotations.key_mean.get(layer_id) if config.quantized else None
-        return OscarLayer(config, key_rotation, value_rotation, self.capacity, key_mean)
+        feeds_back = config.quantized and config.key_feedback and config.key.bits > 1
+        key_feedback = rotations.key_feedback.get(layer_id) if feeds_back else None
+        return OscarLayer(config, key_rotation, value_rotation, self.capacity, key_mean, key_feedback)
 
     @classmethod
     def from_zoo(

@@ -176,12 +176,12 @@ class StaticDecoding:
         jobs: dict[tuple, list] = {}
         for layer in self.layers:
             pairs = (
-                (layer.config.key, layer.recent_keys, layer.history_keys),
-                (layer.config.value, layer.recent_values, layer.history_values),
+                (layer.config.key, layer.recent_keys, layer.history_keys, layer.feedback_for(layer.recent_keys.data)),
+                (layer.config.value, layer.recent_values, layer.history_values, None),
             )
-            for spec, ring, history in pairs:
-                key = (spec.bits, spec.group_of(layer.head_dim), spec.symmetric)
-                jobs.setdefault(key, []).append((ring.data, history.whole(), spec.clip_ratio))
+            for spec, ring, history, feedback in pairs:
+                key = (spec.bits, spec.group_of(layer.head_dim), spec.symmetric, feedback is not None)
+                jobs.setdefault(key, []).append((ring.data, history.whole(), spec.clip_ratio, feedback))
         metadata_dtype = self.cache.oscar_config.metadata_dtype
         return [
             WindowQuantizer(
@@ -194,8 +194,9 @@ class StaticDecoding:
                 symmetric=symmetric,
                 clip_ratios=[j[2] for j in same],
                 metadata_dtype=metadata_dtype,
+                feedback=[j[3] for j in same] if feeds_back else None,
             )
-            for (bits, group, symmetric), same in jobs.items()
+            for (bits, group, symmetric, feeds_back), same in jobs.items()
         ]
 
     @property

@@ -49,7 +49,8 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, WindowPla
 
     ``key_rotation`` / ``value_rotation`` are ``[D, D]`` (shared by all heads), ``[H_kv, D, D]`` (one
     per KV head; query head ``i`` uses its KV head's ``i // g``) or None (the identity); ``key_mean``
-    (``[D]`` or ``[H_kv, D]``), if given, centers every stored key (:mod:`.layer_rotation`).
+    (``[D]`` or ``[H_kv, D]``), if given, centers every stored key and ``key_feedback`` (``[D, D]`` or
+    ``[H_kv, D, D]``), if given, feeds each key's quantization errors forward (:mod:`.layer_rotation`).
     """
 
     is_sliding = False
@@ -63,10 +64,11 @@ class OscarLayer(LayerAttention, DenseView, EditedLayer, RotatedLayer, WindowPla
         value_rotation: torch.Tensor | None,
         max_cache_len: int | None = None,
         key_mean: torch.Tensor | None = None,
+        key_feedback: torch.Tensor | None = None,
     ):
         super().__init__()
         self.config = config
-        self.set_rotations(key_rotation, value_rotation, key_mean)
+        self.set_rotations(key_rotation, value_rotation, key_mean, key_feedback)
         self.capacity = max_cache_len
         self.static: StaticDecoding | None = None  # set while the cache is frozen for static decoding
         self._clear()

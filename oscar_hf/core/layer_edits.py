@@ -64,24 +64,27 @@ class EditedLayer:
         for buffer in (self.sink_keys, self.sink_values):
             buffer.truncate(buffer.length - from_sink)
 
-    def frame(self) -> tuple[list[torch.Tensor], dict[tuple, torch.Tensor]]:
-        """The tensors a frozen decode step of this layer reads and writes: its tiers' storage and the
-        rotations as the step uses them (:meth:`move_into` takes another layer's)."""
-        return [buffer.data for buffer in self._buffers()], self.rotation_copies()
+    def frame(self) -> tuple[list[torch.Tensor], dict[tuple, torch.Tensor], torch.Tensor | None]:
+        """The tensors a frozen decode step of this layer reads and writes: its tiers' storage, the
+        rotations as the step uses them and the key feedback factor (:meth:`move_into` takes another layer's)."""
+        return [buffer.data for buffer in self._buffers()], self.rotation_copies(), self.key_feedback
 
     def frame_signature(self) -> tuple:
         """What must agree for this layer to :meth:`move_into` another's frame: its quantization (the
         kernels take widths and clip ratios as constants) and its storage's layout."""
         layout = [(b.start, tuple(b.data.shape), b.data.stride(), b.data.dtype, b.data.device) for b in self._buffers()]
-        return self.config, tuple(layout)
+        feedback = None if self.key_feedback is None else tuple(self.key_feedback.shape)
+        return self.config, tuple(layout), feedback
 
-    def move_into(self, frame: tuple[list[torch.Tensor], dict[tuple, torch.Tensor]]) -> None:
+    def move_into(self, frame: tuple[list[torch.Tensor], dict[tuple, torch.Tensor], torch.Tensor | None]) -> None:
         """Hold the tensors of ``frame`` (another layer's :meth:`frame`, of the same signature), with this
-        layer's rows and rotations copied in; the tensors this layer held are freed."""
-        storage, rotations = frame
+        layer's rows, rotations and feedback factor copied in; the tensors this layer held are freed."""
+        storage, rotations, feedback = frame
         for buffer, data in zip(self._buffers(), storage, strict=True):
             buffer.move_into(data)
         self.move_rotation_copies_into(rotations)
+        if feedback is not None:
+            self.key_feedback = feedback.copy_(self.key_feedback)
 
     def offload(self):
         raise NotImplementedError("OscarCache does not support offloading: its packed history is already ~7x smaller")

@@ -4,7 +4,8 @@ A layer keeps R_K and R_V in float32 and uses copies cast once to each dtype and
 shared R is ``[D, D]``; a per-KV-head R is ``[H_kv, D, D]`` and query head ``i`` uses its KV head's
 ``i // g``. A layer with a key mean ``mu`` (``[D]`` or ``[H_kv, D]``) stores keys centered,
 ``(k - mu) @ R_K``, and adds it back where stored keys leave the cache; queries are not centered, so
-each query's scores shift by one constant, ``q . mu``, which softmax ignores.
+each query's scores shift by one constant, ``q . mu``, which softmax ignores. A key feedback factor
+(``[D, D]`` or ``[H_kv, D, D]``, in the rotated basis) belongs to R_K and is kept beside it.
 """
 
 from __future__ import annotations
@@ -38,15 +39,17 @@ class RotatedLayer:
         key_rotation: torch.Tensor | None,
         value_rotation: torch.Tensor | None,
         key_mean: torch.Tensor | None = None,
+        key_feedback: torch.Tensor | None = None,
     ) -> None:
         self.key_rotation, self.value_rotation, self.key_mean = key_rotation, value_rotation, key_mean
+        self.key_feedback = None if key_feedback is None else key_feedback.float().contiguous()
         self._rotation_copies: dict[tuple, torch.Tensor] = {}  # (which, heads, dim, dtype, device) -> R cast once
 
     def place_rotations(self, device: torch.device, kv_heads: int) -> None:
         """Check per-head rotations against the layer's ``kv_heads`` and move the float32 R_K / R_V to its
         device, so that every tensor of a layer sits beside its attention (``device_map``)."""
-        masters = (self.key_rotation, self.value_rotation, self.key_mean)
-        per_head = [t for t in masters[:2] if t is not None and t.ndim == 3]
+        masters = (self.key_rotation, self.value_rotation, self.key_mean, self.key_feedback)
+        per_head = [t for t in (*masters[:2], masters[3]) if t is not None and t.ndim == 3]
         per_head += [self.key_mean] if self.key_mean is not None and self.key_mean.ndim == 2 else []
         for rotation in per_head:
             if rotation.shape[0] != kv_heads:
@@ -57,6 +60,12 @@ class RotatedLayer:
                 )
         if any(r is not None and r.device != device for r in masters):
             self.set_rotations(*(None if r is None else r.to(device) for r in masters))
+
+    def feedback_for(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """The key feedback factor (float32) on ``keys``' device, moved there once; None without one."""
+        if self.key_feedback is not None and self.key_feedback.device != keys.device:
+            self.key_feedback = self.key_feedback.to(keys.device)
+        return self.key_feedback
 
     def unrotate_output(self, output: torch.Tensor) -> torch.Tensor:
         """A decode step's attention output ``[B, Hq, D]`` mapped back (``o·R_V^T``), as ``[B, 1, Hq, D]``."""

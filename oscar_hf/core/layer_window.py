@@ -98,13 +98,13 @@ class WindowPlanning:
     def _history_jobs(self, keys: torch.Tensor, values: torch.Tensor) -> list[QuantizeJob]:
         count = keys.shape[2]
         return [
-            QuantizeJob(self.config.key, keys, self.history_keys.extend(count)),
+            QuantizeJob(self.config.key, keys, self.history_keys.extend(count), self.feedback_for(keys)),
             QuantizeJob(self.config.value, values, self.history_values.extend(count)),
         ]
 
     def history_roundtrip(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What rotated ``keys``/``values`` rows become once stored in this layer's history."""
         return (
-            roundtrip_rows(keys, self.config.key, self.config.metadata_dtype),
+            roundtrip_rows(keys, self.config.key, self.config.metadata_dtype, self.feedback_for(keys)),
             roundtrip_rows(values, self.config.value, self.config.metadata_dtype),
         )

@@ -6,7 +6,9 @@ keyed by global layer id: ``layers.{i}.key_rotation``, ``layers.{i}.value_rotati
 ``layers.{i}.value_eigenvalues`` (``[D]`` or ``[H_kv, D]``) and, when set, the per-layer clip ratios
 ``layers.{i}.key_clip`` / ``layers.{i}.value_clip`` and history bit widths ``layers.{i}.key_bits`` /
 ``layers.{i}.value_bits`` (one element each; files without them load as sets without them) and the
-mean key ``layers.{i}.key_mean`` (``[D]`` or ``[H_kv, D]``) of sets that center keys. A rotation is applied as
+mean key ``layers.{i}.key_mean`` (``[D]`` or ``[H_kv, D]``) of sets that center keys and the key feedback
+factor ``layers.{i}.key_feedback`` (``[D, D]`` or ``[H_kv, D, D]``) of sets that feed key errors forward.
+A rotation is applied as
 ``x @ R`` exactly as stored, as the RotationZoo's files are. ``config.json`` records the format,
 head_dim, ``kv_heads`` (per-head sets only), layer ids, description, ``base_bits`` (sets with per-layer
 bit widths: the K and V widths of the method they were allocated for; files without it hold
@@ -44,6 +46,7 @@ _FIELDS = {
     "key_bits": "key_bits",
     "value_bits": "value_bits",
     "key_mean": "key_mean",
+    "key_feedback": "key_feedback",
 }
 _TENSOR_KEY = re.compile(r"layers\.(\d+)\.(" + "|".join(_FIELDS) + ")")
 _RESERVED_KEYS = (

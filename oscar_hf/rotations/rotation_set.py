@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -149,7 +149,10 @@ class RotationSet:
     passes its own. ``key_mean`` holds a layer's mean key (``[D]``, or ``[H_kv, D]`` one per KV head)
     in the model's basis, as the attention receives keys (after RoPE): a layer with one stores every
     key centered, ``(k - mean) @ R_K``. Each query's scores then all shift by ``q . mean``, which
-    softmax ignores, while the quantizer no longer spends its range on the offset.
+    softmax ignores, while the quantizer no longer spends its range on the offset. ``key_feedback``
+    holds a layer's key feedback factor (``[D, D]`` or ``[H_kv, D, D]``, upper triangular with a unit
+    diagonal, in the rotated basis): stored keys feed each channel's quantization error forward into
+    the later channels so that it cancels in the scores (:func:`oscar_hf.quant.quantize`).
     """
 
     head_dim: int
@@ -165,8 +168,12 @@ class RotationSet:
     base_bits: tuple[int, int] = (2, 2)
     windows: tuple[int, int] | None = None
     key_mean: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_feedback: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, table in vars(self).items():  # each set owns its tables (copies share none)
+            if isinstance(table, dict):
+                setattr(self, name, dict(table))
         if self.windows is not None:
             sink, recent = self.windows
             if isinstance(sink, bool) or isinstance(recent, bool) or int(sink) != sink or int(recent) != recent:
@@ -207,8 +214,9 @@ class RotationSet:
                     f"(kv_heads, {dim}) for head_dim={dim}"
                 )
             self.key_mean[layer_id] = mean.to(torch.float32)
-        counts = {r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3}
-        counts |= {m.shape[0] for m in self.key_mean.values() if m.ndim == 2}
+        for layer_id, factor in self.key_feedback.items():
+            self.key_feedback[layer_id] = check_feedback_factor(factor, dim, f"key_feedback of layer {layer_id}")
+        counts = set(self._head_counts())
         if len(counts) > 1:
             raise ValueError(f"per-head tensors of one set must have one KV head count, got {sorted(counts)}")
 
@@ -222,11 +230,18 @@ class RotationSet:
     def identity(cls, head_dim: int) -> "RotationSet":
         return cls(head_dim, {}, {}, "identity")
 
+    def _head_counts(self) -> list[int]:
+        """The KV head count of every per-head tensor."""
+        matrices = [*self.key.values(), *self.value.values(), *self.key_feedback.values()]
+        return [t.shape[0] for t in matrices if t.ndim == 3] + [
+            m.shape[0] for m in self.key_mean.values() if m.ndim == 2
+        ]
+
     @property
     def kv_heads(self) -> int | None:
-        """The KV head count of the per-head rotations (or key means), or None when every one is shared."""
-        counts = [r.shape[0] for r in [*self.key.values(), *self.value.values()] if r.ndim == 3]
-        counts += [m.shape[0] for m in self.key_mean.values() if m.ndim == 2]
+        """The KV head count of the per-head rotations (or key means, or feedback factors), or None when every
+        one is shared."""
+        counts = self._head_counts()
         return counts[0] if counts else None
 
     @property
@@ -252,20 +267,14 @@ class RotationSet:
         def pick(table: dict[int, torch.Tensor], per_head_ndim: int) -> dict[int, torch.Tensor]:
             return {i: t[start:stop] if t.ndim == per_head_ndim else t for i, t in table.items()}
 
-        return RotationSet(
-            self.head_dim,
-            pick(self.key, 3),
-            pick(self.value, 3),
-            self.description,
-            pick(self.key_eigenvalues, 2),
-            pick(self.value_eigenvalues, 2),
-            dict(self.key_clip),
-            dict(self.value_clip),
-            dict(self.key_bits),
-            dict(self.value_bits),
-            self.base_bits,
-            self.windows,
-            pick(self.key_mean, 2),
+        return replace(
+            self,
+            key=pick(self.key, 3),
+            value=pick(self.value, 3),
+            key_eigenvalues=pick(self.key_eigenvalues, 2),
+            value_eigenvalues=pick(self.value_eigenvalues, 2),
+            key_mean=pick(self.key_mean, 2),
+            key_feedback=pick(self.key_feedback, 3),
         )
 
     def as_per_head(self, kv_heads: int) -> "RotationSet":
@@ -276,20 +285,13 @@ class RotationSet:
         def expand(table: dict[int, torch.Tensor], shared_ndim: int) -> dict[int, torch.Tensor]:
             return {i: t.expand(kv_heads, *t.shape).clone() if t.ndim == shared_ndim else t for i, t in table.items()}
 
-        return RotationSet(
-            self.head_dim,
-            expand(self.key, 2),
-            expand(self.value, 2),
-            self.description,
-            expand(self.key_eigenvalues, 1),
-            expand(self.value_eigenvalues, 1),
-            dict(self.key_clip),
-            dict(self.value_clip),
-            dict(self.key_bits),
-            dict(self.value_bits),
-            self.base_bits,
-            self.windows,
-            dict(self.key_mean),
+        return replace(
+            self,
+            key=expand(self.key, 2),
+            value=expand(self.value, 2),
+            key_eigenvalues=expand(self.key_eigenvalues, 1),
+            value_eigenvalues=expand(self.value_eigenvalues, 1),
+            key_feedback=expand(self.key_feedback, 2),
         )
 
     def value_fingerprint(self) -> str:
@@ -340,6 +342,21 @@ class RotationSet:
         text = config.get_text_config(decoder=True)
         name = str(getattr(config, "_name_or_path", "") or "") or "this model"
         self.check_model(head_dim_of(text), full_attention_layer_ids(config), kv_heads_of(text), name, source)
+
+
+def check_feedback_factor(factor: torch.Tensor, head_dim: int, what: str) -> torch.Tensor:
+    """``factor`` as float32 if it is a feedback factor for ``head_dim`` (``[D, D]`` or ``[H_kv, D, D]``, finite,
+    upper triangular with a unit diagonal, as :func:`oscar_hf.quant.feedback_factor` makes them); else raise."""
+    if factor.ndim not in (2, 3) or tuple(factor.shape[-2:]) != (head_dim, head_dim):
+        raise ValueError(
+            f"{what} has shape {tuple(factor.shape)}, expected ({head_dim}, {head_dim}) or "
+            f"(kv_heads, {head_dim}, {head_dim})"
+        )
+    factor = factor.to(torch.float32)
+    unit = bool((factor.diagonal(dim1=-2, dim2=-1) == 1).all()) and not factor.tril(-1).any()
+    if not (torch.isfinite(factor).all() and unit):
+        raise ValueError(f"{what} must be finite and upper triangular with ones on its diagonal")
+    return factor
 
 
 def format_layer_ids(ids: list[int]) -> str:
