@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--model", help="override the config's model (a name or directory)")
     parser.add_argument("--batch-size", type=int, help="override needles.batch_size (rows per teacher-forced pass)")
+    parser.add_argument("--no-needles", action="store_true", help="skip the config's needles (KL and perplexity only)")
     parser.add_argument("--out", type=Path, help="output stem (default eval/results/<config name>)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress and every needle answer")
     args = parser.parse_args(argv)
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model(args.model or config["model"], dtype=DTYPES[args.dtype], device=args.device)
     calibrations = Calibrations(model, tokenizer, args.data_dir, config.get("calibrations", {}))
     caches = {v["label"]: variant_cache(model, v, calibrations) for v in config["variants"]}
-    needles = needle_settings(config["needles"]) if "needles" in config else None
+    needles = needle_settings(config["needles"]) if "needles" in config and not args.no_needles else None
     if needles and args.batch_size:
         needles["batch_size"] = args.batch_size
     kl_windows = per_context(config) if config.get("eval_texts") else []
