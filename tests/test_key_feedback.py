@@ -165,3 +165,26 @@ def test_the_recipe_feeds_keys_back_with_the_clip_search_only():
         Recipe(feedback_seq_len=0)
     with pytest.raises(ValueError, match="add key feedback"):
         Recipe(from_rotations="set", key_feedback=False)
+
+
+def test_the_allocation_runs_before_the_factors(monkeypatch):
+    """``finish`` allocates widths on the set without factors (keys rounded to nearest, as the bundled sets were
+    allocated), then adds factors of the allocated set's rotations."""
+    import oscar_hf.calibration.recipe as recipe_module
+
+    seen = []
+
+    def allocate(recipe, model, batches, rotations, progress=True):
+        seen.append(dict(rotations.key_feedback))
+        return rotations, None
+
+    monkeypatch.setattr(recipe_module, "allocate", allocate)
+    model = tiny_model("llama")
+    rows = [torch.randint(3, 250, (1, 64), generator=torch.Generator().manual_seed(10))]
+    rotations, _, made = recipe_module.finish(
+        Recipe(allocate_bits=1), model, rows, random_set(11), rows, progress=False
+    )
+    assert seen == [{}] and sorted(rotations.key_feedback) == LAYERS
+    assert made["seq_len"] == 64 and made["rows"] == 1
+    with pytest.raises(ValueError, match="needs its rows"):
+        recipe_module.finish(Recipe(), model, rows, random_set(11), None, progress=False)

@@ -280,21 +280,25 @@ def finish(
     feedback_rows: list[torch.Tensor] | None,
     progress: bool = True,
 ) -> tuple[RotationSet, BitAllocation | None, dict]:
-    """The stages after the rotations: the key feedback factors from the queries of ``feedback_rows``
-    (:func:`feedback_batches`; with ``recipe.key_feedback``), before the bit allocation, which then measures
-    the cache as it will run; then the allocation. Returns the set, the allocation (or None) and how the
-    factors were measured (empty without them)."""
+    """The stages after the rotations: the bit allocation (measured with keys rounded to nearest, as the
+    bundled sets were allocated), then the key feedback factors from the queries of ``feedback_rows``
+    (:func:`feedback_batches`; with ``recipe.key_feedback``). Returns the set, the allocation (or None) and
+    how the factors were measured (empty without them)."""
+    plain = dataclasses.replace(rotations, key_feedback={})
+    allocated, allocation = allocate(recipe, model, batches, plain, progress=progress)
+    rotations = dataclasses.replace(allocated, key_feedback=rotations.key_feedback)
     made = {}
     if recipe.key_feedback:
         if not feedback_rows:
             raise ValueError("a recipe with key feedback needs its rows (feedback_batches)")
         factors = key_feedback_factors(model, feedback_rows, rotations, progress=progress)
         length = feedback_rows[0].shape[1]
-        described = f"{rotations.description}; key feedback from C_Q on rows of {length} tokens"
+        described = (
+            rotations.description.split("; key feedback")[0] + f"; key feedback from C_Q on rows of {length} tokens"
+        )
         rotations = dataclasses.replace(rotations, key_feedback=factors, description=described)
         tokens = sum(r.numel() for r in feedback_rows)
         made = {"seq_len": length, "rows": len(feedback_rows), "tokens": tokens, "damping": DAMPING}
-    rotations, allocation = allocate(recipe, model, batches, rotations, progress=progress)
     return rotations, allocation, made
 
 
