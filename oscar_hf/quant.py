@@ -135,13 +135,8 @@ def check_feedback(feedback: torch.Tensor, rows: torch.Tensor, bits: int) -> Non
     if bits == 1:
         raise ValueError("1-bit rows take their levels from each group's mean and spread: they take no key feedback")
     dim = rows.shape[-1]
-    heads = None if feedback.ndim == 2 else (rows.shape[-3] if rows.ndim >= 3 else None)
-    if (
-        feedback.shape[-2:] != (dim, dim)
-        or feedback.ndim not in (2, 3)
-        or feedback.ndim == 3
-        and feedback.shape[0] != heads
-    ):
+    heads = rows.shape[-3] if rows.ndim >= 3 else None
+    if tuple(feedback.shape) not in ((dim, dim), (heads, dim, dim)):
         raise ValueError(
             f"a feedback factor of shape {tuple(feedback.shape)} does not fit rows {tuple(rows.shape)}: "
             f"it is ({dim}, {dim}) or (heads, {dim}, {dim}) for rows (..., heads, tokens, {dim})"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from oscar_hf import METHODS, OscarCache
-from oscar_hf.calibration.key_feedback import key_feedback_factors, query_covariances
+from oscar_hf.calibration.covariances import collect_query_covariances
+from oscar_hf.calibration.key_feedback import key_feedback_factors
 from oscar_hf.calibration.recipe import Recipe
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.quant import dequantize, feedback_factor, quantize
@@ -137,7 +138,7 @@ def test_factors_come_from_the_rotated_query_covariance():
     """A layer's factor is that of its KV heads' query covariance in its R_K's basis (shared or per head)."""
     model = tiny_model("llama")
     batches = [torch.randint(3, 250, (1, 128), generator=torch.Generator().manual_seed(8))]
-    covariances = query_covariances(model, batches, progress=False)
+    covariances = collect_query_covariances(model, batches, "queries", progress=False)
     rotations = random_set(9, feedback=False)
     per_head = rotations.as_per_head(KV_HEADS)
     for rotated in (rotations, per_head):
@@ -152,7 +153,7 @@ def test_factors_come_from_the_rotated_query_covariance():
 def test_query_covariances_group_query_heads_by_kv_head():
     model = tiny_model("llama")
     batches = [torch.randint(3, 250, (1, 64), generator=torch.Generator().manual_seed(9))]
-    covariances = query_covariances(model, batches, progress=False)
+    covariances = collect_query_covariances(model, batches, "queries", progress=False)
     assert sorted(covariances) == LAYERS
     assert covariances[0].shape == (KV_HEADS, HEAD_DIM, HEAD_DIM) and covariances[0].dtype == torch.float64
     torch.testing.assert_close(covariances[0], covariances[0].mT)

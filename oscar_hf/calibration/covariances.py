@@ -284,6 +284,24 @@ def collect_covariances(
     return covariances
 
 
+def collect_query_covariances(
+    model: PreTrainedModel, batches: Sequence[torch.LongTensor], description: str, progress: bool = True
+) -> dict[int, torch.Tensor]:
+    """The first pass of :func:`collect_covariances` alone: ``C_Q^(h)`` of every full-attention layer, float64
+    ``[H_kv, D, D]``, keyed by global layer id."""
+    sums: dict[int, _LayerSums] = {}
+    observe_attention(
+        model,
+        batches,
+        lambda layer_id, q, k, v: sums.setdefault(layer_id, _LayerSums()).add_queries(q, k, v),
+        description,
+        progress,
+    )
+    for layer_sums in sums.values():
+        layer_sums.finish_queries()
+    return {layer_id: sums[layer_id].query_per_head for layer_id in sorted(sums)}
+
+
 def rotations_from_covariances(
     covariances: dict[int, LayerCovariances], objective: str = "qqt_sst", factors: str = "UHP", per_head: bool = False
 ) -> RotationSet:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from oscar_hf.calibration.covariances import observe_attention
+from oscar_hf.calibration.covariances import collect_query_covariances
 from oscar_hf.log import get_logger
 from oscar_hf.quant import feedback_factor
 from oscar_hf.rotations.rotation_set import RotationSet
@@ -25,25 +25,6 @@ logger = get_logger(__name__)
 
 # Tikhonov damping of C_Q, as a share of its mean diagonal (GPTQ's 1%).
 DAMPING = 0.01
-
-
-def query_covariances(
-    model: PreTrainedModel, batches: Sequence[torch.LongTensor], progress: bool = True
-) -> dict[int, torch.Tensor]:
-    """``C_Q^(h)`` of every full-attention layer, float64 ``[H_kv, D, D]``: the mean of ``q^T q`` over the
-    tokens of ``batches`` and the query heads of each KV head's (contiguous) group."""
-    sums: dict[int, list] = {}
-
-    def observe(layer_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        batch, heads, length, dim = query.shape
-        grouped = query.to(torch.float64).reshape(batch, key.shape[1], heads // key.shape[1], length, dim)
-        outer = torch.einsum("bhgti,bhgtj->hij", grouped, grouped)
-        entry = sums.setdefault(layer_id, [0, 0])
-        entry[0] = entry[0] + outer
-        entry[1] += batch * length * (heads // key.shape[1])
-
-    observe_attention(model, batches, observe, "OSCAR key feedback (queries)", progress)
-    return {layer_id: outer / count for layer_id, (outer, count) in sorted(sums.items())}
 
 
 def key_feedback_factors(
@@ -55,7 +36,7 @@ def key_feedback_factors(
 ) -> dict[int, torch.Tensor]:
     """The key feedback factor of every layer of ``rotations``, float32 ``[H_kv, D, D]`` in its R_K's basis,
     from the queries of ``batches`` (rows as long as the contexts the cache will hold)."""
-    covariances = query_covariances(model, batches, progress)
+    covariances = collect_query_covariances(model, batches, "OSCAR key feedback (queries)", progress)
     factors = {}
     for layer_id in sorted(rotations.key):
         covariance = covariances[layer_id].cpu()
