@@ -229,7 +229,13 @@ def test_graph_benchmark(tmp_path):
         "models": [TINY_MODEL],
         "contexts": [400],
         "batches": [1, 2],
-        "caches": ["dynamic", "oscar-int2", "oscar-int2+graph", "oscar-int2+absorbed+graph+fused"],
+        "caches": [
+            "dynamic",
+            "oscar-int2",
+            "oscar-int2+graph",
+            "oscar-int2+absorbed+graph+fused",
+            "oscar-int2+key-feedback+absorbed+graph+fused",
+        ],
         "decode": {**TINY_DECODE, "compiled_new_tokens": [1, 2], "bandwidth_bytes_per_s": 1e11},
         "profile": {"model": "tiny-qwen3", "context": 400, "batch": 1, "profile_steps": 2, "profile_top": 3},
     }
@@ -278,6 +284,23 @@ def test_absorbed_case_folds_r_v_for_its_duration_only():
     assert frozen.decode_graphs is True and frozen.oscar_config.method == "oscar-int2"
     mixed = make_cache("oscar-int2+mixed-widths+frozen", model, 64, rotations)
     assert mixed.decode_graphs is True and mixed.oscar_config.method == "oscar-int2"
+
+
+def test_key_feedback_suffix_gives_the_keys_factors():
+    model = build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
+    rotations = random_rotations(64, full_attention_layer_ids(model), kv_heads=2)
+    plain, fed_back = (make_cache(name, model, 64, rotations) for name in ("oscar-int2", "oscar-int2+key-feedback"))
+    assert all(layer.key_feedback is None for layer in plain.layers)
+    factors = [layer.key_feedback for layer in fed_back.layers]
+    assert all(f.shape == (2, 64, 64) and torch.equal(f, f.triu()) for f in factors)
+    assert all(torch.all(f.diagonal(dim1=-2, dim2=-1) == 1) and not torch.equal(f, torch.eye(64)) for f in factors)
+    mixed = make_cache("oscar-int2+key-feedback+mixed-widths", model, 64, rotations)
+    widths = [(layer.config.key.bits, layer.config.value.bits) for layer in mixed.layers]
+    assert widths == [
+        (layer.config.key.bits, layer.config.value.bits)
+        for layer in make_cache("oscar-int2+mixed-widths", model, 64, rotations).layers
+    ]
+    assert all(layer.key_feedback is not None for layer in mixed.layers if layer.config.key.bits > 1)
 
 
 def test_mixed_widths_map_the_bundled_pattern_by_depth():

@@ -6,6 +6,8 @@ A cache name is ``dynamic`` or ``static`` (transformers' BF16 caches) or an Osca
 * ``<method>+absorbed``: that method on the model with R_V folded into v_proj/o_proj (:func:`model_for`).
 * ``<method>+mixed-widths``: the bundled ``oscar-int2`` set's per-layer widths (4-bit keys in a fifth
   of the layers, 1-bit values in two fifths), mapped by depth onto the model's layers (:func:`with_bundled_widths`).
+* ``<method>+key-feedback``: the rotations carry key feedback factors, as the bundled sets do
+  (:func:`with_key_feedback`), so that history keys are written channel by channel.
 * ``<method>+eager-layout``: ``OscarCache(decode_graphs=False)``: plain generate launches every kernel
   from Python (the default, on CUDA, replays whole steps from a CUDA graph); ``<method>+frozen``:
   ``decode_graphs=True``, which freezes on CPU too (without graphs), for CPU smoke tests.
@@ -24,6 +26,7 @@ from oscar_hf import OscarCache, OscarLayer, RotationSet
 from oscar_hf.calibration.absorption import absorb_value_rotations
 from oscar_hf.core.cache import ABSORBED_ATTRIBUTE
 from oscar_hf.model_info import head_dim_of, text_config_of
+from oscar_hf.quant import feedback_factor
 from oscar_hf.rotations.files import load_ours
 from oscar_hf.rotations.resolve import DEFAULT_ROTATIONS, bundled_rotations_dir
 
@@ -34,6 +37,7 @@ BF16_CACHES = ("dynamic", "static")  # transformers' own caches; any other name 
 ABSORBED_SUFFIX = "+absorbed"
 DECODE_GRAPHS_SUFFIXES = {"+eager-layout": False, "+frozen": True}
 MIXED_WIDTHS_SUFFIX = "+mixed-widths"
+KEY_FEEDBACK_SUFFIX = "+key-feedback"
 
 
 def attention_for(cache_name: str) -> str:
@@ -57,6 +61,8 @@ def make_cache(
             method, decode_graphs = method.removesuffix(suffix), value
     if method.endswith(MIXED_WIDTHS_SUFFIX):
         method, rotations = method.removesuffix(MIXED_WIDTHS_SUFFIX), with_bundled_widths(rotations)
+    if method.endswith(KEY_FEEDBACK_SUFFIX):
+        method, rotations = method.removesuffix(KEY_FEEDBACK_SUFFIX), with_key_feedback(rotations)
     return OscarCache(
         model, method, rotations=rotations, max_cache_len=max_len if preallocate else None, decode_graphs=decode_graphs
     )
@@ -73,6 +79,19 @@ def with_bundled_widths(rotations: RotationSet) -> RotationSet:
         return {layer: table[bundled_layer] for layer, bundled_layer in source.items() if bundled_layer in table}
 
     return dataclasses.replace(rotations, key_bits=mapped(bundled.key_bits), value_bits=mapped(bundled.value_bits))
+
+
+def with_key_feedback(rotations: RotationSet, seed: int = 0) -> RotationSet:
+    """``rotations`` with a key feedback factor per layer (and KV head, as R_K is), each from a random
+    positive definite stand-in for the rotated query covariance: the write path's work does not depend on it."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def factor(key_rotation: torch.Tensor) -> torch.Tensor:
+        dim = key_rotation.shape[-1]
+        gaussian = torch.randn(*key_rotation.shape[:-1], 2 * dim, generator=generator, dtype=torch.float64)
+        return feedback_factor(gaussian @ gaussian.transpose(-1, -2) / (2 * dim))
+
+    return dataclasses.replace(rotations, key_feedback={layer: factor(r) for layer, r in rotations.key.items()})
 
 
 @contextlib.contextmanager
