@@ -6,7 +6,7 @@
 Builds a random-weight model of the preset's shape (speed and memory do not depend on the weights) and
 runs the stages :func:`oscar_hf.calibrate` runs, one after another, on random calibration tokens: the
 covariances (two passes over the tokens), the fit (the clip search, per head or not, centered keys or
-not) and the bit allocation. Recipes: ``default`` is ``Recipe()`` (what ``oscar-hf calibrate`` does
+not), the bit allocation and the key feedback factors (a pass over rows of 8,192 tokens). Recipes: ``default`` is ``Recipe()`` (what ``oscar-hf calibrate`` does
 unasked), ``full`` adds per-head rotations, centered keys and the bit allocation of the bundled set
 (``--allocate-bits``, 6 unless told). Writes ``<out>/calibration_cost.{json,md,png}`` after every stage, so a run cut
 short keeps what finished.
@@ -26,7 +26,8 @@ import torch
 from eval.benchmarks.cases import free_memory
 from eval.benchmarks.models import add_model_arguments, build_model, random_tokens
 from oscar_hf.calibration.covariances import collect_covariances
-from oscar_hf.calibration.recipe import Recipe, allocate, fit
+from oscar_hf.calibration.key_feedback import key_feedback_factors
+from oscar_hf.calibration.recipe import Recipe, allocate, feedback_shape, fit
 from oscar_hf.provenance import command_line, provenance, provenance_line
 
 RECIPES = {
@@ -69,6 +70,16 @@ def recipe_stages(model, batches: list[torch.Tensor], recipe: Recipe, device: to
     if recipe.allocate_bits:
         _, row = timed_stage("bit allocation", lambda: allocate(recipe, model, batches, rotations), device)
         record(row)
+    if recipe.key_feedback:
+        rows = feedback_rows(model, recipe)
+        _, row = timed_stage("key feedback", lambda: key_feedback_factors(model, rows, rotations), device)
+        record(row)
+
+
+def feedback_rows(model, recipe: Recipe) -> list[torch.Tensor]:
+    """Random rows of the key feedback's shape (:func:`oscar_hf.calibration.recipe.feedback_shape`)."""
+    rows, length = feedback_shape(model, recipe)
+    return [random_tokens(model, 1, length, seed=index) for index in range(rows)]
 
 
 def write(out: Path, result: dict) -> None:

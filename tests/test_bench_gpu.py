@@ -614,16 +614,19 @@ def test_step_times_reports_each_steps_wall_time(tmp_path):
 
 
 def test_calibration_cost_times_each_stage_of_a_recipe(tmp_path):
-    """eval/calibration_cost.py on CPU: the full recipe's three stages, each recorded, and its files."""
+    """eval/calibration_cost.py on CPU: the full recipe's four stages, each recorded, and its files."""
     from eval import calibration_cost
 
     spec = {k: v for k, v in TINY_MODEL.items() if k != "name"}
     model = build_model(spec, "cpu", torch.bfloat16)
     batches = [random_tokens(model, 1, 700, seed=index) for index in range(2)]
-    recipe = calibration_cost.Recipe(per_head=True, center_keys=True, allocate_bits=1, tokens=1400, seq_len=700)
+    recipe = calibration_cost.Recipe(
+        per_head=True, center_keys=True, allocate_bits=1, tokens=1400, seq_len=700, feedback_seq_len=600
+    )
+    assert [r.shape for r in calibration_cost.feedback_rows(model, recipe)] == [(1, 600)] * 3  # 1,400 rounded up
     rows = []
     calibration_cost.recipe_stages(model, batches, recipe, torch.device("cpu"), rows.append)
-    assert [row["stage"] for row in rows] == ["covariances", "fit", "bit allocation"]
+    assert [row["stage"] for row in rows] == ["covariances", "fit", "bit allocation", "key feedback"]
     assert all(row["seconds"] > 0 and row["peak_gpu_gib"] is None and row["peak_host_gib"] > 0 for row in rows)
     result = {
         "command": "x",

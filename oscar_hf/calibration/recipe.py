@@ -316,12 +316,17 @@ def allocate(
 def feedback_batches(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: CalibrationTexts, recipe: Recipe
 ) -> list[torch.Tensor]:
-    """The rows the key feedback factors are measured on: ``recipe.feedback_seq_len`` tokens (at most the
-    model's context) each, the token budget rounded up to whole rows."""
+    """The rows the key feedback factors are measured on (:func:`feedback_shape`)."""
+    rows, length = feedback_shape(model, recipe)
+    return calibration_batches(tokenizer, texts, rows * length, length, recipe.seed)
+
+
+def feedback_shape(model: PreTrainedModel, recipe: Recipe) -> tuple[int, int]:
+    """``(rows, tokens a row)`` of the key feedback's pass: ``recipe.feedback_seq_len`` tokens a row (at most
+    the model's context), the token budget rounded up to whole rows."""
     context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     length = min(recipe.feedback_seq_len, context or recipe.feedback_seq_len)
-    budget = -(-recipe.tokens // length) * length
-    return calibration_batches(tokenizer, texts, budget, length, recipe.seed)
+    return -(-recipe.tokens // length), length
 
 
 def _how_made(recipe: Recipe, rotations: RotationSet, choices: dict[int, LayerChoice]) -> dict:
