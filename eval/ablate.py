@@ -174,7 +174,7 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
             raise ValueError(f"variant {label!r}: give a saved set as rotations, not calibrate.from_rotations")
         rotations, _ = fit(recipe, model, batches, covariances, progress=False, config=config)
         rows = feedback_rows(recipe) if recipe.key_feedback else None
-        rotations, _, _ = finish(recipe, model, batches, rotations, rows, progress=False)
+        rotations, _, _ = finish(recipe, model, batches, rotations, rows, progress=False, config=config)
     return OscarCache(model, config, rotations=rotations)
 
 

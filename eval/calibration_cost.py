@@ -6,7 +6,8 @@
 Builds a random-weight model of the preset's shape (speed and memory do not depend on the weights) and
 runs the stages :func:`oscar_hf.calibrate` runs, one after another, on random calibration tokens: the
 covariances (two passes over the tokens), the fit (the clip search, per head or not, centered keys or
-not), the bit allocation and the key feedback factors (a pass over rows of 8,192 tokens). Recipes: ``default`` is ``Recipe()`` (what ``oscar-hf calibrate`` does
+not), the bit allocation, the key feedback factors (a pass over rows of 8,192 tokens) and the key clip
+ratios chosen again under them. Recipes: ``default`` is ``Recipe()`` (what ``oscar-hf calibrate`` does
 unasked), ``full`` adds per-head rotations, centered keys and the bit allocation of the bundled set
 (``--allocate-bits``, 6 unless told). Writes ``<out>/calibration_cost.{json,md,png}`` after every stage, so a run cut
 short keeps what finished.
@@ -26,8 +27,7 @@ import torch
 from eval.benchmarks.cases import free_memory
 from eval.benchmarks.models import add_model_arguments, build_model, random_tokens
 from oscar_hf.calibration.covariances import collect_covariances
-from oscar_hf.calibration.key_feedback import key_feedback_factors
-from oscar_hf.calibration.recipe import Recipe, allocate, feedback_shape, fit
+from oscar_hf.calibration.recipe import Recipe, allocate, feed_back_keys, feedback_shape, fit
 from oscar_hf.provenance import command_line, provenance, provenance_line
 
 RECIPES = {
@@ -72,7 +72,7 @@ def recipe_stages(model, batches: list[torch.Tensor], recipe: Recipe, device: to
         record(row)
     if recipe.key_feedback:
         rows = feedback_rows(model, recipe)
-        _, row = timed_stage("key feedback", lambda: key_feedback_factors(model, rows, rotations), device)
+        _, row = timed_stage("key feedback", lambda: feed_back_keys(recipe, model, batches, rotations, rows), device)
         record(row)
 
 

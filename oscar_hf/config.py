@@ -12,7 +12,8 @@ import torch
 from oscar_hf.quant import check_bits, check_symmetric, pack_unit
 
 ROTATION_KINDS = ("identity", "hadamard", "calibrated")
-# Stored per-layer clip ratios come from a clip search at 2 bits: a wider grid wants milder clipping.
+# The width a set's clip ratios were searched at unless it records another (its base_bits): a clip ratio
+# suits one width only (a wider grid wants milder clipping).
 SEARCHED_BITS = 2
 
 
@@ -80,7 +81,7 @@ class OscarConfig:
     this, for both). ``sink`` first real tokens and the last ``recent`` (up to ``recent + block - 1``)
     tokens stay in high precision; the window is demoted ``block`` tokens at a time. With
     ``layer_clip``, per-layer clip ratios stored with calibrated rotations replace the fixed ratio
-    of every 2-bit tensor the method clips. With ``layer_bits``, per-layer bit widths stored with
+    of every tensor the method clips at the width they were searched at (the set's ``base_bits``). With ``layer_bits``, per-layer bit widths stored with
     calibrated rotations (e.g. K at 4 bits in the most sensitive layers, paid for by V at 1 bit in
     others) replace the widths of the method they were allocated for (the set's ``base_bits``); they
     must keep the method's history bits (see :func:`check_bit_budget`) unless ``allow_bits_change``. ``shared_rotations`` asks for the
@@ -154,9 +155,9 @@ class OscarConfig:
         base_bits: tuple[int, int] = (SEARCHED_BITS, SEARCHED_BITS),
     ) -> "OscarConfig":
         """This config with a layer's calibrated clip ratios (see ``layer_clip``) and bit widths (see
-        ``layer_bits``) applied; only calibrated methods take them. Clip ratios apply only to tensors at
-        the width the clip search measures at (2 bits); bit widths only to a method whose (K, V) widths
-        are ``base_bits``, those the allocation traded against.
+        ``layer_bits``) applied; only calibrated methods take them. ``base_bits`` are the (K, V) widths the
+        clip search measured at and the allocation traded against: clip ratios apply only to tensors at
+        that width, bit widths only to a method quantizing at those widths.
 
         A tensor whose width the layer changes is quantized without clipping: the clip ratios were
         chosen for the method's width, and 4-bit min-max keys and 1-bit sigma-level values need none.
@@ -165,9 +166,9 @@ class OscarConfig:
             return self
         key, value = self.key, self.value
         if self.layer_clip:
-            if key_clip is not None and key.clip_ratio > 0 and key.bits == SEARCHED_BITS:
+            if key_clip is not None and key.clip_ratio > 0 and key.bits == base_bits[0]:
                 key = replace(key, clip_ratio=float(key_clip))
-            if value_clip is not None and value.clip_ratio > 0 and value.bits == SEARCHED_BITS:
+            if value_clip is not None and value.clip_ratio > 0 and value.bits == base_bits[1]:
                 value = replace(value, clip_ratio=float(value_clip))
         if self.layer_bits and self.takes_widths_for(base_bits):
             key, value = _with_bits(key, key_bits), _with_bits(value, value_bits)

@@ -3,6 +3,8 @@ rotated query covariance, so that errors cancel in the scores ``q . k`` (GPTQ's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,7 +172,7 @@ def test_the_recipe_feeds_keys_back_with_the_clip_search_only():
 
 def test_the_allocation_runs_before_the_factors(monkeypatch):
     """``finish`` allocates widths on the set without factors (keys rounded to nearest, as the bundled sets were
-    allocated), then adds factors of the allocated set's rotations."""
+    allocated), then adds factors of the allocated set's rotations and chooses its key clips under them."""
     import oscar_hf.calibration.recipe as recipe_module
 
     seen = []
@@ -182,10 +184,63 @@ def test_the_allocation_runs_before_the_factors(monkeypatch):
     monkeypatch.setattr(recipe_module, "allocate", allocate)
     model = tiny_model("llama")
     rows = [torch.randint(3, 250, (1, 64), generator=torch.Generator().manual_seed(10))]
+    small = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
     rotations, _, made = recipe_module.finish(
-        Recipe(allocate_bits=1), model, rows, random_set(11), rows, progress=False
+        Recipe(allocate_bits=1), model, rows, random_set(11), rows, progress=False, config=small
     )
     assert seen == [{}] and sorted(rotations.key_feedback) == LAYERS
     assert made["seq_len"] == 64 and made["rows"] == 1
+    assert made["key_clip"] == {str(i): rotations.key_clip[i] for i in LAYERS}  # chosen under the factors
     with pytest.raises(ValueError, match="needs its rows"):
         recipe_module.finish(Recipe(), model, rows, random_set(11), None, progress=False)
+
+
+def test_key_clips_are_chosen_again_under_the_factors():
+    """Without factors the key clip search reproduces the clip search's key errors of the chosen variant;
+    with them it measures the keys as the cache stores them, and changes only the key clip ratios."""
+    from oscar_hf.calibration.clip_search import CLIP_GRID, search_key_clips, search_layers
+    from oscar_hf.calibration.covariances import collect_covariances
+
+    small = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
+    model = tiny_model("llama")
+    batches = [torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(s)) for s in (12, 13)]
+    covariances = collect_covariances(model, batches, progress=False)
+    searched, choices = search_layers(
+        model, batches, covariances, small, max_queries=32, progress=False, center_keys=True
+    )
+    same, errors = search_key_clips(model, batches, searched, small, max_queries=32, progress=False)
+    for i, choice in choices.items():
+        assert same.key_clip[i] == choice.key_clip and len(errors[i]) == len(CLIP_GRID)
+        for ratio in CLIP_GRID:
+            assert errors[i][str(ratio)] == pytest.approx(choice.key_errors[f"{choice.key_factors}@{ratio}"], rel=1e-5)
+    fed = key_feedback_factors(model, batches, searched, progress=False)
+    with_factors = dataclasses.replace(searched, key_feedback=fed, key_bits={1: 4})
+    chosen, fed_errors = search_key_clips(model, batches, with_factors, small, max_queries=32, progress=False)
+    assert sorted(fed_errors) == [0]  # layer 1's 4-bit keys are not clipped by the set
+    assert chosen.key_clip[0] == float(min(fed_errors[0], key=fed_errors[0].get))
+    assert fed_errors[0] != pytest.approx(errors[0], rel=1e-3)  # measured with the factors
+    assert chosen.key_clip[1] == searched.key_clip[1]
+    k3 = METHODS["oscar-k3v2"].with_overrides(sink=4, recent=8, block=2)
+    assert search_key_clips(model, batches, with_factors, k3, progress=False) == (with_factors, {})
+    for field in ("key", "value", "key_mean", "key_feedback"):
+        assert all(torch.equal(getattr(chosen, field)[i], getattr(with_factors, field)[i]) for i in LAYERS)
+    assert chosen.value_clip == with_factors.value_clip and chosen.key_bits == with_factors.key_bits
+
+
+def test_clip_ratios_apply_at_the_widths_they_were_searched_at(tmp_path):
+    """A set searched under K3 V2 (base_bits (3, 2)) clips 3-bit keys by its ratios; a set searched at 2 bits
+    leaves 3-bit keys at the method's fixed ratio; both clip 2-bit values by theirs. The width is saved."""
+    model = tiny_model("llama")
+    clips = {"key_clip": {0: 0.84, 1: 0.88}, "value_clip": {0: 0.8, 1: 0.75}}
+    k3_searched = dataclasses.replace(random_set(14, feedback=False), **clips, base_bits=(3, 2))
+    k2_searched = dataclasses.replace(k3_searched, base_bits=(2, 2))
+    for rotations, key_clips in (
+        (k3_searched, [0.84, 0.88]),
+        (k2_searched, [METHODS["oscar-k3v2"].key.clip_ratio] * 2),
+    ):
+        layers = OscarCache(model, "oscar-k3v2", rotations=rotations).layers
+        assert [layer.config.key.clip_ratio for layer in layers] == key_clips
+        assert [layer.config.value.clip_ratio for layer in layers] == [0.8, 0.75]
+    int2 = OscarCache(model, "oscar-int2", rotations=k3_searched).layers
+    assert [layer.config.key.clip_ratio for layer in int2] == [METHODS["oscar-int2"].key.clip_ratio] * 2
+    assert load_ours(save_rotations(k3_searched, tmp_path / "set")).base_bits == (3, 2)

@@ -62,9 +62,13 @@ class _Search:
         grid: Sequence[float],
         max_queries: int,
         key_means: dict[int, torch.Tensor],
+        layers: Sequence[int] | None = None,
+        values: bool = True,
     ) -> None:
         self.variants, self.config, self.grid, self.max_queries = variants, config, grid, max_queries
         self.key_means = key_means  # layer -> [H_kv, D]: keys are quantized centered (none: uncentered)
+        self.layers = layers  # the layers measured (None: all)
+        self.values = values  # False: only the keys' candidates are measured
         self.errors: dict[int, _LayerErrors] = {}
 
     def _queries(self, from_history: torch.Tensor) -> torch.Tensor:
@@ -76,6 +80,8 @@ class _Search:
         return candidates[picks]
 
     def observe(self, layer_id: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.layers is not None and layer_id not in self.layers:
+            return
         errors = self.errors.setdefault(layer_id, _LayerErrors())
         length, head_dim = key.shape[2], key.shape[3]
         full_mask = quantized_key_mask(length, self.config, query.device)
@@ -95,13 +101,19 @@ class _Search:
             q_rot, k_rot, v_rot = q @ r_k, k @ r_k, v @ r_v
             mean = self.key_means.get(layer_id)
             # a centered layer quantizes k - mu and attends with mu added back: the scores' common shift
-            mean = 0.0 if mean is None else mean.to(q.device, torch.float32)[:, None, None, :] @ r_k
+            mean = 0.0 if mean is None else mean.to(q.device, torch.float32).reshape(-1, 1, 1, head_dim) @ r_k
+            feedback = rotations.key_feedback.get(layer_id)
             for ratio in self.grid:
                 spec = replace(self.config.key, clip_ratio=ratio)
-                k_hat = roundtrip_rows(k_rot - mean, spec, self.config.metadata_dtype) + mean
-                scores = torch.where(from_history, (q_rot @ k_hat.transpose(-1, -2)) * scale, exact_scores)
+                # the factors address [..., H_kv, T, D] rows: the query-group axis of k_rot (size 1) goes
+                k_hat = roundtrip_rows((k_rot - mean)[:, :, 0], spec, self.config.metadata_dtype, feedback)
+                scores = torch.where(
+                    from_history, (q_rot @ (k_hat[:, :, None] + mean).transpose(-1, -2)) * scale, exact_scores
+                )
                 output = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
                 errors.add(errors.key, (factors, ratio), (output - reference).pow(2).sum().item())
+                if not self.values:
+                    continue
                 v_hat = roundtrip_rows(v_rot, replace(self.config.value, clip_ratio=ratio), self.config.metadata_dtype)
                 mixed = (probs * from_history) @ v_hat + (probs * ~from_history) @ v_rot
                 errors.add(errors.value, (factors, ratio), (mixed - reference @ r_v).pow(2).sum().item())
@@ -164,6 +176,38 @@ def search_layers(
             key_clip={i: c.key_clip for i, c in choices.items()},
             value_clip={i: c.value_clip for i, c in choices.items()},
             key_mean={i: key_means[i] for i in choices if i in key_means},
+            base_bits=(config.key.bits, config.value.bits),
         ),
         choices,
     )
+
+
+def search_key_clips(
+    model: PreTrainedModel,
+    batches: Sequence[torch.LongTensor],
+    rotations: RotationSet,
+    config: OscarConfig = METHODS["oscar-int2"],
+    grid: Sequence[float] = CLIP_GRID,
+    max_queries: int = 256,
+    progress: bool = True,
+) -> tuple[RotationSet, dict[int, dict[str, float]]]:
+    """Choose each layer's key clip ratio again with its keys quantized as ``rotations`` stores them: its
+    R_K, key means and key feedback factors (the rotation variants and the values stay). Only layers whose
+    keys a cache clips by the set are measured: keys at the set's searched width, ``config``'s
+    (:meth:`oscar_hf.config.OscarConfig.for_layer`).
+
+    Key feedback repairs rounding error and not clipping error, so a layer fed back clips less than the
+    search without it chose. Returns the set with the new ratios and each candidate's relative error.
+    """
+    bits = rotations.base_bits[0]
+    layers = [i for i in sorted(rotations.key) if rotations.key_bits.get(i, bits) == bits == config.key.bits]
+    if not layers:
+        return rotations, {}
+    key_means = {i: mean.float() for i, mean in rotations.key_mean.items()}
+    search = _Search({"set": rotations}, config, grid, max_queries, key_means, layers, values=False)
+    observe_attention(model, batches, search.observe, "OSCAR key clips under key feedback", progress)
+    clips, errors = {}, {}
+    for layer_id, layer_errors in sorted(search.errors.items()):
+        clips[layer_id] = min(layer_errors.key, key=layer_errors.key.get)[1]
+        errors[layer_id] = {str(ratio): e / layer_errors.reference for (_, ratio), e in layer_errors.key.items()}
+    return replace(rotations, key_clip={**rotations.key_clip, **clips}), errors

@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits, value_layers_per_key_layer
-from oscar_hf.calibration.clip_search import LayerChoice, search_layers
+from oscar_hf.calibration.clip_search import LayerChoice, search_key_clips, search_layers
 from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
 from oscar_hf.calibration.key_feedback import DAMPING, key_feedback_factors
@@ -279,27 +279,45 @@ def finish(
     rotations: RotationSet,
     feedback_rows: list[torch.Tensor] | None,
     progress: bool = True,
+    config: OscarConfig | None = None,
 ) -> tuple[RotationSet, BitAllocation | None, dict]:
     """The stages after the rotations: the bit allocation (measured with keys rounded to nearest, as the
-    bundled sets were allocated), then the key feedback factors from the queries of ``feedback_rows``
-    (:func:`feedback_batches`; with ``recipe.key_feedback``). Returns the set, the allocation (or None) and
-    how the factors were measured (empty without them)."""
+    bundled sets were allocated), then, with ``recipe.key_feedback``, :func:`feed_back_keys`. Returns the set,
+    the allocation (or None) and how the factors were made (empty without them)."""
     plain = dataclasses.replace(rotations, key_feedback={})
     allocated, allocation = allocate(recipe, model, batches, plain, progress=progress)
     rotations = dataclasses.replace(allocated, key_feedback=rotations.key_feedback)
-    made = {}
-    if recipe.key_feedback:
-        if not feedback_rows:
-            raise ValueError("a recipe with key feedback needs its rows (feedback_batches)")
-        factors = key_feedback_factors(model, feedback_rows, rotations, progress=progress)
-        length = feedback_rows[0].shape[1]
-        described = (
-            rotations.description.split("; key feedback")[0] + f"; key feedback from C_Q on rows of {length} tokens"
-        )
-        rotations = dataclasses.replace(rotations, key_feedback=factors, description=described)
-        tokens = sum(r.numel() for r in feedback_rows)
-        made = {"seq_len": length, "rows": len(feedback_rows), "tokens": tokens, "damping": DAMPING}
+    if not recipe.key_feedback:
+        return rotations, allocation, {}
+    rotations, made = feed_back_keys(recipe, model, batches, rotations, feedback_rows, progress, config)
     return rotations, allocation, made
+
+
+def feed_back_keys(
+    recipe: Recipe,
+    model: PreTrainedModel,
+    batches: list[torch.Tensor],
+    rotations: RotationSet,
+    feedback_rows: list[torch.Tensor] | None,
+    progress: bool = True,
+    config: OscarConfig | None = None,
+) -> tuple[RotationSet, dict]:
+    """The key feedback stage: the factors from the queries of ``feedback_rows`` (:func:`feedback_batches`)
+    and, with the clip search, each layer's key clip ratio chosen again under them on ``batches`` (measured
+    under ``config``, as :func:`fit`). Returns the set and how it was made."""
+    if not feedback_rows:
+        raise ValueError("a recipe with key feedback needs its rows (feedback_batches)")
+    factors = key_feedback_factors(model, feedback_rows, rotations, progress=progress)
+    length = feedback_rows[0].shape[1]
+    described = rotations.description.split("; key feedback")[0] + f"; key feedback from C_Q on rows of {length} tokens"
+    rotations = dataclasses.replace(rotations, key_feedback=factors, description=described)
+    tokens = sum(r.numel() for r in feedback_rows)
+    made = {"seq_len": length, "rows": len(feedback_rows), "tokens": tokens, "damping": DAMPING}
+    if recipe.clip_search:
+        config = config or METHODS[recipe.search_for]
+        rotations, _ = search_key_clips(model, _search_rows(batches, config), rotations, config, progress=progress)
+        made["key_clip"] = {str(i): ratio for i, ratio in sorted(rotations.key_clip.items())}
+    return rotations, made
 
 
 def allocate(
@@ -350,7 +368,7 @@ def _how_made(recipe: Recipe, rotations: RotationSet, choices: dict[int, LayerCh
 
 def existing_set(path: str) -> tuple[RotationSet, dict]:
     """A saved set's rotations and clip ratios (its bit widths are replaced by the allocation) and the metadata
-    of how they were made."""
+    of how they were made: the command that made the rotations, and the commands that changed the set since."""
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
@@ -358,7 +376,11 @@ def existing_set(path: str) -> tuple[RotationSet, dict]:
     rotations = load_rotations(path)
     recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
     made = {key: config.get(key) for key in ("command", "recipe", "calibration_data", "tokens")}
-    recipe["rotations_from"] = {**made, "files": _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())}
+    made["files"] = _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())
+    if "rotations_from" in config:  # the rotations were made further back: keep their origin, list the steps since
+        origin = config["rotations_from"]
+        made = {**origin, "then": [*origin.get("then", []), config.get("command")]}
+    recipe["rotations_from"] = made
     return rotations, recipe
 
 

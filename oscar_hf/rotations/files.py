@@ -88,7 +88,7 @@ def save_rotations(rotations: RotationSet, directory: str | Path, metadata: dict
         "description": rotations.description,
         **(
             {"base_bits": dict(zip(("key", "value"), rotations.base_bits))}
-            if rotations.key_bits or rotations.value_bits
+            if rotations.key_bits or rotations.value_bits or rotations.base_bits != (2, 2)
             else {}
         ),
         **(dict(zip(("sink", "recent"), rotations.windows)) if rotations.windows else {}),

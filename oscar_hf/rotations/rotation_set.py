@@ -142,9 +142,9 @@ class RotationSet:
     uses the identity. The ascending eigenvalues of the calibration covariances are kept for
     inspection only; they are not needed at run time. ``key_clip`` / ``value_clip`` and ``key_bits`` /
     ``value_bits`` are optional per-layer clip ratios and history bit widths that calibrated methods
-    apply (:meth:`oscar_hf.config.OscarConfig.for_layer`); ``base_bits`` are the (K, V) widths of
-    the method the per-layer widths were allocated for (``oscar-int2``'s (2, 2) unless set), and
-    only a method at those widths takes them. ``windows`` are the (sink, recent) token windows the set
+    apply (:meth:`oscar_hf.config.OscarConfig.for_layer`); ``base_bits`` are the (K, V) widths the
+    clip ratios were searched at and the per-layer widths allocated against (``oscar-int2``'s (2, 2)
+    unless set): clip ratios apply to tensors at those widths, and only a method at them takes the widths. ``windows`` are the (sink, recent) token windows the set
     was calibrated for, if it records them: a cache made with the set uses them unless its caller
     passes its own. ``key_mean`` holds a layer's mean key (``[D]``, or ``[H_kv, D]`` one per KV head)
     in the model's basis, as the attention receives keys (after RoPE): a layer with one stores every
