@@ -127,7 +127,7 @@ def feedback_factor(hessian: torch.Tensor, damping: float = 0.01) -> torch.Tenso
     scale = hessian.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
     damped = hessian + damping * scale * eye
     upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
-    return (upper / upper.diagonal(dim1=-2, dim2=-1)[..., None]).float()
+    return (upper / upper.diagonal(dim1=-2, dim2=-1)[..., None]).float().contiguous()  # the kernels read it row-major
 
 
 def check_feedback(feedback: torch.Tensor, rows: torch.Tensor, bits: int) -> None:

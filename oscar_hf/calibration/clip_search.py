@@ -103,6 +103,7 @@ class _Search:
             # a centered layer quantizes k - mu and attends with mu added back: the scores' common shift
             mean = 0.0 if mean is None else mean.to(q.device, torch.float32).reshape(-1, 1, 1, head_dim) @ r_k
             feedback = rotations.key_feedback.get(layer_id)
+            feedback = None if feedback is None else feedback.to(q.device)
             for ratio in self.grid:
                 spec = replace(self.config.key, clip_ratio=ratio)
                 # the factors address [..., H_kv, T, D] rows: the query-group axis of k_rot (size 1) goes
