@@ -12,7 +12,7 @@
 #                      graph-gemms, memory, multigpu (2 GPUs): eval/bench_gpu.py with eval/configs/bench_*.json
 #   step-times         eval/step_times.py: every step of one generate call, freezing and capturing included
 #   quality            eval/ablate.py with eval/configs/quality.json: memory, held-out KL/PPL, needles
-#   key-feedback       eval/ablate.py with eval/configs/key_feedback.json: the bundled sets with and without it
+#   levers             eval/ablate.py with eval/configs/levers.json: each part of the recipes against the recipe without it
 #   calibration-cost   eval/calibration_cost.py: oscar_hf.calibrate's stages on the 8B shape, time and memory
 #   kernel diagnostics tune, profile, timeline, timeline-32k, merge, floors, kernel-b1, alternating-rows, halves,
 #                      registers, ncu, ncu-call: kernels/tools/ (see its README.md); ncu and ncu-call need
@@ -205,9 +205,8 @@ for step in "$@"; do
             run calibration_cost 580 python3 -m eval.calibration_cost --out "$work/calibration_cost" ;;
         quality)  # the recipes' memory, held-out KL/PPL at 2K and 8K and teacher-forced needles (eval/ablate.py)
             run quality 580 python3 -m eval.ablate --config eval/configs/quality.json --device cuda --out "$work/quality" -v ;;
-        key-feedback)  # the bundled sets' keys rounded to nearest or fed back (eval/ablate.py)
-            run key_feedback 400 python3 -m eval.ablate --config eval/configs/key_feedback.json --device cuda \
-                --out "$work/key_feedback" -v ;;
+        levers)  # the recipes' levers at the same budget, held-out KL only (eval/ablate.py)
+            run levers 580 python3 -m eval.ablate --config eval/configs/levers.json --device cuda --out "$work/levers" -v ;;
         *) echo "unknown step $step" >&2 ;;
     esac
 done
