@@ -163,8 +163,8 @@ def test_the_calibrate_function_makes_what_the_command_makes(tmp_path, capsys):
     from oscar_hf.rotations.hub import load_rotations
 
     model_dir, data = saved_tiny_model(tmp_path)
-    main(["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400"]
-         + ["--out", str(tmp_path / "command"), "--json"])  # fmt: skip
+    command = ["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400"]
+    main([*command, "--out", str(tmp_path / "command"), "--json"])
     capsys.readouterr()
     model, tokenizer = load_model(str(model_dir))
     result = oscar_hf.calibrate(model, tokenizer, [data], oscar_hf.Recipe(tokens=800, seq_len=400), progress=False)
