@@ -39,10 +39,9 @@ def score_error(rows: torch.Tensor, covariance: torch.Tensor, **kwargs) -> float
 
 def test_the_factor_is_unit_upper_triangular_and_inverts_the_damped_hessian():
     hessian = query_like_covariance(0, 16).double()
-    assert (
-        feedback_factor(hessian).is_contiguous() and feedback_factor(hessian).dtype == torch.float32
-    )  # as kernels read it
-    factor = feedback_factor(hessian, damping=0.01).double()
+    stored = feedback_factor(hessian, damping=0.01)
+    assert stored.is_contiguous() and stored.dtype == torch.float32  # as the kernels read it
+    factor = stored.double()
     assert torch.equal(factor.diagonal(), torch.ones(16, dtype=torch.float64)) and not factor.tril(-1).any()
     # U^T U = (H + lambda I)^-1 up to the rows' scaling by the diagonal of U
     damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(16, dtype=torch.float64)
