@@ -1,5 +1,6 @@
-"""Per-layer bit allocation: layers ranked by teacher-forced KL, K4 in the top N and V1 in the cheapest layers that
-pay for them (2N against oscar-int2's widths, N against oscar-k3v2's)."""
+"""Per-layer bit allocation: layers scored by teacher-forced KL, the bits of K4 in N layers spent on the key widths
+that gain most and V1 in the cheapest layers that pay for them (2N against oscar-int2's widths, N against
+oscar-k3v2's)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import pytest
 import torch
 
-from oscar_hf import OscarCache, RotationSet
-from oscar_hf.calibration.bit_allocation import allocate_bits
+from oscar_hf import OscarCache, Recipe, RotationSet
+from oscar_hf.calibration.bit_allocation import allocate_bits, widest_gain
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from oscar_hf.config import METHODS, TensorQuantConfig
 from tests.conftest import saved_tiny_model, tiny_model
@@ -27,13 +28,19 @@ def test_the_allocation_follows_the_measured_kl_and_keeps_the_budget():
     rotations = RotationSet.hadamard(16, [0, 1, 2, 3])
     rotations.key_clip.update({i: 0.9 for i in range(4)})
     batches = _rows(2, 48)
-    allocated, scores = allocate_bits(model, batches, rotations, 1, SMALL, progress=False)
-    assert sorted(scores.key_gain) == sorted(scores.value_cost) == [0, 1, 2, 3]
-    assert scores.key_layers == [max(scores.key_gain, key=scores.key_gain.get)]
+    allocated, scores = allocate_bits(model, batches, rotations, 1, SMALL, key_widths=(3, 4), progress=False)
+    assert sorted(scores.key_gain) == [3, 4]
+    assert sorted(scores.key_gain[3]) == sorted(scores.key_gain[4]) == sorted(scores.value_cost) == [0, 1, 2, 3]
+    assert scores.key_bits == widest_gain(scores.key_gain, 2, 2)
+    assert sum(bits - 2 for bits in scores.key_bits.values()) == 2  # the bits of one 4-bit key layer
     assert scores.value_layers == sorted(sorted(scores.value_cost, key=scores.value_cost.get)[:2])
-    assert allocated.key_bits == {scores.key_layers[0]: 4}
+    assert allocated.key_bits == scores.key_bits
     assert allocated.value_bits == dict.fromkeys(scores.value_layers, 1)
     assert allocated.key_clip == rotations.key_clip and rotations.key_bits == {}  # the input set is left alone
+    # 4-bit keys only (the default): one layer, the one of largest 4-bit gain
+    _, only4 = allocate_bits(model, batches, rotations, 1, SMALL, progress=False)
+    assert list(only4.key_gain) == [4] and only4.key_gain[4] == scores.key_gain[4]
+    assert only4.key_bits == {max(scores.key_gain[4], key=scores.key_gain[4].get): 4}
     # the scores are the KL of the evaluation code: one layer's 1-bit values measured again
     layer = scores.value_layers[0]
     probe = RotationSet(16, rotations.key, rotations.value, key_clip=rotations.key_clip, value_bits={layer: 1})
@@ -55,12 +62,14 @@ def test_an_allocation_for_k3v2_trades_one_value_layer_per_key_layer():
     rotations.value_clip.update({i: 0.9 for i in range(4)})
     batches = _rows(2, 48)
     allocated, scores = allocate_bits(model, batches, rotations, 2, SMALL_K3V2, progress=False)
-    assert scores.key_layers == sorted(sorted(scores.key_gain, key=lambda i: -scores.key_gain[i])[:2])
+    assert list(scores.key_gain) == [4]  # the only width above K3
+    top = sorted(sorted(scores.key_gain[4], key=lambda i: -scores.key_gain[4][i])[:2])
+    assert scores.key_bits == dict.fromkeys(top, 4)
     assert scores.value_layers == sorted(sorted(scores.value_cost, key=scores.value_cost.get)[:2])
     assert allocated.base_bits == (3, 2) == scores.base_bits and rotations.base_bits == (2, 2)
     assert scores.to_dict()["base_bits"] == {"key": 3, "value": 2}
     # the K4 gain is measured against K3: one layer's 4-bit keys measured again at the k3v2 widths
-    layer = scores.key_layers[0]
+    layer = top[0]
     probe = RotationSet(
         16, rotations.key, rotations.value, value_clip=rotations.value_clip, key_bits={layer: 4}, base_bits=(3, 2)
     )
@@ -70,10 +79,10 @@ def test_an_allocation_for_k3v2_trades_one_value_layer_per_key_layer():
     }
     stats, _ = position_stats_of_caches(model, torch.cat([b[0] for b in batches]), caches, 48, 2, progress=False)
     gain = float(stats["base"][1, 12:].mean() - stats["k4"][1, 12:].mean())
-    assert gain == pytest.approx(scores.key_gain[layer], rel=1e-6, abs=1e-9)
+    assert gain == pytest.approx(scores.key_gain[4][layer], rel=1e-6, abs=1e-9)
     cache = OscarCache(model, SMALL_K3V2, rotations=allocated)  # within oscar-k3v2's budget: no override needed
     assert sum(layer.config.key.bits + layer.config.value.bits for layer in cache.layers) == 4 * 5
-    assert {i for i, layer in enumerate(cache.layers) if layer.config.key.bits == 4} == set(scores.key_layers)
+    assert {i for i, layer in enumerate(cache.layers) if layer.config.key.bits == 4} == set(top)
     assert {i for i, layer in enumerate(cache.layers) if layer.config.value.bits == 1} == set(scores.value_layers)
     # an oscar-int2 cache keeps its 2-bit widths with these rotations
     int2 = OscarCache(model, SMALL, rotations=allocated)
@@ -91,6 +100,13 @@ def test_the_allocation_validates_its_inputs():
         allocate_bits(model, _rows(1, 40), rotations, 1, METHODS["oscar-k4v2"], progress=False)
     with pytest.raises(ValueError, match="1 to 2 layers"):  # one V1 layer per K4 layer against K3 V2
         allocate_bits(model, _rows(1, 40), rotations, 3, SMALL_K3V2, progress=False)
+    with pytest.raises(ValueError, match="no key width above"):  # 3-bit keys are no step up from K3
+        allocate_bits(model, _rows(1, 40), rotations, 1, SMALL_K3V2, key_widths=(3,), progress=False)
+    for widths in ((5,), (2, 3)):
+        with pytest.raises(ValueError, match="allocate_key_bits takes 3 and/or 4"):
+            Recipe(allocate_bits=1, allocate_key_bits=widths)
+    with pytest.raises(ValueError, match="allocate_key_bits takes 3 and/or 4"):
+        Recipe(allocate_bits=1, allocate_key_bits=(3,), allocate_for="oscar-k3v2")
     k3v3 = SMALL.with_overrides(key=TensorQuantConfig(3), value=TensorQuantConfig(3))
     for base in (METHODS["oscar-int2-paper"], k3v3):
         with pytest.raises(ValueError, match="2-bit widths"):  # no per-layer widths; K3 V3: +1 bit against -2
@@ -121,6 +137,9 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
             "--clip-search",
             "--allocate-bits",
             "1",
+            "--allocate-key-bits",
+            "3",
+            "4",
             "--allocate-for",
             method,
             "--out",
@@ -130,23 +149,26 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
     )
     summary = json.loads(capsys.readouterr().out)
     allocation = summary["bit_allocation"]
-    assert allocation["method"] == method and len(allocation["key_4bit_layers"]) == 1
-    assert len(allocation["value_1bit_layers"]) == value_layers
     base = METHODS[method]
-    (key_layer,) = allocation["key_4bit_layers"]
-    assert summary["per_layer"][key_layer]["key_bits"] == 4
-    assert {row["key_bits"] for row in summary["per_layer"] if row["layer"] != key_layer} <= {base.key.bits}
-    rotations = load_rotations(out)
-    assert rotations.key_bits == {key_layer: 4} and rotations.value_bits == dict.fromkeys(
-        allocation["value_1bit_layers"], 1
+    key_bits = {int(layer): bits for layer, bits in allocation["key_bits"].items()}
+    assert (
+        allocation["method"] == method and sum(bits - base.key.bits for bits in key_bits.values()) == 4 - base.key.bits
     )
+    assert len(allocation["value_1bit_layers"]) == value_layers
+    assert {row["layer"]: row["key_bits"] for row in summary["per_layer"]} == {
+        layer: key_bits.get(layer, base.key.bits) for layer in (0, 1)
+    }
+    rotations = load_rotations(out)
+    assert rotations.key_bits == key_bits and rotations.value_bits == dict.fromkeys(allocation["value_1bit_layers"], 1)
     assert rotations.base_bits == (base.key.bits, base.value.bits)
     assert len(rotations.key_clip) == 2
     stored = load_rotation_config(out)
     assert (
         stored["base_bits"] == stored["bit_allocation"]["base_bits"] == {"key": base.key.bits, "value": base.value.bits}
     )
-    assert set(stored["bit_allocation"]["key_gain"]) == {"0", "1"}
+    widths = {str(bits) for bits in range(base.key.bits + 1, 5)}
+    assert set(stored["bit_allocation"]["key_gain"]) == widths
+    assert all(set(gain) == {"0", "1"} for gain in stored["bit_allocation"]["key_gain"].values())
     assert stored["bit_allocation"]["baseline_kl"] == allocation["baseline_kl"]
 
 
@@ -231,3 +253,16 @@ def test_calibrate_command_refuses_allocations_it_cannot_make(tmp_path):
         main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1", "--refine"])
     with pytest.raises(SystemExit, match="--from-rotations: .* holds no config.json"):
         main([*common, "--from-rotations", str(tmp_path), "--allocate-bits", "1"])
+
+
+def test_the_key_widths_spend_the_budget_where_the_summed_gain_is_largest():
+    # two 3-bit layers (0.5 + 0.4) beat one 4-bit layer (0.8) for the bits of one 4-bit layer over K2
+    gain = {3: {0: 0.5, 1: 0.4, 2: 0.1}, 4: {0: 0.8, 1: 0.6, 2: 0.2}}
+    assert widest_gain(gain, 2, 2) == {0: 3, 1: 3}
+    gain[4][0] = 1.0
+    assert widest_gain(gain, 2, 2) == {0: 4}
+    assert widest_gain(gain, 3, 2) == {0: 4, 1: 3}  # an odd budget: one of each
+    assert widest_gain(gain, 6, 2) == {0: 4, 1: 4, 2: 4}  # every layer at 4 bits
+    assert widest_gain({4: {0: -0.1, 1: 0.3}}, 1, 3) == {1: 4}  # K3 V2: one width, the top layer
+    with pytest.raises(ValueError, match="spends exactly 7 bits"):
+        widest_gain(gain, 7, 2)

@@ -1,15 +1,17 @@
-"""Per-layer bit widths at a method's budget: 4-bit keys where they help most, paid for by 1-bit values.
+"""Per-layer bit widths at a method's budget: wider keys where they help most, paid for by 1-bit values.
 
-Each layer is scored twice on calibration rows, by the teacher-forced KL divergence of the model's
-next-token distributions from the unquantized model's (:func:`oscar_hf.calibration.teacher_forcing.position_stats_of_caches`),
+Each layer is scored on calibration rows, by the teacher-forced KL divergence of the model's next-token
+distributions from the unquantized model's (:func:`oscar_hf.calibration.teacher_forcing.position_stats_of_caches`),
 against the baseline of the given rotations and clip ratios at the base method's widths everywhere:
 
-* ``key_gain``: how much the KL falls with that layer's keys at 4 bits (min-max, no clipping);
+* ``key_gain``: how much the KL falls with that layer's keys at each width given above the base's, up to 4
+  bits (4 by default; 3 and 4 against ``oscar-int2``'s 2 if asked; only 4 against ``oscar-k3v2``'s 3);
 * ``value_cost``: how much it rises with that layer's values at 1 bit (levels ``mu +- 0.798 sigma``).
 
-The ``layers`` layers of largest gain get 4-bit keys and the cheapest layers 1-bit values, as many as
-pay for them: for ``oscar-int2`` (K2 V2) +2 bits in each of N layers against -1 in each of 2N, for
-``oscar-k3v2`` (K3 V2) +1 in N against -1 in N, so the history keeps its size.
+A budget of ``N`` layers' worth of 4-bit keys, ``(4 - K) N`` extra key bits a row, goes to the widths whose
+summed gain is largest (a knapsack over the layers: 3-bit keys in two layers can beat 4-bit keys in one), and
+the cheapest layers take 1-bit values, as many as pay for those bits: ``2N`` against ``oscar-int2`` (K2 V2),
+``N`` against ``oscar-k3v2`` (K3 V2), so the history keeps its size.
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ from oscar_hf.core.cache import OscarCache
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.rotations.rotation_set import RotationSet
 
-KEY_BITS, VALUE_BITS = 4, 1
+KEY_BITS, VALUE_BITS = 4, 1  # the widest keys and the narrowest values an allocation gives
 
 
 @dataclass
 class BitAllocation:
-    """Per-layer scores (KL in nats, mean over the scored positions) and the layers chosen."""
+    """Per-layer scores (KL in nats, mean over the scored positions) and the widths chosen.
+
+    ``key_gain`` maps each key width tried to its gain per layer; ``key_bits`` the layers whose keys were
+    widened to their width; ``value_layers`` the layers whose values went to 1 bit.
+    """
 
     baseline_kl: float
-    key_gain: dict[int, float]
+    key_gain: dict[int, dict[int, float]]
     value_cost: dict[int, float]
-    key_layers: list[int]
+    key_bits: dict[int, int]
     value_layers: list[int]
     allocated_kl: float | None = None
     positions: int = 0
@@ -46,10 +52,13 @@ class BitAllocation:
         return {
             "baseline_kl": round(self.baseline_kl, 6),
             "allocated_kl": None if self.allocated_kl is None else round(self.allocated_kl, 6),
-            "key_bits": {str(i): KEY_BITS for i in self.key_layers},
+            "key_bits": {str(i): bits for i, bits in sorted(self.key_bits.items())},
             "value_bits": {str(i): VALUE_BITS for i in self.value_layers},
             "base_bits": dict(zip(("key", "value"), self.base_bits)),
-            "key_gain": {str(i): round(v, 6) for i, v in sorted(self.key_gain.items())},
+            "key_gain": {
+                str(bits): {str(i): round(v, 6) for i, v in sorted(gain.items())}
+                for bits, gain in self.key_gain.items()
+            },
             "value_cost": {str(i): round(v, 6) for i, v in sorted(self.value_cost.items())},
             "positions": self.positions,
         }
@@ -61,17 +70,21 @@ def allocate_bits(
     rotations: RotationSet,
     layers: int,
     base: OscarConfig = METHODS["oscar-int2"],
+    key_widths: Sequence[int] = (KEY_BITS,),
     progress: bool = True,
 ) -> tuple[RotationSet, BitAllocation]:
-    """Rank layers by the KL effect of 4-bit keys and of 1-bit values against ``base``'s widths; return
-    ``rotations`` with the widths stored (K4 in the top ``layers``, V1 in as many of the cheapest as
-    keep ``base``'s history bits, ``base_bits`` set to ``base``'s widths) and the scores.
+    """Score every layer's wider keys and 1-bit values against ``base``'s widths; return ``rotations`` with
+    the widths stored (``layers`` layers' worth of 4-bit keys spent where they gain most, :func:`widest_gain`;
+    V1 in as many of the cheapest layers as keep ``base``'s history bits; ``base_bits`` set to ``base``'s
+    widths) and the scores.
 
     ``batches``: calibration rows ``[1, T]`` longer than ``base.sink + base.recent`` (cut to the
     shortest one's length). ``base`` must be a calibrated method with keys below 4 bits and values
     above 1 bit whose key step is paid by a whole number of value layers (``oscar-int2``, ``oscar-k3v2``);
     ``rotations`` supply its rotations and clip ratios (e.g. those of :func:`oscar_hf.calibration.clip_search.search_layers`).
-    Costs ``2 * L + 2`` teacher-forced passes per row for ``L`` layers, plus one unquantized pass.
+    ``key_widths``: the key widths the allocation may give; those above ``base``'s are scored.
+    Costs ``(W + 1) L + 2`` teacher-forced passes per row for ``L`` layers and ``W`` key widths above the
+    base's, plus one unquantized pass.
     """
     value_per_key = value_layers_per_key_layer(base)
     tokens, context = _rows(batches, base)
@@ -81,9 +94,12 @@ def allocate_bits(
     if not 1 <= layers <= most:
         raise ValueError(
             f"--allocate-bits takes 1 to {most} layers for this model's {len(layer_ids)} quantized layers "
-            f"(4-bit keys in N, 1-bit values in {value_per_key}N), got {layers}"
+            f"(the bits of 4-bit keys in N, paid by 1-bit values in {value_per_key}N), got {layers}"
         )
     base_bits = (base.key.bits, base.value.bits)
+    key_widths = sorted(bits for bits in set(key_widths) if base.key.bits < bits <= KEY_BITS)
+    if not key_widths:
+        raise ValueError(f"no key width above {base.method}'s {base.key.bits} bits to allocate (up to {KEY_BITS})")
 
     def widths(key_bits: dict[int, int], value_bits: dict[int, int]) -> RotationSet:
         return replace(rotations, key_bits=key_bits, value_bits=value_bits, base_bits=base_bits)
@@ -92,15 +108,15 @@ def allocate_bits(
         return OscarCache(model, base, rotations=widths(key_bits, value_bits), allow_bits_change=True)
 
     caches = {"baseline": probe}
-    caches |= {f"k{i}": cache({i: KEY_BITS}, {}) for i in layer_ids}
+    caches |= {f"k{bits}_{i}": cache({i: bits}, {}) for bits in key_widths for i in layer_ids}
     caches |= {f"v{i}": cache({}, {i: VALUE_BITS}) for i in layer_ids}
     kl = _mean_kl(model, tokens, caches, context, base, progress)
     baseline = kl["baseline"]
-    key_gain = {i: baseline - kl[f"k{i}"] for i in layer_ids}
+    key_gain = {bits: {i: baseline - kl[f"k{bits}_{i}"] for i in layer_ids} for bits in key_widths}
     value_cost = {i: kl[f"v{i}"] - baseline for i in layer_ids}
-    key_layers = sorted(sorted(layer_ids, key=lambda i: -key_gain[i])[:layers])
+    key_bits = widest_gain(key_gain, (KEY_BITS - base.key.bits) * layers, base.key.bits)
     value_layers = sorted(sorted(layer_ids, key=lambda i: value_cost[i])[: value_per_key * layers])
-    allocated = widths(dict.fromkeys(key_layers, KEY_BITS), dict.fromkeys(value_layers, VALUE_BITS))
+    allocated = widths(key_bits, dict.fromkeys(value_layers, VALUE_BITS))
     final = _mean_kl(
         model, tokens, {"allocated": OscarCache(model, base, rotations=allocated)}, context, base, progress
     )["allocated"]
@@ -108,13 +124,32 @@ def allocate_bits(
         baseline,
         key_gain,
         value_cost,
-        key_layers,
+        key_bits,
         value_layers,
         final,
         (context - 1 - base.sink - base.recent) * len(batches),
         base_bits,
     )
     return allocated, scores
+
+
+def widest_gain(key_gain: dict[int, dict[int, float]], budget: int, base_bits: int) -> dict[int, int]:
+    """``{layer: bits}``: the key widths that spend exactly ``budget`` bits above ``base_bits`` with the
+    largest summed gain, each layer at its base width or one of ``key_gain``'s (a knapsack over the layers,
+    gains taken as additive; ties keep the narrower choice met first)."""
+    layers = sorted(next(iter(key_gain.values())))
+    best: dict[int, tuple[float, dict[int, int]]] = {0: (0.0, {})}  # bits spent -> (summed gain, widths)
+    for layer in layers:
+        extended = dict(best)
+        for spent, (gain, chosen) in best.items():
+            for bits, gains in key_gain.items():
+                total, cost = gain + gains[layer], spent + bits - base_bits
+                if cost <= budget and (cost not in extended or total > extended[cost][0]):
+                    extended[cost] = (total, {**chosen, layer: bits})
+        best = extended
+    if budget not in best:
+        raise ValueError(f"no choice of key widths {sorted(key_gain)} spends exactly {budget} bits")
+    return dict(sorted(best[budget][1].items()))
 
 
 def value_layers_per_key_layer(base: OscarConfig) -> int:

@@ -58,8 +58,10 @@ class Recipe:
             (``clip_search=False``), ``refine`` (it fits rotations to uncentered keys) and ``from_rotations``
             (it keeps the saved set's means); the recipe records the resolved value.
         objective, factors: the covariances and the composition of plain rotations (without the clip search).
-        allocate_bits: after the clip search, 4-bit keys in this many layers where they cut the calibration
-            KL most and 1-bit values where they cost least, at ``allocate_for``'s history bits.
+        allocate_bits: after the clip search, the bits of 4-bit keys in this many layers spent on keys of the
+            ``allocate_key_bits`` widths where they cut the calibration KL most, and 1-bit values where they
+            cost least, at ``allocate_for``'s history bits (:mod:`oscar_hf.calibration.bit_allocation`).
+        allocate_key_bits: the key widths the allocation may give, of those above ``allocate_for``'s (3 and/or 4).
         allocate_for: the method the allocation trades against (``oscar-int2`` or ``oscar-k3v2``).
         search_for: the calibrated method whose quantization the clip search (and refinement) measures
             errors under, e.g. ``oscar-k3v2`` for a set made for 3-bit keys.
@@ -83,6 +85,7 @@ class Recipe:
     objective: str = "qqt_sst"
     factors: str = "UHP"
     allocate_bits: int = 0
+    allocate_key_bits: tuple[int, ...] = (4,)
     allocate_for: str = "oscar-int2"
     search_for: str = "oscar-int2"
     from_rotations: str | None = None
@@ -138,6 +141,13 @@ class Recipe:
                     "allocate_for names the method a bit allocation is for: set allocate_bits (add --allocate-bits N)"
                 )
             value_layers_per_key_layer(METHODS[self.allocate_for])  # raises for a method it cannot allocate for
+        object.__setattr__(self, "allocate_key_bits", tuple(sorted(set(self.allocate_key_bits))))
+        base_key_bits = METHODS[self.allocate_for].key.bits
+        if not set(self.allocate_key_bits) <= {3, 4} or not any(b > base_key_bits for b in self.allocate_key_bits):
+            raise ValueError(
+                f"allocate_key_bits takes 3 and/or 4, at least one above {self.allocate_for}'s {base_key_bits}-bit "
+                f"keys; got {list(self.allocate_key_bits)}"
+            )
         searched = METHODS.get(self.search_for)
         if searched is None or not (searched.quantized and searched.rotation == "calibrated"):
             calibrated = sorted(name for name, config in METHODS.items() if config.rotation == "calibrated")
@@ -235,7 +245,7 @@ def calibrate(
     if allocation is not None:
         summary["bit_allocation"] = {
             "method": recipe.allocate_for,
-            "key_4bit_layers": allocation.key_layers,
+            "key_bits": allocation.key_bits,
             "value_1bit_layers": allocation.value_layers,
             "baseline_kl": round(allocation.baseline_kl, 6),
             "allocated_kl": round(allocation.allocated_kl, 6),
@@ -328,7 +338,9 @@ def allocate(
     if not recipe.allocate_bits:
         return rotations, None
     method = METHODS[recipe.allocate_for]
-    return allocate_bits(model, _search_rows(batches), rotations, recipe.allocate_bits, method, progress=progress)
+    return allocate_bits(
+        model, _search_rows(batches), rotations, recipe.allocate_bits, method, recipe.allocate_key_bits, progress
+    )
 
 
 def feedback_batches(

@@ -47,7 +47,7 @@ def format_summary(summary: dict) -> str:
         a = summary["bit_allocation"]
         lines += [
             "",
-            f"4-bit keys in layers {a['key_4bit_layers']}, 1-bit values in layers {a['value_1bit_layers']}: "
+            f"keys widened in layers {a['key_bits']} (layer: bits), 1-bit values in layers {a['value_1bit_layers']}: "
             f"calibration KL of {a['method']} {a['baseline_kl']} -> {a['allocated_kl']} at the same history bits",
         ]
     return "\n".join(lines)
@@ -107,9 +107,19 @@ def add_calibrate_command(commands) -> None:
         type=checks.non_negative_int,
         default=0,
         metavar="N",
-        help="after --clip-search, store 4-bit keys in the N layers where they cut the calibration "
-        "KL most and 1-bit values in the layers where they cost least, as many as keep the "
-        "history bits of the --allocate-for method (2N for oscar-int2, N for oscar-k3v2)",
+        help="after --clip-search, spend the bits of 4-bit keys in N layers on keys of the --allocate-key-bits "
+        "widths where they cut the calibration KL most, paid for by 1-bit values in the layers where they cost "
+        "least, as many as keep the history bits of the --allocate-for method (2N for oscar-int2, N for oscar-k3v2)",
+    )
+    calibrate.add_argument(
+        "--allocate-key-bits",
+        type=int,
+        nargs="+",
+        choices=(3, 4),
+        default=(4,),
+        metavar="BITS",
+        help="the key widths --allocate-bits may give, of those above the --allocate-for method's (default 4; "
+        "3 4 lets two 3-bit key layers take the bits of one 4-bit layer)",
     )
     calibrate.add_argument(
         "--allocate-for",
