@@ -159,8 +159,9 @@ class Recipe:
             )
 
     def to_dict(self) -> dict:
-        """The fields, ``from_rotations`` by folder name (a saved set records no path of this machine)."""
-        fields = dataclasses.asdict(self)
+        """The fields as JSON holds them, ``from_rotations`` by folder name (a saved set records no path of this
+        machine)."""
+        fields = {**dataclasses.asdict(self), "allocate_key_bits": list(self.allocate_key_bits)}
         if self.from_rotations:
             fields["from_rotations"] = Path(self.from_rotations).name
         return fields
