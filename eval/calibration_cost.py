@@ -67,12 +67,14 @@ def recipe_stages(model, batches: list[torch.Tensor], recipe: Recipe, device: to
     record(row)
     (rotations, _), row = timed_stage("fit", lambda: fit(recipe, model, batches, covariances), device)
     record(row)
-    if recipe.allocate_bits:
-        _, row = timed_stage("bit allocation", lambda: allocate(recipe, model, batches, rotations), device)
-        record(row)
     if recipe.key_feedback:
         rows = feedback_rows(model, recipe)
-        _, row = timed_stage("key feedback", lambda: feed_back_keys(recipe, model, batches, rotations, rows), device)
+        (rotations, _), row = timed_stage(
+            "key feedback", lambda: feed_back_keys(recipe, model, batches, rotations, rows), device
+        )
+        record(row)
+    if recipe.allocate_bits:
+        _, row = timed_stage("bit allocation", lambda: allocate(recipe, model, batches, rotations), device)
         record(row)
 
 

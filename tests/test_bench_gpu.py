@@ -311,8 +311,14 @@ def test_mixed_widths_map_the_bundled_pattern_by_depth():
     same = with_bundled_widths(random_rotations(64, list(range(30))))
     assert same.key_bits == bundled.key_bits and same.value_bits == bundled.value_bits and bundled.key_bits
     twice = with_bundled_widths(random_rotations(64, list(range(60))))
-    assert twice.key_bits == {layer: 4 for i in bundled.key_bits for layer in (2 * i, 2 * i + 1)}
+    assert twice.key_bits == {layer: bits for i, bits in bundled.key_bits.items() for layer in (2 * i, 2 * i + 1)}
     assert len(twice.value_bits) == 2 * len(bundled.value_bits)
+    for depth in (2, 7, 36):  # 36: the Qwen3-8B shape's layers, which take some bundled layers twice
+        mixed = with_bundled_widths(random_rotations(64, list(range(depth))))
+        key_bits_over_base = sum(bits - 2 for bits in mixed.key_bits.values())
+        assert key_bits_over_base == sum(2 - bits for bits in mixed.value_bits.values())  # oscar-int2's bits
+        assert set(mixed.key_bits) | set(mixed.value_bits) <= set(range(depth))
+    assert len(mixed.key_bits) >= len(bundled.key_bits) and len(mixed.value_bits) >= len(bundled.value_bits)
     model = build_model({k: v for k, v in TINY_MODEL.items() if k != "name"}, "cpu", torch.bfloat16)
     rotations = dataclasses.replace(
         random_rotations(64, full_attention_layer_ids(model)), key_bits={1: 4}, value_bits={0: 1, 1: 1}
@@ -626,7 +632,7 @@ def test_calibration_cost_times_each_stage_of_a_recipe(tmp_path):
     assert [r.shape for r in calibration_cost.feedback_rows(model, recipe)] == [(1, 600)] * 3  # 1,400 rounded up
     rows = []
     calibration_cost.recipe_stages(model, batches, recipe, torch.device("cpu"), rows.append)
-    assert [row["stage"] for row in rows] == ["covariances", "fit", "bit allocation", "key feedback"]
+    assert [row["stage"] for row in rows] == ["covariances", "fit", "key feedback", "bit allocation"]
     assert all(row["seconds"] > 0 and row["peak_gpu_gib"] is None and row["peak_host_gib"] > 0 for row in rows)
     result = {
         "command": "x",

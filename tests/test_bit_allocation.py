@@ -11,6 +11,7 @@ import torch
 
 from oscar_hf import OscarCache, Recipe, RotationSet
 from oscar_hf.calibration.bit_allocation import allocate_bits, widest_gain
+from oscar_hf.calibration.clip_search import CLIP_GRID
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from oscar_hf.config import METHODS, TensorQuantConfig
 from tests.conftest import saved_tiny_model, tiny_model
@@ -28,7 +29,7 @@ def test_the_allocation_follows_the_measured_kl_and_keeps_the_budget():
     rotations = RotationSet.hadamard(16, [0, 1, 2, 3])
     rotations.key_clip.update({i: 0.9 for i in range(4)})
     batches = _rows(2, 48)
-    allocated, scores = allocate_bits(model, batches, rotations, 1, SMALL, key_widths=(3, 4), progress=False)
+    allocated, scores = allocate_bits(model, batches, rotations, 1, SMALL, progress=False)  # widths 3 and 4
     assert sorted(scores.key_gain) == [3, 4]
     assert sorted(scores.key_gain[3]) == sorted(scores.key_gain[4]) == sorted(scores.value_cost) == [0, 1, 2, 3]
     assert scores.key_bits == widest_gain(scores.key_gain, 2, 2)
@@ -37,8 +38,8 @@ def test_the_allocation_follows_the_measured_kl_and_keeps_the_budget():
     assert allocated.key_bits == scores.key_bits
     assert allocated.value_bits == dict.fromkeys(scores.value_layers, 1)
     assert allocated.key_clip == rotations.key_clip and rotations.key_bits == {}  # the input set is left alone
-    # 4-bit keys only (the default): one layer, the one of largest 4-bit gain
-    _, only4 = allocate_bits(model, batches, rotations, 1, SMALL, progress=False)
+    # 4-bit keys only: one layer, the one of largest 4-bit gain
+    _, only4 = allocate_bits(model, batches, rotations, 1, SMALL, key_widths=(4,), progress=False)
     assert list(only4.key_gain) == [4] and only4.key_gain[4] == scores.key_gain[4]
     assert only4.key_bits == {max(scores.key_gain[4], key=scores.key_gain[4].get): 4}
     # the scores are the KL of the evaluation code: one layer's 1-bit values measured again
@@ -137,9 +138,6 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
             "--clip-search",
             "--allocate-bits",
             "1",
-            "--allocate-key-bits",
-            "3",
-            "4",
             "--allocate-for",
             method,
             "--out",
@@ -166,7 +164,7 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
     assert (
         stored["base_bits"] == stored["bit_allocation"]["base_bits"] == {"key": base.key.bits, "value": base.value.bits}
     )
-    widths = {str(bits) for bits in range(base.key.bits + 1, 5)}
+    widths = {str(bits) for bits in range(base.key.bits + 1, 5)}  # the default widths 3 and 4, above the base's
     assert set(stored["bit_allocation"]["key_gain"]) == widths
     assert all(set(gain) == {"0", "1"} for gain in stored["bit_allocation"]["key_gain"].values())
     assert stored["bit_allocation"]["baseline_kl"] == allocation["baseline_kl"]
@@ -221,7 +219,9 @@ def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
         assert torch.equal(allocated.key[layer], saved.key[layer]) and torch.equal(
             allocated.value[layer], saved.value[layer]
         )
-    assert allocated.key_clip == saved.key_clip and allocated.value_clip == saved.value_clip
+    # key feedback (on by default) chooses the key clip of the saved set's 2-bit key layer again under its factors
+    assert allocated.key_clip[0] == saved.key_clip[0] and allocated.key_clip[1] in CLIP_GRID
+    assert allocated.value_clip == saved.value_clip and sorted(allocated.key_feedback) == [0, 1]
     stored = load_rotation_config(out)
     assert (
         stored["clip"] == "per-layer (clip search)" and stored["rotations_from"]["command"] == "oscar-hf calibrate ..."

@@ -172,16 +172,16 @@ def test_the_recipe_feeds_keys_back_with_the_clip_search_only():
         Recipe(from_rotations="set", key_feedback=False)
 
 
-def test_the_allocation_runs_before_the_factors(monkeypatch):
-    """``finish`` allocates widths on the set without factors (keys rounded to nearest, as the bundled sets were
-    allocated), then adds factors of the allocated set's rotations and chooses its key clips under them."""
+def test_the_allocation_runs_after_the_factors(monkeypatch):
+    """``finish`` adds factors of the set's rotations and chooses its key clips under them, then allocates widths
+    on that set (scored with the factors and clips it will carry) and keeps both."""
     import oscar_hf.calibration.recipe as recipe_module
 
     seen = []
 
     def allocate(recipe, model, batches, rotations, progress=True):
-        seen.append(dict(rotations.key_feedback))
-        return rotations, None
+        seen.append((sorted(rotations.key_feedback), dict(rotations.key_clip)))
+        return dataclasses.replace(rotations, key_bits={LAYERS[0]: 4}), None
 
     monkeypatch.setattr(recipe_module, "allocate", allocate)
     model = tiny_model("llama")
@@ -190,7 +190,8 @@ def test_the_allocation_runs_before_the_factors(monkeypatch):
     rotations, _, made = recipe_module.finish(
         Recipe(allocate_bits=1), model, rows, random_set(11), rows, progress=False, config=small
     )
-    assert seen == [{}] and sorted(rotations.key_feedback) == LAYERS
+    assert seen == [(LAYERS, rotations.key_clip)] and sorted(rotations.key_feedback) == LAYERS
+    assert rotations.key_bits == {LAYERS[0]: 4}
     assert made["seq_len"] == 64 and made["rows"] == 1
     assert made["key_clip"] == {str(i): rotations.key_clip[i] for i in LAYERS}  # chosen under the factors
     with pytest.raises(ValueError, match="needs its rows"):

@@ -4,8 +4,8 @@ A cache name is ``dynamic`` or ``static`` (transformers' BF16 caches) or an Osca
 (``oscar-int2``, ``quarot-int2``...), optionally with suffixes:
 
 * ``<method>+absorbed``: that method on the model with R_V folded into v_proj/o_proj (:func:`model_for`).
-* ``<method>+mixed-widths``: the bundled ``oscar-int2`` set's per-layer widths (4-bit keys in a fifth
-  of the layers, 1-bit values in two fifths), mapped by depth onto the model's layers (:func:`with_bundled_widths`).
+* ``<method>+mixed-widths``: the bundled ``oscar-int2`` set's per-layer widths, mapped by depth onto the
+  model's layers at the method's bits (:func:`with_bundled_widths`).
 * ``<method>+key-feedback``: the rotations carry key feedback factors, as the bundled sets do
   (:func:`with_key_feedback`), so that history keys are written channel by channel.
 * ``<method>+eager-layout``: ``OscarCache(decode_graphs=False)``: plain generate launches every kernel
@@ -70,15 +70,20 @@ def make_cache(
 
 def with_bundled_widths(rotations: RotationSet) -> RotationSet:
     """``rotations`` with the per-layer bit widths of the bundled ``oscar-int2`` set: its layer at the same
-    relative depth decides each layer's widths (a benchmark's mixed-width pattern on any model)."""
+    relative depth decides each layer's widths, and where that leaves the history more or fewer bits than
+    the method's, the deepest widened keys or 1-bit values go back to the base widths until it does not
+    (a benchmark's mixed-width pattern on any model)."""
     bundled = load_ours(bundled_rotations_dir(DEFAULT_ROTATIONS))
     depth, layers = len(bundled.key), sorted(rotations.key)
     source = {layer: sorted(bundled.key)[i * depth // len(layers)] for i, layer in enumerate(layers)}
-
-    def mapped(table: dict[int, int]) -> dict[int, int]:
-        return {layer: table[bundled_layer] for layer, bundled_layer in source.items() if bundled_layer in table}
-
-    return dataclasses.replace(rotations, key_bits=mapped(bundled.key_bits), value_bits=mapped(bundled.value_bits))
+    key_bits = {i: bundled.key_bits[s] for i, s in source.items() if s in bundled.key_bits}
+    value_bits = {i: bundled.value_bits[s] for i, s in source.items() if s in bundled.value_bits}
+    base_key, base_value = bundled.base_bits
+    surplus = sum(b - base_key for b in key_bits.values()) - sum(base_value - b for b in value_bits.values())
+    while surplus:
+        widths, base = (key_bits, base_key) if surplus > 0 else (value_bits, base_value)
+        surplus -= widths.pop(max(widths)) - base if surplus > 0 else base - widths.pop(max(widths))
+    return dataclasses.replace(rotations, key_bits=key_bits, value_bits=value_bits)
 
 
 def with_key_feedback(rotations: RotationSet, seed: int = 0) -> RotationSet:

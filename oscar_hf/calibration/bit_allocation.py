@@ -5,7 +5,7 @@ distributions from the unquantized model's (:func:`oscar_hf.calibration.teacher_
 against the baseline of the given rotations and clip ratios at the base method's widths everywhere:
 
 * ``key_gain``: how much the KL falls with that layer's keys at each width given above the base's, up to 4
-  bits (4 by default; 3 and 4 against ``oscar-int2``'s 2 if asked; only 4 against ``oscar-k3v2``'s 3);
+  bits (3 and 4 against ``oscar-int2``'s 2 by default; only 4 against ``oscar-k3v2``'s 3);
 * ``value_cost``: how much it rises with that layer's values at 1 bit (levels ``mu +- 0.798 sigma``).
 
 A budget of ``N`` layers' worth of 4-bit keys, ``(4 - K) N`` extra key bits a row, goes to the widths whose
@@ -70,7 +70,7 @@ def allocate_bits(
     rotations: RotationSet,
     layers: int,
     base: OscarConfig = METHODS["oscar-int2"],
-    key_widths: Sequence[int] = (KEY_BITS,),
+    key_widths: Sequence[int] = (3, KEY_BITS),
     progress: bool = True,
 ) -> tuple[RotationSet, BitAllocation]:
     """Score every layer's wider keys and 1-bit values against ``base``'s widths; return ``rotations`` with

@@ -33,9 +33,11 @@ from oscar_hf.config import K_CLIP, METHODS, V_CLIP, OscarConfig
 from oscar_hf.provenance import provenance
 from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
 
-# Calibration rows the clip search measures errors on (~20 s each on the default model, CPU); the bit
-# allocation scores its teacher-forced KL on them too (2 rows of 2048 tokens: 2 x 64 passes of ~20 s on CPU).
+# Calibration rows the clip search measures errors on (~20 s each on the default model, CPU).
 SEARCH_ROWS = 2
+# Rows the bit allocation scores its teacher-forced KL on: a layer's gain is a few 1e-4 nats, which two
+# rows of 2048 tokens cannot tell from noise (4 rows: 4 x 62 passes of ~9 s on CPU for 4-bit keys).
+ALLOCATION_ROWS = 4
 OBJECTIVES = ("qqt_sst", "ktk_vtv")
 # What from_rotations carries over from the set it starts from: how its rotations and clips were made.
 _RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_choices")
@@ -60,7 +62,8 @@ class Recipe:
         objective, factors: the covariances and the composition of plain rotations (without the clip search).
         allocate_bits: after the clip search, the bits of 4-bit keys in this many layers spent on keys of the
             ``allocate_key_bits`` widths where they cut the calibration KL most, and 1-bit values where they
-            cost least, at ``allocate_for``'s history bits (:mod:`oscar_hf.calibration.bit_allocation`).
+            cost least, at ``allocate_for``'s history bits (:mod:`oscar_hf.calibration.bit_allocation`), scored
+            with the key feedback factors and key clips the set will carry.
         allocate_key_bits: the key widths the allocation may give, of those above ``allocate_for``'s (3 and/or 4).
         allocate_for: the method the allocation trades against (``oscar-int2`` or ``oscar-k3v2``).
         search_for: the calibrated method whose quantization the clip search (and refinement) measures
@@ -85,7 +88,7 @@ class Recipe:
     objective: str = "qqt_sst"
     factors: str = "UHP"
     allocate_bits: int = 0
-    allocate_key_bits: tuple[int, ...] = (4,)
+    allocate_key_bits: tuple[int, ...] = (3, 4)
     allocate_for: str = "oscar-int2"
     search_for: str = "oscar-int2"
     from_rotations: str | None = None
@@ -292,15 +295,13 @@ def finish(
     progress: bool = True,
     config: OscarConfig | None = None,
 ) -> tuple[RotationSet, BitAllocation | None, dict]:
-    """The stages after the rotations: the bit allocation (measured with keys rounded to nearest, as the
-    bundled sets were allocated), then, with ``recipe.key_feedback``, :func:`feed_back_keys`. Returns the set,
-    the allocation (or None) and how the factors were made (empty without them)."""
-    plain = dataclasses.replace(rotations, key_feedback={})
-    allocated, allocation = allocate(recipe, model, batches, plain, progress=progress)
-    rotations = dataclasses.replace(allocated, key_feedback=rotations.key_feedback)
-    if not recipe.key_feedback:
-        return rotations, allocation, {}
-    rotations, made = feed_back_keys(recipe, model, batches, rotations, feedback_rows, progress, config)
+    """The stages after the rotations: with ``recipe.key_feedback``, :func:`feed_back_keys`; then the bit
+    allocation, scored with the factors and key clips the set will carry. Returns the set, the allocation
+    (or None) and how the factors were made (empty without them)."""
+    made: dict = {}
+    if recipe.key_feedback:
+        rotations, made = feed_back_keys(recipe, model, batches, rotations, feedback_rows, progress, config)
+    rotations, allocation = allocate(recipe, model, batches, rotations, progress=progress)
     return rotations, allocation, made
 
 
@@ -340,7 +341,13 @@ def allocate(
         return rotations, None
     method = METHODS[recipe.allocate_for]
     return allocate_bits(
-        model, _search_rows(batches), rotations, recipe.allocate_bits, method, recipe.allocate_key_bits, progress
+        model,
+        _search_rows(batches, count=ALLOCATION_ROWS),
+        rotations,
+        recipe.allocate_bits,
+        method,
+        recipe.allocate_key_bits,
+        progress,
     )
 
 
@@ -408,10 +415,12 @@ def _composition(recipe: Recipe) -> str:
     return chosen + " refined on the orthogonal group" if recipe.refine else chosen
 
 
-def _search_rows(batches: list[torch.Tensor], config: OscarConfig = METHODS["oscar-int2"]) -> list[torch.Tensor]:
-    """The longest rows: the search needs keys old enough to have left the BF16 window."""
+def _search_rows(
+    batches: list[torch.Tensor], config: OscarConfig = METHODS["oscar-int2"], count: int = SEARCH_ROWS
+) -> list[torch.Tensor]:
+    """The ``count`` longest rows: the search needs keys old enough to have left the BF16 window."""
     needed = config.sink + config.recent + config.block
-    rows = sorted(batches, key=lambda b: b.shape[1], reverse=True)[:SEARCH_ROWS]
+    rows = sorted(batches, key=lambda b: b.shape[1], reverse=True)[:count]
     if rows[0].shape[1] <= needed:
         raise ValueError(
             f"the clip search needs calibration rows longer than {needed} tokens (sink + recent window); the longest "

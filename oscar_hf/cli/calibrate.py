@@ -116,10 +116,10 @@ def add_calibrate_command(commands) -> None:
         type=int,
         nargs="+",
         choices=(3, 4),
-        default=(4,),
+        default=(3, 4),
         metavar="BITS",
-        help="the key widths --allocate-bits may give, of those above the --allocate-for method's (default 4; "
-        "3 4 lets two 3-bit key layers take the bits of one 4-bit layer)",
+        help="the key widths --allocate-bits may give, of those above the --allocate-for method's (default 3 4: "
+        "two 3-bit key layers may take the bits of one 4-bit layer; 4 gives 4-bit keys only)",
     )
     calibrate.add_argument(
         "--allocate-for",
