@@ -80,9 +80,10 @@ def with_bundled_widths(rotations: RotationSet) -> RotationSet:
     value_bits = {i: bundled.value_bits[s] for i, s in source.items() if s in bundled.value_bits}
     base_key, base_value = bundled.base_bits
     surplus = sum(b - base_key for b in key_bits.values()) - sum(base_value - b for b in value_bits.values())
-    while surplus:
-        widths, base = (key_bits, base_key) if surplus > 0 else (value_bits, base_value)
-        surplus -= widths.pop(max(widths)) - base if surplus > 0 else base - widths.pop(max(widths))
+    while surplus > 0:
+        surplus -= key_bits.pop(max(key_bits)) - base_key
+    while surplus < 0:
+        surplus += base_value - value_bits.pop(max(value_bits))
     return dataclasses.replace(rotations, key_bits=key_bits, value_bits=value_bits)
 
 
