@@ -755,9 +755,9 @@ def test_the_default_recipe_takes_the_clip_searched_set_and_the_paper_recipe_its
     searched = load_rotations(bundled_rotations_dir(DEFAULT_ROTATIONS))
     plain = load_rotations(bundled_rotations_dir(DEFAULT_PAPER_ROTATIONS))
     assert len(searched.key_clip) == 30 and plain.key_clip == {}
-    # The bundled default also moves bits between layers: K at 4 bits in 6, V at 1 bit in 12.
-    assert sorted(searched.key_bits.values()) == [4] * 6 and sorted(searched.value_bits.values()) == [1] * 12
-    assert best.layers[17].config.key.bits == 4 and best.layers[9].config.value.bits == 1
+    # The bundled default also moves bits between layers: K at 3 bits in 12 (the bits of 4-bit K in 6), V at 1 bit in 12.
+    assert sorted(searched.key_bits.values()) == [3] * 12 and sorted(searched.value_bits.values()) == [1] * 12
+    assert best.layers[17].config.key.bits == 3 and best.layers[9].config.value.bits == 1
     assert (
         {layer.config.key.bits for layer in paper.layers} == {2} == {layer.config.value.bits for layer in paper.layers}
     )
