@@ -36,7 +36,7 @@ from oscar_hf.rotations.rotation_set import COMPOSITION_NAMES, RotationSet
 # Calibration rows the clip search measures errors on (~20 s each on the default model, CPU).
 SEARCH_ROWS = 2
 # Rows the bit allocation scores its teacher-forced KL on: a layer's gain is a few 1e-4 nats, which two
-# rows of 2048 tokens cannot tell from noise (4 rows: 4 x 62 passes of ~9 s on CPU for 4-bit keys).
+# rows of 2048 tokens cannot tell from noise (4 rows: 4 x 92 passes of ~9 s on CPU with 3- and 4-bit keys).
 ALLOCATION_ROWS = 4
 OBJECTIVES = ("qqt_sst", "ktk_vtv")
 # What from_rotations carries over from the set it starts from: how its rotations and clips were made.
