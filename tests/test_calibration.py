@@ -329,19 +329,19 @@ def test_metadata_cannot_override_format_keys(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name, composition",
+    "name, composition, tokens",
     [
-        (DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)"),
-        (DEFAULT_PAPER_ROTATIONS, "r_h_pbr"),
-        ("smollm2-135m-instruct-k3v2", "per-layer r_h_pbr or h_pbr (clip search)"),
+        (DEFAULT_ROTATIONS, "per-layer r_h_pbr or h_pbr (clip search)", 81920),
+        (DEFAULT_PAPER_ROTATIONS, "r_h_pbr", 20000),
+        ("smollm2-135m-instruct-k3v2", "per-layer r_h_pbr or h_pbr (clip search)", 81920),
     ],
 )
-def test_bundled_default_rotations_load(name: str, composition: str) -> None:
+def test_bundled_default_rotations_load(name: str, composition: str, tokens: int) -> None:
     path = bundled_rotations_dir(name)
     assert path.parts[-4:] == ("oscar_hf", "assets", "rotations", name)
     rotations = load_rotations(path)  # also checks every rotation is orthogonal
     config = load_rotation_config(path)
     assert rotations.head_dim == 64 and sorted(rotations.key) == sorted(rotations.value) == list(range(30))
-    assert config["objective"] == "qqt_sst" and config["composition"] == composition and config["tokens"] == 20000
+    assert config["objective"] == "qqt_sst" and config["composition"] == composition and config["tokens"] == tokens
     assert config["command"].startswith("oscar-hf calibrate") and "pg1342.txt" in config["command"]
     assert " /" not in config["command"]  # data by file name (and hash, below), no path of the machine that made it

@@ -805,11 +805,10 @@ def test_oscar_k3v2_takes_its_own_bundled_set() -> None:
     searched_apart = [i for i in range(30) if not torch.equal(k3v2.rotations.key[i], two_bit.key[i])]
     assert searched_apart or k3v2.rotations.key_clip != two_bit.key_clip
     config = load_rotation_config(bundled_rotations_dir(f"{DEFAULT_ROTATIONS}-k3v2"))
-    made = config["rotations_from"]["recipe"]  # the recipe of the rotations the factors were added to
-    assert made["search_for"] == "oscar-k3v2" and made["center_keys"] and config["recipe"]["key_feedback"]
+    made = config["recipe"]
+    assert made["search_for"] == "oscar-k3v2" and made["center_keys"] and made["key_feedback"]
     assert len(k3v2.rotations.key_feedback) == len(two_bit.key_feedback) == 30
-    assert "--search-for oscar-k3v2 --allocate-bits 6 --allocate-for oscar-k3v2" in config["rotations_from"]["command"]
-    assert "--from-rotations smollm2-135m-instruct-k3v2 --key-feedback" in config["command"]
+    assert "--search-for oscar-k3v2 --allocate-bits 6 --allocate-for oscar-k3v2" in config["command"]
     widths = [(layer.config.key.bits, layer.config.value.bits) for layer in k3v2.layers]
     assert widths.count((4, 2)) == 6 and widths.count((3, 1)) == 6 and widths.count((3, 2)) == 18
 
