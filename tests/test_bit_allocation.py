@@ -228,7 +228,7 @@ def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
     )
     assert set(stored["rotations_from"]["files"]) == {"config.json", "rotations.safetensors"}
     assert "--from-rotations" in stored["command"]
-    from oscar_hf.calibration.recipe import existing_set
+    from oscar_hf.calibration.record import existing_set
 
     _, again = existing_set(str(out))  # a set made from this one keeps the rotations' origin and lists the step
     assert again["rotations_from"]["command"] == "oscar-hf calibrate ..."

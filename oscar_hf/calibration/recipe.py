@@ -12,11 +12,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import resource
-import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from oscar_hf.calibration.clip_search import LayerChoice, search_key_clips, sear
 from oscar_hf.calibration.covariances import LayerCovariances, collect_covariances, rotations_from_covariances
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
 from oscar_hf.calibration.key_feedback import DAMPING, key_feedback_factors
+from oscar_hf.calibration.record import calibration_summary, existing_set, file_hashes
 from oscar_hf.calibration.refine import refine_rotations
 from oscar_hf.config import K_CLIP, METHODS, V_CLIP, OscarConfig
 from oscar_hf.provenance import provenance
@@ -39,8 +37,6 @@ SEARCH_ROWS = 2
 # rows of 2048 tokens cannot tell from noise (4 rows: 4 x 92 passes of ~9 s on CPU with 3- and 4-bit keys).
 ALLOCATION_ROWS = 4
 OBJECTIVES = ("qqt_sst", "ktk_vtv")
-# What from_rotations carries over from the set it starts from: how its rotations and clips were made.
-_RECIPE_KEYS = ("objective", "composition", "source_grouping", "clip", "layer_choices")
 
 
 @dataclass(frozen=True)
@@ -225,7 +221,7 @@ def calibrate(
         "recipe": recipe.to_dict(),
         "group_size": rotations.head_dim,
         "calibration_data": {
-            "files": _file_hashes(files),
+            "files": file_hashes(files),
             "documents": len(texts.documents),
             "prompts": len(texts.prompts),
             "chat_template": recipe.chat,
@@ -239,21 +235,7 @@ def calibrate(
     }
     if allocation is not None:
         metadata["bit_allocation"] = allocation.to_dict()
-    summary = {
-        "layers": len(rotations.key),
-        "tokens": tokens,
-        "seconds": round(time.perf_counter() - started, 1),
-        "peak_rss_mib": round(_peak_rss_mib(), 1),
-        "per_layer": _per_layer(covariances, rotations, choices),
-    }
-    if allocation is not None:
-        summary["bit_allocation"] = {
-            "method": recipe.allocate_for,
-            "key_bits": allocation.key_bits,
-            "value_1bit_layers": allocation.value_layers,
-            "baseline_kl": round(allocation.baseline_kl, 6),
-            "allocated_kl": round(allocation.allocated_kl, 6),
-        }
+    summary = calibration_summary(started, tokens, covariances, rotations, choices, allocation, recipe.allocate_for)
     return Calibration(rotations, metadata, summary)
 
 
@@ -386,28 +368,6 @@ def _how_made(recipe: Recipe, rotations: RotationSet, choices: dict[int, LayerCh
     return made
 
 
-def existing_set(path: str) -> tuple[RotationSet, dict]:
-    """A saved set's rotations and clip ratios (its bit widths are replaced by the allocation) and the metadata
-    of how they were made: the command that made the rotations, and the commands that changed the set since."""
-    from oscar_hf.rotations.files import load_rotation_config
-    from oscar_hf.rotations.hub import load_rotations
-
-    config = load_rotation_config(path)
-    rotations = load_rotations(path)
-    recipe = {key: config[key] for key in _RECIPE_KEYS if key in config}
-    made = {key: config.get(key) for key in ("command", "recipe", "calibration_data", "tokens")}
-    made["files"] = _file_hashes(f for f in sorted(Path(path).iterdir()) if f.is_file())
-    if "rotations_from" in config:  # the rotations were made further back: keep their origin, list the steps since
-        origin = config["rotations_from"]
-        made = {**origin, "then": [*origin.get("then", []), config.get("command")]}
-    recipe["rotations_from"] = made
-    return rotations, recipe
-
-
-def _file_hashes(files: Iterable[Path]) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
-
-
 def _composition(recipe: Recipe) -> str:
     if not recipe.clip_search:
         return COMPOSITION_NAMES[recipe.factors]
@@ -427,43 +387,3 @@ def _search_rows(
             f"has {rows[0].shape[1]}. Add document (.txt) data or raise seq_len (--seq-len)."
         )
     return [r for r in rows if r.shape[1] > needed]
-
-
-def _peak_rss_mib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
-
-
-def _spread(eigenvalues: torch.Tensor) -> tuple[float, float]:
-    """(largest / smallest eigenvalue, largest eigenvalue's share of the trace)."""
-    values = eigenvalues.double().clamp_min(1e-30)
-    return float(values.max() / values.min()), float(values.max() / values.sum())
-
-
-def _per_layer(covariances: dict[int, LayerCovariances], rotations: RotationSet, choices: dict) -> list[dict]:
-    rows = []
-    for layer_id in sorted(rotations.key):
-        row: dict = {"layer": layer_id}
-        if layer_id in covariances:
-            q_ratio, q_share = _spread(torch.linalg.eigvalsh(covariances[layer_id].query))
-            s_ratio, _ = _spread(torch.linalg.eigvalsh(covariances[layer_id].value))
-            row |= {
-                "c_q_condition": round(q_ratio, 1),
-                "c_q_top_share": round(q_share, 3),
-                "c_s_condition": round(s_ratio, 1),
-            }
-        if layer_id in choices:
-            c = choices[layer_id]
-            # The stored ratios: the search's, or those searched again after --refine.
-            row |= {
-                "key": f"{c.key_factors} clip {rotations.key_clip[layer_id]}",
-                "value": f"{c.value_factors} clip {rotations.value_clip[layer_id]}",
-            }
-        if rotations.key_bits or rotations.value_bits:
-            base_key, base_value = rotations.base_bits
-            row |= {
-                "key_bits": rotations.key_bits.get(layer_id, base_key),
-                "value_bits": rotations.value_bits.get(layer_id, base_value),
-            }
-        rows.append(row)
-    return rows

@@ -7,7 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from oscar_hf.calibration.recipe import Recipe, calibrate, existing_set
+from oscar_hf.calibration.recipe import Recipe, calibrate
+from oscar_hf.calibration.record import existing_set
 from oscar_hf.cli import checks
 from oscar_hf.cli.common import environment, load
 from oscar_hf.config import METHODS
