@@ -24,7 +24,8 @@ from oscar_hf.cli.main import build_parser  # noqa: E402
 from oscar_hf.core.compat import cache_keyword  # noqa: E402
 from oscar_hf.evaluation.data import data_dir  # noqa: E402
 from oscar_hf.evaluation.lm_eval_model import OscarLM, StopAfterThinking  # noqa: E402
-from oscar_hf.evaluation.task_eval import RunKey, run_path, run_tasks  # noqa: E402
+from oscar_hf.evaluation.task_eval import run_tasks  # noqa: E402
+from oscar_hf.evaluation.task_summary import RunKey, run_path  # noqa: E402
 from oscar_hf.evaluation.tasks import available_tasks, write_task_configs  # noqa: E402
 from oscar_hf.evaluation.tasks.scoring import gpqa_letter, humaneval_program, run_program  # noqa: E402
 from oscar_hf.provenance import provenance
