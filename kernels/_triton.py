@@ -35,7 +35,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # A cache's history buffers hold whole multiples of this many rows (oscar_hf.core.storage): each head's
 # metadata then start 16-byte aligned, as the Gluon span's staged copies need.
 ROW_ALIGNMENT = 16
-LOG2E = 1.4426950408889634  # scores go to the decode kernels in base-2 units (see decode_stages._online_softmax)
+LOG2E = 1.4426950408889634  # scores go to the decode kernels in base-2 units (see decode_tiles._online_softmax)
 
 try:
     import triton

@@ -42,7 +42,7 @@ _MIN_SPLIT_TOKENS = 256  # below this a history split costs more in the merge th
 # that they fill their wave (kernels/DESIGN.md).
 _MAX_SPLITS = 256
 # One warp a program, no stage-1 barrier: each warp keeps its own softmax state over its tiles, and
-# the metadata prefetch (see decode_stages._packed_span) hides what latency is left; 64-key tiles on 1
+# the metadata prefetch (see decode_tiles.packed_span) hides what latency is left; 64-key tiles on 1
 # warp beat 128-key tiles on 4 at every batch (kernels/DESIGN.md).
 _WARPS = 1
 _STAGES = 2

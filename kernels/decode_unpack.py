@@ -1,4 +1,4 @@
-"""Packed history codes as exact dot operands of the Triton stage 1 (:mod:`.decode_stages`).
+"""Packed history codes as exact dot operands of the Triton stage 1 (:mod:`.decode_tiles`).
 
 Codes enter the dots as exact 16-bit floats ``OFFSET + f * c`` built with one or two integer
 operations (:func:`_code_block`; ``f`` a power of two for the blocks unpacked without a shift, q
