@@ -1,11 +1,12 @@
-"""The register-tile work of the fused write path (:mod:`.quantize`): clip, quantize, feed errors back, pack and
-store ``[BLOCK_N, D]`` rows, in the float32 operations of :func:`oscar_hf.quant.quantize`."""
+"""The register-tile work of the fused write path (:mod:`.quantize`, :mod:`.quantize_many`): clip, quantize, feed
+errors back, pack and store ``[BLOCK_N, D]`` rows, in the float32 operations of :func:`oscar_hf.quant.quantize`;
+and the tile's launch: the shapes it supports, rows a program, warps and the options that keep those operations."""
 
 from __future__ import annotations
 
 from oscar_hf.quant import SCALE_FLOOR, SIGMA_STRETCH
 
-from ._triton import tl, to_dtype, triton
+from ._triton import is_power_of_two, tl, to_dtype, triton
 
 _STRETCH = tl.constexpr(SIGMA_STRETCH)
 _FLOOR = tl.constexpr(SCALE_FLOOR)
@@ -218,3 +219,28 @@ def store_tile(
     groups = tl.arange(0, D // G)[None, :]
     tl.store(SCALE + groups, to_dtype(scale, SCALE.dtype.element_ty, INTERPRETED), mask=valid[:, None])
     tl.store(ZERO + groups, to_dtype(zero, ZERO.dtype.element_ty, INTERPRETED), mask=valid[:, None])
+
+
+# -------------------------------------------------------------------------------------- launch
+
+
+def kernel_supports_quantize(head_dim: int, group_size: int) -> bool:
+    """The kernel reshapes register tiles, which Triton allows for power-of-two sizes only."""
+    return is_power_of_two(head_dim) and head_dim >= 16 and is_power_of_two(group_size)
+
+
+def rows_per_program(head_dim: int) -> int:
+    # About 1K values per single-warp program: on an H200, 8 rows of 128 in one warp quantized a 32K
+    # prefill layer 4x faster than 16 rows in 4 warps (no cross-warp reductions in the clip search;
+    # kernels/measurements/quantize_kernel_tuning.md).
+    return max(1, min(16, 1024 // head_dim))
+
+
+NUM_WARPS = 1
+
+
+def exact_launch(bits: int, feedback: bool = False) -> dict:
+    """Launch options that keep the kernel's float32 operations those of the torch reference: no FMA
+    contraction of the 1-bit sum of squares or of the feedback's updates (without them, nothing
+    multiplied is added)."""
+    return {"enable_fp_fusion": False} if bits == 1 or feedback else {}

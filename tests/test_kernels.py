@@ -21,6 +21,7 @@ import oscar_hf.kernels._triton as _triton  # noqa: E402
 import oscar_hf.kernels.decode_attention as _decode  # noqa: E402
 import oscar_hf.kernels.decode_launch as _launch  # noqa: E402
 import oscar_hf.kernels.quantize as _quantize  # noqa: E402
+import oscar_hf.kernels.quantize_many as _many  # noqa: E402
 import oscar_hf.kernels.rotate as _rotate  # noqa: E402
 from oscar_hf.kernels.testing import decode_inputs  # noqa: E402
 from oscar_hf.quant import QuantizedRows, quantize  # noqa: E402
@@ -28,7 +29,7 @@ from tests.kernel_checks import TOLERANCE, run_ptx  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 quantize_pack, quantize_pack_reference = _quantize.quantize_pack, _quantize.quantize_pack_reference
-quantize_pack_into = _quantize.quantize_pack_into
+quantize_pack_into = _many.quantize_pack_into
 decode_attention, decode_attention_reference = _decode.decode_attention, _decode.decode_attention_reference
 DecodeTiers = _decode.DecodeTiers
 
@@ -150,7 +151,7 @@ def test_quantize_pack_falls_back_and_validates():
 )
 def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkeypatch):
     """One launch over strided views of several buffers (every layer's demoted rows) = quantize per job."""
-    monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
+    monkeypatch.setattr(_many, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
     head_dim, group_size = 64, 64 // groups
     generator = torch.Generator().manual_seed(bits + groups)
     buffers = [(torch.randn(2, 3, 11, head_dim, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(3)]
@@ -174,7 +175,7 @@ def test_quantize_pack_into_many_views_bit_exact(bits, groups, symmetric, monkey
 def test_window_quantizer_reads_its_rows_on_the_device(use_kernel, monkeypatch):
     """Static decoding's demotion: rows and whether anything happens come from a device tensor."""
     if not use_kernel:
-        monkeypatch.setattr(_quantize, "runs_triton", lambda tensor: False)
+        monkeypatch.setattr(_many, "runs_triton", lambda tensor: False)
     generator = torch.Generator().manual_seed(3)
     rings = [(torch.randn(2, 3, 16, 64, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(2)]
     histories = [
@@ -185,7 +186,7 @@ def test_window_quantizer_reads_its_rows_on_the_device(use_kernel, monkeypatch):
         for _ in range(2)
     ]
     window = torch.tensor([0, 8, 12], device=DEVICE)
-    demote = _quantize.WindowQuantizer(rings, histories, 4, window, 2, 64, clip_ratios=[0.9, 0.0])
+    demote = _many.WindowQuantizer(rings, histories, 4, window, 2, 64, clip_ratios=[0.9, 0.0])
     assert (demote.table is not None) == use_kernel
     demote()  # inactive: nothing written
     assert not any(h.codes.any() or h.scale.any() for h in histories)
@@ -211,7 +212,7 @@ def _feedback_factor(heads: int | None, head_dim: int, seed: int) -> torch.Tenso
 @pytest.mark.parametrize("bits, groups, per_head", [(2, 1, True), (3, 2, False), (4, 1, True)])
 def test_quantize_pack_feedback_bit_exact(bits, groups, per_head, monkeypatch):
     """Error feedback in one launch (views of several buffers, a factor per job and KV head) = the torch quantizer."""
-    monkeypatch.setattr(_quantize, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
+    monkeypatch.setattr(_many, "quantize_pack_many_reference", None)  # the kernel must serve these jobs
     head_dim, group_size = 32, 32 // groups
     generator = torch.Generator().manual_seed(bits)
     buffers = [(torch.randn(2, 3, 9, head_dim, generator=generator) * 3).bfloat16().to(DEVICE) for _ in range(2)]
@@ -237,7 +238,7 @@ def test_window_quantizer_feeds_errors_forward():
     history = quantize_pack(torch.zeros(1, 2, 12, 32, device=DEVICE), 2, 32)
     factor = _feedback_factor(2, 32, 5)
     window = torch.tensor([1, 4, 8], device=DEVICE)
-    _quantize.WindowQuantizer([ring], [history], 4, window, 2, 32, clip_ratios=[0.9], feedback=[factor])()
+    _many.WindowQuantizer([ring], [history], 4, window, 2, 32, clip_ratios=[0.9], feedback=[factor])()
     want = quantize(ring[:, :, 4:8], 2, 32, clip_ratio=0.9, feedback=factor)
     _assert_same(QuantizedRows(*(t[:, :, 8:12] for t in (history.codes, history.scale, history.zero))), want)
 
@@ -711,7 +712,7 @@ def test_generation_through_the_kernels_matches_the_torch_path(monkeypatch, per_
     monkeypatch.setattr(oscar_hf.core.layer, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.core.layer_rotation, "rotate_rows", _rotate.rotate_rows)
     launches = []
-    for module, name in ((_decode, "decode_attention_triton"), (_quantize, "quantize_pack_many_triton")):
+    for module, name in ((_decode, "decode_attention_triton"), (_many, "quantize_pack_many_triton")):
         launcher = getattr(module, name)
         monkeypatch.setattr(
             module, name, lambda *a, _launch=launcher, _name=name: launches.append(_name) or _launch(*a)
@@ -787,12 +788,12 @@ def test_static_decoding_through_the_kernels_matches_the_eager_torch_path(monkey
     monkeypatch.setattr(oscar_hf.core.layer_attention, "decode_attention", decode_attention)
     monkeypatch.setattr(oscar_hf.core.layer, "rotate_rows", _rotate.rotate_rows)
     monkeypatch.setattr(oscar_hf.core.layer_rotation, "rotate_rows", _rotate.rotate_rows)
-    monkeypatch.setattr(oscar_hf.core.frozen_decoding, "WindowQuantizer", _quantize.WindowQuantizer)
+    monkeypatch.setattr(oscar_hf.core.frozen_decoding, "WindowQuantizer", _many.WindowQuantizer)
     launches = []
-    launch_decode, launch_quantize = _decode.decode_attention_triton, _quantize._launch_many
+    launch_decode, launch_quantize = _decode.decode_attention_triton, _many._launch_many
     monkeypatch.setattr(_decode, "decode_attention_triton", lambda *a: launches.append("decode") or launch_decode(*a))
     monkeypatch.setattr(
-        _quantize,
+        _many,
         "_launch_many",  # (on a GPU the prefill's quantize launches come here too)
         lambda *a: launches.append("windowed" if a[7] is not None else "plain") or launch_quantize(*a),
     )

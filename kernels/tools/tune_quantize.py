@@ -37,7 +37,7 @@ def sweep(
 ) -> list[dict]:
     import triton.testing
 
-    from oscar_hf.kernels.quantize import quantize_pack_many_triton
+    from oscar_hf.kernels.quantize_many import quantize_pack_many_triton
 
     sources = [(torch.randn(1, kv_heads, context, head_dim, device="cuda") * 3).bfloat16() for _ in range(2)]
     destinations = [

@@ -11,7 +11,7 @@ CUDA graph replays the same kernels on the same addresses with no host in the lo
 * the lengths all layers share (history rows, ring start, ring rows) live in one device tensor,
   which the decode-attention kernel reads and each step advances on the device;
 * demoting the oldest ``block`` ring rows of every layer is one launch per format, whose rows, and
-  whether it does anything, are read on the device (:class:`~oscar_hf.kernels.quantize.WindowQuantizer`);
+  whether it does anything, are read on the device (:class:`~oscar_hf.kernels.quantize_many.WindowQuantizer`);
 * the sink's padding mask is fixed when freezing (left padding never reaches past the sink).
 
 Each step does exactly what the eager cache does (same demotion points, same quantized rows, same
@@ -40,7 +40,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar_hf.kernels.decode_attention import kernel_supports_decode
-from oscar_hf.kernels.quantize import WindowQuantizer
+from oscar_hf.kernels.quantize_many import WindowQuantizer
 from oscar_hf.log import get_logger
 
 logger = get_logger(__name__)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from oscar_hf.config import TensorQuantConfig
-from oscar_hf.kernels.quantize import quantize_pack, quantize_pack_into
+from oscar_hf.kernels.quantize import quantize_pack
+from oscar_hf.kernels.quantize_many import quantize_pack_into
 from oscar_hf.quant import QuantizedRows, dequantize
 
 
