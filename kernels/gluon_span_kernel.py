@@ -20,7 +20,7 @@ head, each tile's two halves of 32 keys share them, see ``gluon_span_layouts.PAI
   holds: reshapes/permutes of register dimensions that ``convert_layout(..., assert_trivial=True)``
   proves free (:mod:`.gluon_span_layouts`). q is gathered once into the same order and the output is
   scattered back by pointer arithmetic; the cache's byte layout does not change. 3- and 4-bit keys and
-  1-bit values are read into the 2-bit words' order as they load (:func:`_key_words`, :func:`_value_words`),
+  1-bit values are read into the 2-bit words' order as they load (:mod:`.gluon_span_tiles`),
   so all that follows is the same;
 * per-head sums over keys (l, and the two value corrections) stay per lane inside the loop and are
   reduced across lanes once at the end; only the running max crosses lanes each tile;
@@ -42,18 +42,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_span_layouts import (
-    COPY_K,
-    COPY_V,
     HEAD_COLS,
-    K_STAGES,
     META,
-    META_COPY,
     META_PAIRS,
-    META_STAGES,
     MMA,
-    V_STAGES,
-    WORDS_K,
-    WORDS_V,
     D,
     as_columns,
     broadcast_heads,
@@ -75,144 +67,10 @@ from .gluon_span_operands import (
     weights_operand,
     widen,
 )
+from .gluon_span_tiles import copy_tile, load_tile, stage_buffers, staged_tile
 
-# Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later versions async_load and barrier.
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# Triton 3.6 names this thread_barrier; later versions barrier.
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@gluon.jit
-def _word_offsets(LAYOUT: gl.constexpr, ROW_WORDS: gl.constexpr):
-    """A tile's rows ``[64]`` and its words' offsets ``[64, 8]`` (rows ``ROW_WORDS`` words apart) in ``LAYOUT``."""
-    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, LAYOUT))
-    return rows, rows[:, None] * ROW_WORDS + gl.arange(0, 8, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-
-
-@gluon.jit
-def _words(P, ok, MASKED: gl.constexpr):
-    """The words at ``P``; ``MASKED``: 0 where not ``ok``."""
-    if MASKED:
-        return gl.load(P, mask=ok, other=0)
-    else:
-        return gl.load(P)
-
-
-@gluon.jit
-def _key_words(KC, offsets, ok, K_BITS: gl.constexpr, MASKED: gl.constexpr):
-    """K's words as :func:`.gluon_span_operands.unpack_k` takes them: 2-bit words, or for 4-bit keys the
-    pair of 4-bit words ``w`` and ``w + 8`` that 2-bit word ``w``'s blocks lie in. A 3-bit row is a 2-bit
-    row (words 0-7) and a 1-bit plane (words 8-11) whose word ``w % 4`` shifted right by ``w // 4`` holds
-    the third bits of 2-bit word ``w``, as :func:`_value_words` reads 1-bit rows."""
-    if K_BITS == 4:
-        return _words(KC + offsets, ok, MASKED), _words(KC + 8 + offsets, ok, MASKED)
-    elif K_BITS == 3:
-        words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_K))[None, :]
-        high = _words((KC + (8 - 4 * (words // 4))) + offsets, ok, MASKED) >> (words // 4)
-        return _words(KC + offsets, ok, MASKED), high
-    else:
-        return _words(KC + offsets, ok, MASKED)
-
-
-@gluon.jit
-def _value_words(VC, rows, V_ROW: gl.constexpr, ok, V_BITS: gl.constexpr, MASKED: gl.constexpr):
-    """V's 2-bit words ``[64, 8]`` in WORDS_V, made from 1-bit rows where ``V_BITS`` is 1: dim ``32j + c``
-    is bit ``2j + c // 16`` of byte ``c % 16``, so 2-bit word ``w`` is word ``w % 4`` of the row shifted
-    right by ``w // 4``, each field's low bit its code (``value_unpack_asm(1)`` masks that bit alone)."""
-    words = gl.arange(0, 8, layout=gl.SliceLayout(0, WORDS_V))[None, :]
-    if V_BITS == 1:
-        # The lane's word goes into the pointer before the rows' offsets: summed with them first, it
-        # takes the compiler an address register for each odd row.
-        return _words((VC + words % 4) + rows[:, None] * V_ROW, ok, MASKED) >> (words // 4)
-    else:
-        return _words(VC + (rows[:, None] * V_ROW + words), ok, MASKED)
-
-
-@gluon.jit
-def _load_tile(
-    KC,
-    VC,
-    KS,
-    KZ,
-    VS,
-    VZ,
-    block,
-    end,
-    K_ROW: gl.constexpr,
-    V_ROW: gl.constexpr,
-    K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr,
-    MASKED: gl.constexpr,
-    PACK: gl.constexpr,
-):
-    """One tile's K and V code words (:func:`_key_words`, :func:`_value_words`) and its four metadata
-    vectors; ``MASKED``: rows from ``end`` on read as 0. A row's words are contiguous (K's rows ``K_ROW``
-    words apart, V's ``V_ROW``), its scale or zero one element: constant strides let loads be 8 and 16
-    bytes wide, which a mask allows only where it is known constant over 8 rows (not for a length read
-    on the device). Offsets are taken from the tile's first row, so each address is a base plus a
-    constant."""
-    k_rows, k_offsets = _word_offsets(gl.constexpr(WORDS_K), K_ROW)
-    v_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, WORDS_V))
-    rows = gl.arange(0, 64, layout=META_PAIRS if PACK == 2 else META)
-    KC, VC = KC + block * K_ROW, VC + block * V_ROW
-    KS, KZ, VS, VZ = KS + block, KZ + block, VS + block, VZ + block
-    n = end - block
-    raw_k = _key_words(KC, k_offsets, (k_rows < n)[:, None], K_BITS, MASKED)
-    raw_v = _value_words(VC, v_rows, V_ROW, (v_rows < n)[:, None], V_BITS, MASKED)
-    if MASKED:
-        ok = rows < n
-        meta = (
-            gl.load(KS + rows, mask=ok, other=0.0),
-            gl.load(KZ + rows, mask=ok, other=0.0),
-            gl.load(VS + rows, mask=ok, other=0.0),
-            gl.load(VZ + rows, mask=ok, other=0.0),
-        )
-    else:
-        meta = (gl.load(KS + rows), gl.load(KZ + rows), gl.load(VS + rows), gl.load(VZ + rows))
-    return raw_k, raw_v, meta
-
-
-@gluon.jit
-def _stage_buffers(KS):
-    """Two stages of a tile's K and V words and of its four metadata vectors, in shared memory."""
-    meta = KS.dtype.element_ty
-    return (
-        gl.allocate_shared_memory(gl.int32, [2, 64, 8], K_STAGES),
-        gl.allocate_shared_memory(gl.int32, [2, 64, 8], V_STAGES),
-        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-        gl.allocate_shared_memory(meta, [2, 64], META_STAGES),
-    )
-
-
-@gluon.jit
-def _copy_tile(buffers, stage, KC, VC, KS, KZ, VS, VZ, block, K_ROW: gl.constexpr, V_ROW: gl.constexpr):
-    """Start copying the whole tile at row ``block`` into ``stage`` (no registers held meanwhile), each
-    instruction whole rows (COPY_K, COPY_V) of 2-bit K and V; the metadata go in the copy's own layout."""
-    k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
-    _, k_offsets = _word_offsets(gl.constexpr(COPY_K), K_ROW)
-    _, v_offsets = _word_offsets(gl.constexpr(COPY_V), V_ROW)
-    rows = gl.arange(0, 64, layout=META_COPY)
-    _async_load(k_buf.index(stage), KC + block * K_ROW + k_offsets)
-    _async_load(v_buf.index(stage), VC + block * V_ROW + v_offsets)
-    _async_load(ks_buf.index(stage), KS + block + rows)
-    _async_load(kz_buf.index(stage), KZ + block + rows)
-    _async_load(vs_buf.index(stage), VS + block + rows)
-    _async_load(vz_buf.index(stage), VZ + block + rows)
-
-
-@gluon.jit
-def _staged_tile(buffers, stage, PACK: gl.constexpr):
-    """A copied tile read back from ``stage`` in the layouts :func:`_load_tile` gives."""
-    k_buf, v_buf, ks_buf, kz_buf, vs_buf, vz_buf = buffers
-    layout: gl.constexpr = META_PAIRS if PACK == 2 else META
-    meta = (
-        ks_buf.index(stage).load(layout),
-        kz_buf.index(stage).load(layout),
-        vs_buf.index(stage).load(layout),
-        vz_buf.index(stage).load(layout),
-    )
-    return k_buf.index(stage).load(WORDS_K), v_buf.index(stage).load(WORDS_V), meta
 
 
 @gluon.jit
@@ -409,9 +267,9 @@ def _history_span(
     needs more than the cap leaves). ``EARLY``: see :func:`history_kernel`."""
     whole_end = start + (end - start) // 64 * 64
     if PIPELINE:  # the first tile's copy starts before q is gathered, so that the two latencies overlap
-        buffers = _stage_buffers(KS)
+        buffers = stage_buffers(KS)
         if start < whole_end:
-            _copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start, K_ROW, V_ROW)
+            copy_tile(buffers, 0, KC, VC, KS, KZ, VS, VZ, start, K_ROW, V_ROW)
         async_copy.commit_group()
     if EARLY:  # the copy above overlaps the kernel before; what follows may read what it wrote
         _wait_for_inputs()
@@ -431,19 +289,19 @@ def _history_span(
         for block in range(start, whole_end, 64):
             stage = (block - start) // 64 % 2
             if block + 64 < whole_end:
-                _copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64, K_ROW, V_ROW)
+                copy_tile(buffers, 1 - stage, KC, VC, KS, KZ, VS, VZ, block + 64, K_ROW, V_ROW)
             async_copy.commit_group()  # empty past the last whole tile: the wait below stays one group behind
             async_copy.wait_group(1)
             _barrier()  # the metadata were copied by other lanes than those that read them
             state = _tile_step(
-                state, _staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False, PACK, K_BITS
+                state, staged_tile(buffers, stage, PACK), q, score_scale, block, end, V_UNPACK, False, PACK, K_BITS
             )
     else:
         for block in range(start, whole_end, 64):
-            tile = _load_tile(KC, VC, KS, KZ, VS, VZ, block, end, K_ROW, V_ROW, K_BITS, V_BITS, False, PACK)
+            tile = load_tile(KC, VC, KS, KZ, VS, VZ, block, end, K_ROW, V_ROW, K_BITS, V_BITS, False, PACK)
             state = _tile_step(state, tile, q, score_scale, block, end, V_UNPACK, False, PACK, K_BITS)
     if whole_end < end:
-        tile = _load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, K_ROW, V_ROW, K_BITS, V_BITS, True, PACK)
+        tile = load_tile(KC, VC, KS, KZ, VS, VZ, whole_end, end, K_ROW, V_ROW, K_BITS, V_BITS, True, PACK)
         state = _tile_step(state, tile, q, score_scale, whole_end, end, V_UNPACK, True, PACK, K_BITS)
     m_i, l_part, w_part, wz_part, acc0, acc1, acc2, acc3 = state
     if TIMED:

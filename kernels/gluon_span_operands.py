@@ -99,7 +99,7 @@ def value_factors(bits: int = 2) -> tuple[float, ...]:
 
 @functools.cache
 def value_unpack_asm(bits: int = 2) -> str:
-    """PTX: V's codes, in 2-bit words (:func:`.gluon_span_kernel._load_tile`), as bf16 ``OFFSET + f_j * code``
+    """PTX: V's codes, in 2-bit words (:func:`.gluon_span_tiles.load_tile`), as bf16 ``OFFSET + f_j * code``
     (:func:`value_factors`), two codes a 32-bit output; ``bits`` (2 or 1) is how many bits of each 2-bit
     field hold the code.
 

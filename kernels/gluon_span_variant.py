@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 # (K bits, V bits) the span reads: 3- and 4-bit keys and 1-bit values as the 2-bit words' blocks
-# (gluon_span_kernel._key_words, _value_words); only 2/2 is staged (pipeline=True).
+# (gluon_span_tiles._key_words, _value_words); only 2/2 is staged (pipeline=True).
 BIT_WIDTHS = ((2, 2), (4, 2), (2, 1), (4, 1), (3, 2), (3, 1))
 
 # Registers a thread, capped (``maxnreg``) so that 16 one-warp programs fit an SM; uncapped the span
