@@ -55,7 +55,7 @@ from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts
 from oscar_hf.evaluation.report import tokens_label, write_outputs
 from oscar_hf.log import get_logger
 from oscar_hf.model_info import head_dim_of
-from oscar_hf.provenance import command_line, machine_line, provenance, provenance_line
+from oscar_hf.provenance import command_line, machine_line, portable_path, provenance, provenance_line
 from oscar_hf.rotations.resolve import resolve_rotations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = sorted({c for c, _ in kl_windows} | set(needles["lengths"] if needles else []))
     head_dim = head_dim_of(model)
     result = {
-        "config": str(args.config),
+        "config": portable_path(args.config),
         "description": config["description"],
         "model": args.model or config["model"],
         "dtype": str(model.dtype).removeprefix("torch."),

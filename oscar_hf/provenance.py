@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from oscar_hf.evaluation.data import DATA_DIR_ENV
+
 
 def machine_info() -> dict[str, Any]:
     """Host, GPU, CPU count, threads and library versions of this process."""
@@ -49,13 +51,45 @@ def utc_date() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
+def portable_path(path: str | Path) -> str:
+    """``path`` as a result records it, naming nothing of the machine it ran on: relative to the data folder
+    (``$OSCAR_HF_DATA_DIR/...``) or to the working directory when inside one, else its name alone. A path
+    given relative and inside the working directory stays as written."""
+    text = str(path)
+    if not text.startswith(("/", "..", "~")):
+        return text
+    resolved = Path(text).expanduser().resolve()
+    data = os.environ.get(DATA_DIR_ENV)
+    for base, shown in ((data, f"${DATA_DIR_ENV}"), (os.getcwd(), "")):
+        if not base:
+            continue
+        try:
+            inner = resolved.relative_to(Path(base).expanduser().resolve())
+        except ValueError:
+            continue
+        return "/".join(filter(None, [shown, inner.as_posix().removeprefix(".")])) or "."
+    return resolved.name
+
+
+def _portable_argument(argument: str) -> str:
+    """One command-line argument as a result records it (``--opt=PATH`` included), quoted for a shell."""
+    option, equals, value = (
+        argument.partition("=") if argument.startswith("--") and "=" in argument else ("", "", argument)
+    )
+    value = portable_path(value)
+    variable = f"${DATA_DIR_ENV}"
+    if value.startswith(variable):  # left unquoted, so that the shell expands it
+        return f"{option}{equals}{variable}{shlex.quote(value[len(variable) :]) if value != variable else ''}"
+    return f"{option}{equals}{shlex.quote(value)}" if equals else shlex.quote(value)
+
+
 def command_line(program: str | None = None, argv: list[str] | None = None) -> str:
     """The command that produced a result: ``program`` (default ``python -m <module>`` for a module run as a
-    script, else ``python <script>``) and its arguments."""
+    script, else ``python <script>``) and its arguments, paths made portable (:func:`portable_path`)."""
     argv = sys.argv[1:] if argv is None else argv
     module = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
     program = program or (f"python -m {module}" if module else f"python {Path(sys.argv[0]).as_posix()}")
-    return " ".join([program, *(shlex.quote(a) for a in argv)])
+    return " ".join([program, *(_portable_argument(a) for a in argv)])
 
 
 def provenance(command: str) -> dict[str, Any]:

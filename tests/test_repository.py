@@ -1,7 +1,7 @@
 """Nothing of the machine a checkout was made on in what the repository ships: no absolute paths, no
 data folder beside the checkout as a default, no citation of notes the repository does not contain.
-Result files in eval/results may record the output folder of the run they record (kernels/measurements name it OUT), and CI's script names where CI
-keeps the data."""
+Result files record their commands with portable paths (the data folder as ``$OSCAR_HF_DATA_DIR``); a test
+log keeps the tool's own output, and CI's script names where CI keeps the data."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import re
 import subprocess
 from pathlib import Path
 
+from oscar_hf.evaluation.data import DATA_DIR_ENV
+from oscar_hf.provenance import command_line
+
 ROOT = Path(__file__).resolve().parents[1]
 ABSOLUTE = re.compile(r"(?<![\w.$~])/(?:work|root|home|tmp|Users|mnt|opt)/")
 OUTSIDE = re.compile(r"\.\./shared\b|oscar-reference\.md|peers\.md")
-EXEMPT = ("eval/results/", ".ci/run", "tests/test_repository.py")  # this file: the patterns
+EXEMPT = ("eval/results/gpu_tests.log", ".ci/run", "tests/test_repository.py")  # this file: the patterns
 
 
 def leaks(path: str, text: str) -> list[str]:
@@ -45,6 +48,22 @@ def test_the_check_sees_a_leak():
         'a.py:2: notes = "see oscar-reference.md"',
     ]
     assert leaks("b.md", "python -m x --data-dir ../shared/data") and not leaks("c.md", "`oscar_hf/core/cache.py`")
+
+
+def test_results_record_commands_without_machine_paths(tmp_path, monkeypatch):
+    """A result's command names the data folder by its variable and nothing else of the machine it ran on."""
+    data, work = tmp_path / "data", tmp_path / "work"
+    data.mkdir(), work.mkdir()
+    monkeypatch.setenv(DATA_DIR_ENV, str(data))
+    monkeypatch.chdir(work)
+    argv = ["--data-dir", str(data), "--text", str(data / "w" / "t.raw"), "--out", str(tmp_path / "runs" / "r1")]
+    argv += [f"--config={work / 'eval' / 'c.json'}", "--set", 'models=["a b"]', "eval/configs/x.json", "../work/y"]
+    command = command_line("prog", argv)
+    assert command == (
+        "prog --data-dir $OSCAR_HF_DATA_DIR --text $OSCAR_HF_DATA_DIR/w/t.raw --out r1 --config=eval/c.json "
+        "--set 'models=[\"a b\"]' eval/configs/x.json y"
+    )
+    assert not leaks("result.md", command) and leaks("result.md", " ".join(argv))
 
 
 def test_every_package_of_the_library_is_installed():

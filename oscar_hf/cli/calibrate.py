@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 from oscar_hf.calibration.recipe import Recipe, calibrate
 from oscar_hf.calibration.record import existing_set
@@ -13,6 +12,7 @@ from oscar_hf.cli import checks
 from oscar_hf.cli.common import environment, load
 from oscar_hf.config import METHODS
 from oscar_hf.core.models import DTYPES
+from oscar_hf.provenance import command_line
 
 
 def recipe_of(args: argparse.Namespace) -> Recipe:
@@ -67,8 +67,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> None:
             raise ValueError(f"--from-rotations: {error}") from None
     model, tokenizer = load(args)
     model_id = DEFAULT_MODEL_ID if args.model == DEFAULT_MODEL else args.model
-    # A saved set is shared: it names its data by file name (and hash, in calibration_data), never by a path of this machine.
-    command = "oscar-hf " + " ".join(Path(a).name if Path(a).is_absolute() else a for a in argv)
+    command = command_line("oscar-hf", argv)  # a saved set is shared: it names no path of this machine
     result = calibrate(model, tokenizer, args.data, recipe, model_id, command, progress=not args.json)
     summary = {"out": str(result.save(args.out)), **result.summary}
     print(json.dumps({**environment(argv), **summary}) if args.json else format_summary(summary))

@@ -9,7 +9,7 @@ from pathlib import Path
 from oscar_hf.cli import checks
 from oscar_hf.config import METHODS
 from oscar_hf.core.models import DTYPES
-from oscar_hf.provenance import provenance
+from oscar_hf.provenance import command_line, provenance
 from oscar_hf.rotations.rotation_set import MethodRotations
 
 # One command's default methods: every recipe but the paper's (asked for by name, oscar-int2-paper).
@@ -38,7 +38,7 @@ def rotations_for(
 
 def environment(argv: list[str]) -> dict:
     """The command line, machine and versions a result records."""
-    return provenance("oscar-hf " + " ".join(argv))
+    return provenance(command_line("oscar-hf", argv))
 
 
 def command_rotations(args: argparse.Namespace) -> MethodRotations:

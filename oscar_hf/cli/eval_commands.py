@@ -20,6 +20,7 @@ from oscar_hf.cli.common import (
 )
 from oscar_hf.evaluation.niah import parse_depths, parse_lengths
 from oscar_hf.log import get_logger
+from oscar_hf.provenance import portable_path
 
 logger = get_logger(__name__)
 
@@ -113,7 +114,7 @@ def cmd_eval_niah(args: argparse.Namespace, argv: list[str]) -> None:
     settings = {
         "model": args.model,
         "dtype": str(model.dtype),
-        "haystack": f"{args.haystack} ({files[0].parent})",
+        "haystack": f"{args.haystack} ({portable_path(files[0].parent)})",
         "haystack_tokens": len(haystack),
         "methods": args.methods,
         "lengths": args.lengths,

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from oscar_hf.evaluation.task_summary import RunKey, run_path, write_summary
 from oscar_hf.log import get_logger
 from oscar_hf.model_info import head_dim_of
+from oscar_hf.provenance import portable_path
 from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 logger = get_logger(__name__)
@@ -163,7 +164,7 @@ def run_tasks(
         "recent": recent,
         "batch_size": batch_size,
         "think_end_token": think_end_token,
-        "data_dir": str(data_dir) if data_dir else None,
+        "data_dir": portable_path(data_dir) if data_dir else None,
     }
     keys = [RunKey(m, t, s) for m in methods for t in tasks for s in range(seeds)]
     todo = [k for k in keys if not run_path(out_dir, k).exists()]
