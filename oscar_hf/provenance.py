@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from oscar_hf.evaluation.data import DATA_DIR_ENV
+DATA_DIR_ENV = "OSCAR_HF_DATA_DIR"  # the local data folder, as results name it
 
 
 def machine_info() -> dict[str, Any]:

@@ -9,8 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from oscar_hf.evaluation.data import DATA_DIR_ENV
-from oscar_hf.provenance import command_line
+from oscar_hf.provenance import DATA_DIR_ENV, command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ABSOLUTE = re.compile(r"(?<![\w.$~])/(?:work|root|home|tmp|Users|mnt|opt)/")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DATA_DIR_ENV = "OSCAR_HF_DATA_DIR"
+from oscar_hf.provenance import DATA_DIR_ENV
+
 WIKITEXT2_TEST = "wikitext2_raw/wiki.test.raw"
 
 
