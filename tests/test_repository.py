@@ -56,10 +56,10 @@ def test_results_record_commands_without_machine_paths(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_DIR_ENV, str(data))
     monkeypatch.chdir(work)
     argv = ["--data-dir", str(data), "--text", str(data / "w" / "t.raw"), "--out", str(tmp_path / "runs" / "r1")]
-    argv += [f"--config={work / 'eval' / 'c.json'}", "--set", 'models=["a b"]', "eval/configs/x.json", "../work/y"]
+    argv += [f"--config={work / '.cfg' / 'c.json'}", "--set", 'models=["a b"]', "eval/configs/x.json", "../work/y"]
     command = command_line("prog", argv)
     assert command == (
-        "prog --data-dir $OSCAR_HF_DATA_DIR --text $OSCAR_HF_DATA_DIR/w/t.raw --out r1 --config=eval/c.json "
+        "prog --data-dir $OSCAR_HF_DATA_DIR --text $OSCAR_HF_DATA_DIR/w/t.raw --out r1 --config=.cfg/c.json "
         "--set 'models=[\"a b\"]' eval/configs/x.json y"
     )
     assert not leaks("result.md", command) and leaks("result.md", " ".join(argv))
