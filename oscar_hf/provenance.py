@@ -67,7 +67,7 @@ def portable_path(path: str | Path) -> str:
             inner = resolved.relative_to(Path(base).expanduser().resolve())
         except ValueError:
             continue
-        return "/".join(filter(None, [shown, "" if inner == Path() else inner.as_posix()])) or "."
+        return "/".join(filter(None, [shown, *inner.parts])) or "."
     return resolved.name
 
 
