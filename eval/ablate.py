@@ -19,8 +19,10 @@ A config holds (every section but ``model`` and ``variants`` is optional):
   ``"calibration"`` (a name above) made by the library's recipe (:func:`oscar_hf.calibration.recipe.fit`):
   ``"calibrate"`` (:class:`~oscar_hf.calibration.recipe.Recipe` fields, e.g. ``{"objective": "ktk_vtv",
   "factors": "HP"}``), ``"clip_search"`` and ``"refine"`` (true or false; the search measures the
-  variant's own method); and ``"overrides"``: OscarConfig fields, nested ones as
-  dicts (``{"recent": 128, "key": {"group_size": 32, "clip_ratio": 0.0}}``, dtypes by name).
+  variant's own method); ``"allocate_bits"`` (with ``"rotations"`` a directory whose ``config.json``
+  records a bit allocation): the set's recorded scores spent on that many layers' worth of 4-bit keys
+  (:meth:`~oscar_hf.calibration.bit_allocation.BitAllocation.respend`); and ``"overrides"``: OscarConfig
+  fields, nested ones as dicts (``{"recent": 128, "key": {"group_size": 32, "clip_ratio": 0.0}}``, dtypes by name).
 
 Every recipe gets its bits per element at each evaluated length and at 128K tokens for head_dim 128.
 Results go to ``--out`` (default ``eval/results/<config name>``) ``.json``, ``.md`` and ``.png``,
@@ -41,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from oscar_hf import OscarCache
+from oscar_hf import OscarCache, RotationSet
+from oscar_hf.calibration.bit_allocation import BitAllocation
 from oscar_hf.calibration.covariances import collect_covariances
 from oscar_hf.calibration.data import CalibrationTexts, calibration_batches, read_calibration_files
 from oscar_hf.calibration.recipe import Recipe, feedback_batches, finish, fit
@@ -56,6 +59,7 @@ from oscar_hf.evaluation.report import tokens_label, write_outputs
 from oscar_hf.log import get_logger
 from oscar_hf.model_info import head_dim_of
 from oscar_hf.provenance import command_line, machine_line, portable_path, provenance, provenance_line
+from oscar_hf.rotations.files import load_rotation_config
 from oscar_hf.rotations.resolve import resolve_rotations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +101,17 @@ def per_context(config: dict) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------- recipes
 
 
-VARIANT_KEYS = {"label", "method", "rotations", "calibration", "calibrate", "clip_search", "refine", "overrides"}
+VARIANT_KEYS = {
+    "label",
+    "method",
+    "rotations",
+    "allocate_bits",
+    "calibration",
+    "calibrate",
+    "clip_search",
+    "refine",
+    "overrides",
+}
 NEEDLE_KEYS = {"lengths", "depths", "needles", "seed", "haystack", "max_new_tokens", "chat", "batch_size"}
 
 
@@ -156,9 +170,15 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         raise ValueError(f"variant {label!r}: give either rotations or calibration, not both")
     if "calibration" not in variant and ("calibrate" in variant or "clip_search" in variant):
         raise ValueError(f"variant {label!r}: calibrate and clip_search need a calibration")
+    if "allocate_bits" in variant and "rotations" not in variant:
+        raise ValueError(
+            f"variant {label!r}: allocate_bits re-spends the recorded scores of a saved set: give rotations"
+        )
     rotations = None
     if "rotations" in variant:
         rotations = resolve_rotations(model, variant["rotations"], method=config)
+        if "allocate_bits" in variant:
+            rotations = respent(rotations, Path(variant["rotations"]), variant["allocate_bits"], label)
     elif "calibration" in variant:
         covariances, batches, feedback_rows = calibrations[variant["calibration"]]
         searched = {"search_for": variant["method"]} if variant.get("clip_search") else {}
@@ -176,6 +196,14 @@ def variant_cache(model, variant: dict, calibrations: Calibrations) -> OscarCach
         rows = feedback_rows(recipe) if recipe.key_feedback else None
         rotations, _, _ = finish(recipe, model, batches, rotations, rows, progress=False, config=config)
     return OscarCache(model, config, rotations=rotations)
+
+
+def respent(rotations: RotationSet, directory: Path, layers: int, label: str) -> RotationSet:
+    """``rotations`` with the widths the bit allocation recorded in ``directory`` gives for ``layers``."""
+    record = load_rotation_config(directory).get("bit_allocation") if directory.is_dir() else None
+    if record is None:
+        raise ValueError(f"variant {label!r}: allocate_bits needs a rotation directory that records a bit allocation")
+    return BitAllocation.from_dict(record).respend(layers).widths_of(rotations)
 
 
 def memory_table(caches: dict[str, OscarCache], lengths: list[int], head_dim: int) -> dict[str, dict[str, float]]:

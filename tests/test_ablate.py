@@ -148,3 +148,31 @@ def test_a_variant_that_allocates_bits_gets_per_layer_widths():
     assert sorted(widths) in ([(2, 1), (4, 1)], [(3, 1), (3, 1)])  # the same bits, as 4-bit keys or two 3-bit
     with pytest.raises(ValueError, match="not calibrate.from_rotations"):
         ablate.variant_cache(model, {**variant, "calibrate": {"allocate_bits": 1, "from_rotations": "x"}}, calibrations)
+
+
+def test_a_variant_respends_a_saved_sets_recorded_allocation(tmp_path):
+    """``allocate_bits`` beside ``rotations``: the widths the set's recorded scores give for that budget."""
+    from oscar_hf import RotationSet
+    from oscar_hf.calibration.bit_allocation import BitAllocation
+    from oscar_hf.rotations.files import save_rotations
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    recorded = BitAllocation(
+        0.1, {4: {0: 0.01, 1: 0.03, 2: 0.02, 3: 0.0}}, {0: 0.002, 1: 0.001, 2: 0.004, 3: 0.003}, {1: 4}, [0, 1]
+    )
+    rotations = recorded.widths_of(RotationSet.hadamard(16, [0, 1, 2, 3]))
+    save_rotations(rotations, tmp_path / "saved", {"bit_allocation": recorded.to_dict()})
+    variant = {"label": "N=2", "method": "oscar-int2", "rotations": str(tmp_path / "saved"), "allocate_bits": 2}
+    cache = ablate.variant_cache(model, variant, {})
+    widths = [(layer.config.key.bits, layer.config.value.bits) for layer in cache.layers]
+    assert widths == [(2, 1), (4, 1), (4, 1), (2, 1)]  # K4 where it gains most, V1 in all four layers
+    one_layer = [
+        (layer.config.key.bits, layer.config.value.bits)
+        for layer in ablate.variant_cache(model, {**variant, "allocate_bits": 1}, {}).layers
+    ]
+    assert one_layer == [(2, 1), (4, 1), (2, 2), (2, 2)]
+    save_rotations(rotations, tmp_path / "unscored")
+    with pytest.raises(ValueError, match="records a bit allocation"):
+        ablate.variant_cache(model, {**variant, "rotations": str(tmp_path / "unscored")}, {})
+    with pytest.raises(ValueError, match="give rotations"):
+        ablate.variant_cache(model, {"label": "x", "method": "oscar-int2", "allocate_bits": 1}, {})

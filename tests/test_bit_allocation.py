@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, Recipe, RotationSet
-from oscar_hf.calibration.bit_allocation import allocate_bits, widest_gain
+from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits, widest_gain
 from oscar_hf.calibration.clip_search import CLIP_GRID
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from oscar_hf.config import METHODS, TensorQuantConfig
@@ -88,6 +88,38 @@ def test_an_allocation_for_k3v2_trades_one_value_layer_per_key_layer():
     # an oscar-int2 cache keeps its 2-bit widths with these rotations
     int2 = OscarCache(model, SMALL, rotations=allocated)
     assert [(layer.config.key.bits, layer.config.value.bits) for layer in int2.layers] == [(2, 2)] * 4
+
+
+@pytest.mark.parametrize("name, per_key", [("smollm2-135m-instruct", 2), ("smollm2-135m-instruct-k3v2", 1)])
+def test_a_bundled_sets_recorded_scores_give_its_widths_and_other_budgets(name, per_key):
+    """The scores do not depend on N: re-spent at the set's own N they give its stored widths; at other N they
+    keep the history's bits, with the cheapest value layers at 1 bit."""
+    from oscar_hf.rotations.files import load_ours, load_rotation_config
+    from oscar_hf.rotations.resolve import bundled_rotations_dir
+
+    directory = bundled_rotations_dir(name)
+    record = load_rotation_config(directory)["bit_allocation"]
+    recorded = BitAllocation.from_dict(record)
+    assert recorded.to_dict() == record
+    rotations = load_ours(directory)
+    own = len(recorded.value_layers) // per_key
+    again = recorded.respend(own).widths_of(rotations)
+    assert (again.key_bits, again.value_bits, again.base_bits) == (
+        rotations.key_bits,
+        rotations.value_bits,
+        rotations.base_bits,
+    )
+    key, value = recorded.base_bits
+    for layers in (1, own - 2, own + 3):
+        spent = recorded.respend(layers)
+        assert spent.allocated_kl is None and spent.key_gain == recorded.key_gain
+        assert sum(bits - key for bits in spent.key_bits.values()) == (4 - key) * layers
+        cheapest = sorted(recorded.value_cost, key=recorded.value_cost.get)[: per_key * layers]
+        assert spent.value_layers == sorted(cheapest)
+        cache_bits = sum(spent.key_bits.get(i, key) + (1 if i in cheapest else value) for i in recorded.value_cost)
+        assert cache_bits == (key + value) * len(recorded.value_cost)  # the history keeps its size
+    with pytest.raises(ValueError, match="1 to"):
+        recorded.respend(len(recorded.value_cost) // per_key + 1)
 
 
 def test_the_allocation_validates_its_inputs():

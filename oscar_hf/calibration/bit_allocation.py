@@ -12,6 +12,10 @@ A budget of ``N`` layers' worth of 4-bit keys, ``(4 - K) N`` extra key bits a ro
 summed gain is largest (a knapsack over the layers: 3-bit keys in two layers can beat 4-bit keys in one), and
 the cheapest layers take 1-bit values, as many as pay for those bits: ``2N`` against ``oscar-int2`` (K2 V2),
 ``N`` against ``oscar-k3v2`` (K3 V2), so the history keeps its size.
+
+The scores do not depend on ``N``, only the choice over them does: a saved set's recorded scores
+(``bit_allocation`` in its ``config.json``) give the widths at another budget without scoring again
+(:meth:`BitAllocation.from_dict`, :meth:`BitAllocation.respend`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,30 @@ class BitAllocation:
             "positions": self.positions,
         }
 
+    @classmethod
+    def from_dict(cls, record: dict) -> BitAllocation:
+        """The allocation :meth:`to_dict` recorded (a saved set's ``bit_allocation``)."""
+        return cls(
+            record["baseline_kl"],
+            {int(bits): {int(i): v for i, v in gain.items()} for bits, gain in record["key_gain"].items()},
+            {int(i): v for i, v in record["value_cost"].items()},
+            {int(i): bits for i, bits in record["key_bits"].items()},
+            sorted(int(i) for i in record["value_bits"]),
+            record["allocated_kl"],
+            record["positions"],
+            (record["base_bits"]["key"], record["base_bits"]["value"]),
+        )
+
+    def respend(self, layers: int) -> BitAllocation:
+        """The same scores spent on ``layers`` layers' worth of 4-bit keys; ``allocated_kl`` is None (not measured)."""
+        key_bits, value_layers = _choose(self.key_gain, self.value_cost, layers, self.base_bits)
+        return replace(self, key_bits=key_bits, value_layers=value_layers, allocated_kl=None)
+
+    def widths_of(self, rotations: RotationSet) -> RotationSet:
+        """``rotations`` with this allocation's per-layer widths and base widths."""
+        value_bits = dict.fromkeys(self.value_layers, VALUE_BITS)
+        return replace(rotations, key_bits=dict(self.key_bits), value_bits=value_bits, base_bits=self.base_bits)
+
 
 def allocate_bits(
     model: PreTrainedModel,
@@ -86,17 +114,12 @@ def allocate_bits(
     Costs ``(W + 1) L + 2`` teacher-forced passes per row for ``L`` layers and ``W`` key widths above the
     base's, plus one unquantized pass.
     """
-    value_per_key = value_layers_per_key_layer(base)
+    value_layers_per_key_layer(base)  # raises for a base the trade does not fit
     tokens, context = _rows(batches, base)
     probe = OscarCache(model, base, rotations=replace(rotations, key_bits={}, value_bits={}))
     layer_ids = [i for i, layer in enumerate(probe.layers) if isinstance(layer, OscarLayer)]
-    most = len(layer_ids) // value_per_key
-    if not 1 <= layers <= most:
-        raise ValueError(
-            f"--allocate-bits takes 1 to {most} layers for this model's {len(layer_ids)} quantized layers "
-            f"(the bits of 4-bit keys in N, paid by 1-bit values in {value_per_key}N), got {layers}"
-        )
     base_bits = (base.key.bits, base.value.bits)
+    _check_budget(layers, len(layer_ids), base_bits)
     key_widths = sorted(bits for bits in set(key_widths) if base.key.bits < bits <= KEY_BITS)
     if not key_widths:
         raise ValueError(f"no key width above {base.method}'s {base.key.bits} bits to allocate (up to {KEY_BITS})")
@@ -114,8 +137,7 @@ def allocate_bits(
     baseline = kl["baseline"]
     key_gain = {bits: {i: baseline - kl[f"k{bits}_{i}"] for i in layer_ids} for bits in key_widths}
     value_cost = {i: kl[f"v{i}"] - baseline for i in layer_ids}
-    key_bits = widest_gain(key_gain, (KEY_BITS - base.key.bits) * layers, base.key.bits)
-    value_layers = sorted(sorted(layer_ids, key=lambda i: value_cost[i])[: value_per_key * layers])
+    key_bits, value_layers = _choose(key_gain, value_cost, layers, base_bits)
     allocated = widths(key_bits, dict.fromkeys(value_layers, VALUE_BITS))
     final = _mean_kl(
         model, tokens, {"allocated": OscarCache(model, base, rotations=allocated)}, context, base, progress
@@ -131,6 +153,29 @@ def allocate_bits(
         base_bits,
     )
     return allocated, scores
+
+
+def _choose(
+    key_gain: dict[int, dict[int, float]], value_cost: dict[int, float], layers: int, base_bits: tuple[int, int]
+) -> tuple[dict[int, int], list[int]]:
+    """The key widths and the 1-bit value layers ``layers`` layers' worth of 4-bit keys buy from the scores."""
+    _check_budget(layers, len(value_cost), base_bits)
+    key_bits = widest_gain(key_gain, (KEY_BITS - base_bits[0]) * layers, base_bits[0])
+    cheapest = sorted(value_cost, key=lambda i: value_cost[i])
+    return key_bits, sorted(cheapest[: _value_per_key(base_bits) * layers])
+
+
+def _check_budget(layers: int, quantized: int, base_bits: tuple[int, int]) -> None:
+    per_key = _value_per_key(base_bits)
+    if not 1 <= layers <= quantized // per_key:
+        raise ValueError(
+            f"--allocate-bits takes 1 to {quantized // per_key} layers for this model's {quantized} quantized layers "
+            f"(the bits of 4-bit keys in N, paid by 1-bit values in {per_key}N), got {layers}"
+        )
+
+
+def _value_per_key(base_bits: tuple[int, int]) -> int:
+    return (KEY_BITS - base_bits[0]) // (base_bits[1] - VALUE_BITS)
 
 
 def widest_gain(key_gain: dict[int, dict[int, float]], budget: int, base_bits: int) -> dict[int, int]:
@@ -170,7 +215,7 @@ def value_layers_per_key_layer(base: OscarConfig) -> int:
             f"with per-layer widths, whose key step a whole number of value layers pays for (oscar-int2's 2-bit widths, "
             f"oscar-k3v2); got {base.method!r} ({widths})"
         )
-    return (KEY_BITS - base.key.bits) // (base.value.bits - VALUE_BITS)
+    return _value_per_key((base.key.bits, base.value.bits))
 
 
 def _rows(batches: Sequence[torch.LongTensor], config: OscarConfig) -> tuple[torch.Tensor, int]:
