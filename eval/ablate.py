@@ -36,13 +36,13 @@ import dataclasses
 import json
 import logging
 import os
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from eval.ablate_report import plot, to_markdown
 from oscar_hf import OscarCache, RotationSet
 from oscar_hf.calibration.bit_allocation import BitAllocation
 from oscar_hf.calibration.covariances import collect_covariances
@@ -55,10 +55,10 @@ from oscar_hf.evaluation.haystack import Haystack, build_prompt, haystack_files,
 from oscar_hf.evaluation.kl import evaluate_caches
 from oscar_hf.evaluation.niah import check_lengths
 from oscar_hf.evaluation.niah_forced import needle_summary, score_prompts
-from oscar_hf.evaluation.report import tokens_label, write_outputs
+from oscar_hf.evaluation.report import write_outputs
 from oscar_hf.log import get_logger
 from oscar_hf.model_info import head_dim_of
-from oscar_hf.provenance import command_line, machine_line, portable_path, provenance, provenance_line
+from oscar_hf.provenance import command_line, portable_path, provenance
 from oscar_hf.rotations.files import load_rotation_config
 from oscar_hf.rotations.resolve import resolve_rotations
 
@@ -259,151 +259,6 @@ def needle_scores(model, tokenizer, data_dir: Path, settings: dict, caches: dict
         model, tokenizer, prompts, caches, settings["max_new_tokens"], settings["batch_size"]
     )
     return {"summary": needle_summary(trials), "seconds": seconds, "trials": [t.to_dict() for t in trials]}
-
-
-# ---------------------------------------------------------------------------------------- reports
-
-
-def to_markdown(result: dict) -> str:
-    labels, memory = result["variants"], result["bits_per_element"]
-    bpe_keys = list(memory[labels[0]])
-    texts = list(result["scores"])
-    contexts = [str(c) for c, _ in result["kl_windows"]] if texts else []
-    head = ["recipe"] + [f"BPE {_length_label(k)}" for k in bpe_keys]
-    head += [f"{t} {tokens_label(int(c))} {m}" for t in texts for c in contexts for m in ("KL", "PPL")]
-    rows = [_row(head), _row(["---"] * len(head))]
-    for label in labels:
-        cells = [label] + [f"{memory[label][k]:.3f}" for k in bpe_keys]
-        for t in texts:
-            for c in contexts:
-                score = result["scores"][t][c][label]
-                cells += [f"{score['kl_from_none']:.4f}", f"{score['perplexity']:.3f}"]
-        rows.append(_row(cells))
-    parts = [result["description"], "\n".join(rows)]
-    if texts:
-        parts.append(
-            "KL in nats from BF16 and perplexity, teacher-forced with token-by-token decoding, over positions "
-            f"after sink + recent; windows per context: {dict((str(c), w) for c, w in result['kl_windows'])}."
-        )
-    if result.get("needles"):
-        parts += _needle_markdown(result)
-    meta = f"{provenance_line(result)}, {result['seconds']} s; model {result['model']} in {result['dtype']} on {result['device']}."
-    return "\n\n".join(parts + [meta]) + "\n"
-
-
-def _length_label(key: str) -> str:
-    return "128K hd128" if "@" in key else tokens_label(int(key))
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def _needle_markdown(result: dict) -> list[str]:
-    settings, needles = result["needle_settings"], result["needles"]
-    lengths = [str(n) for n in settings["lengths"]]
-    head = (
-        ["recipe"]
-        + [f"EM {tokens_label(int(n))}" for n in lengths]
-        + ["EM all"]
-        + [f"log p {tokens_label(int(n))}" for n in lengths]
-        + ["passes / trial", "s / trial"]
-    )
-    rows = [_row(head), _row(["---"] * len(head))]
-    passes = {label: 0.0 for label in result["variants"]}
-    for trial in needles["trials"]:
-        passes[trial["recipe"]] += trial["passes"] / needles["summary"][trial["recipe"]]["all"]["trials"]
-    for label in result["variants"]:
-        summary, seconds = needles["summary"][label], needles["seconds"][label]
-        per_trial = sum(seconds.values()) / summary["all"]["trials"]
-        rows.append(
-            _row(
-                [label]
-                + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
-                + [f"{summary['all']['exact_match']:.2f}"]
-                + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
-                + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]
-            )
-        )
-    depths = [f"{d:g}" for d in settings["depths"]]
-    depth_rows = [_row(["recipe", "length"] + [f"{d}%" for d in depths]), _row(["---"] * (len(depths) + 2))]
-    for label in result["variants"]:
-        for n in lengths:
-            cells = needles["summary"][label]["by_depth"][n]
-            depth_rows.append(_row([label, tokens_label(int(n))] + [f"{cells[d]:.2f}" for d in depths]))
-    note = (
-        f"Needle in a haystack ({settings['haystack']}), {settings['needles']} needle(s) x {len(depths)} depths per "
-        "length, teacher-forced under the real schedule (prompt prefilled in one chunk, answer decoded against "
-        "the quantized cache): EM is the exact match of the greedy answer "
-        f"(max {settings['max_new_tokens']} new tokens), log p the summed log-probability of the number's "
-        "tokens (nats); a trial takes one pass with the prompt, and one "
-        "pass of the answer's rows per greedy detour (passes / trial counts both)."
-    )
-    return [note, "\n".join(rows), "Exact match per needle depth (% of the haystack):", "\n".join(depth_rows)]
-
-
-def plot(result: dict, path: Path) -> None:
-    """KL from BF16 per recipe and context; needle exact match and answer log-probability per length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = result["variants"]
-    panels = (1 if result["scores"] else 0) + (2 if result.get("needles") else 0)
-    width = 6 * panels + 0.07 * max(len(label) for label in labels)  # room for the recipes' names
-    fig, axes = plt.subplots(1, panels, figsize=(width, 0.45 * len(labels) + 2.5), squeeze=False)
-    axes = list(axes[0])
-    if result["scores"]:
-        ax = axes.pop(0)
-        series = [(t, c) for t in result["scores"] for c in result["scores"][t]]
-        quantized = [
-            label for label in labels if any(result["scores"][t][c][label]["kl_from_none"] > 0 for t, c in series)
-        ]
-        height = 0.8 / len(series)
-        every = []
-        for i, (t, c) in enumerate(series):
-            values = [result["scores"][t][c][label]["kl_from_none"] for label in quantized]
-            every += values
-            bars = ax.barh(
-                [y + i * height for y in range(len(quantized))],
-                values,
-                height=height,
-                label=f"{t} {tokens_label(int(c))}",
-            )
-            ax.bar_label(bars, fmt="%.4f", fontsize=7, padding=2)
-        ax.set_yticks([y + height * (len(series) - 1) / 2 for y in range(len(quantized))], quantized)
-        ax.invert_yaxis()
-        # a log axis where the recipes differ by orders of magnitude; else bars from zero, whose lengths compare
-        spread = max(every) / min(every) if every and min(every) > 0 else 1.0
-        ax.set_xscale("log" if spread > 10 else "linear")
-        ax.margins(x=0.15)
-        ax.set_xlabel(f"KL from BF16 (nats{', log' if spread > 10 else ''}; lower is better)")
-        ax.legend(fontsize=7)
-    if result.get("needles"):
-        lengths = [str(n) for n in result["needle_settings"]["lengths"]]
-        summary = result["needles"]["summary"]
-        for ax, key, name in zip(
-            axes, ("exact_match", "answer_logprob"), ("needle exact match", "answer log p (nats)")
-        ):
-            for label in labels:
-                ax.plot(
-                    range(len(lengths)), [summary[label]["by_length"][n][key] for n in lengths], marker="o", label=label
-                )
-            ax.set_xticks(range(len(lengths)), [tokens_label(int(n)) for n in lengths])
-            ax.set_xlabel("prompt length (tokens)")
-            ax.set_ylabel(name)
-            ax.grid(alpha=0.3)
-        axes[0].set_ylim(-0.05, 1.05)
-        axes[0].legend(fontsize=7)
-    fig.suptitle(
-        f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
-        f"{textwrap.fill(result['command'], 140)}\n{machine_line(result['machine'])}, {result['date']}",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------- main
