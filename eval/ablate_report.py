@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 from oscar_hf.evaluation.report import tokens_label
-from oscar_hf.provenance import machine_line, provenance_line
+from oscar_hf.provenance import provenance_line, provenance_title
 
 
 def to_markdown(result: dict) -> str:
@@ -141,11 +140,8 @@ def plot(result: dict, path: Path) -> None:
             ax.grid(alpha=0.3)
         axes[0].set_ylim(-0.05, 1.05)
         axes[0].legend(fontsize=7)
-    fig.suptitle(
-        f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})\n"
-        f"{textwrap.fill(result['command'], 140)}\n{machine_line(result['machine'])}, {result['date']}",
-        fontsize=8,
-    )
+    headline = f"{Path(result['config']).stem}: {result['model']} ({result['dtype']}, {result['device']})"
+    fig.suptitle(provenance_title(result, headline, width=140), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,6 +11,7 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,10 @@ def machine_line(machine: dict[str, Any]) -> str:
 def provenance_line(record: dict[str, Any]) -> str:
     """A result's provenance in one markdown line: the command, the machine and the date."""
     return f"`{record['command']}` on {machine_line(record['machine'])}, {record['date']}"
+
+
+def provenance_title(record: dict[str, Any], headline: str, width: int | None = None) -> str:
+    """A plot's title: ``headline``, then the result's command (wrapped at ``width`` characters if given),
+    then its machine and date."""
+    command = textwrap.fill(record["command"], width) if width else record["command"]
+    return f"{headline}\n{command}\n{machine_line(record['machine'])}, {record['date']}"

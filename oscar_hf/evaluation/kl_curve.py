@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from oscar_hf.core.cache import OscarCache
 from oscar_hf.evaluation.report import tokens_label
-from oscar_hf.provenance import machine_line, provenance_line
+from oscar_hf.provenance import provenance_line, provenance_title
 from oscar_hf.rotations.rotation_set import MethodRotations, rotations_for
 
 
@@ -171,11 +171,8 @@ def plot_kl_curve(result: dict, path: Path) -> None:
     ax_kl.set_ylabel("KL(p_BF16 || p_method), nats (log)")
     ax_top1.set_ylabel("top-1 agreement with BF16")
     ax_kl.legend(fontsize=8)
-    fig.suptitle(
-        f"KL from BF16 vs context, {result['model']} on {Path(result['text']).name}\n"
-        f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}",
-        fontsize=8,
-    )
+    headline = f"KL from BF16 vs context, {result['model']} on {Path(result['text']).name}"
+    fig.suptitle(provenance_title(result, headline), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -21,7 +21,7 @@ from oscar_hf.core.models import model_context
 from oscar_hf.evaluation.haystack import Haystack, NeedleError, build_prompt, extract_number, is_correct
 from oscar_hf.evaluation.report import tokens_label
 from oscar_hf.log import get_logger
-from oscar_hf.provenance import machine_line, provenance_line
+from oscar_hf.provenance import provenance_line, provenance_title
 from oscar_hf.rotations.rotation_set import MethodRotations
 
 logger = get_logger(__name__)
@@ -247,10 +247,7 @@ def plot_niah(result: dict, path: Path) -> None:
     for ax in list(axes.flat)[len(methods) :]:
         ax.axis("off")
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
-    fig.suptitle(
-        f"Needle in a haystack, {result['model']}: {len(result['seeds'])} needle(s) per cell\n"
-        f"{result['command']}\n{machine_line(result['machine'])}, {result['date']}",
-        fontsize=8,
-    )
+    headline = f"Needle in a haystack, {result['model']}: {len(result['seeds'])} needle(s) per cell"
+    fig.suptitle(provenance_title(result, headline), fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
