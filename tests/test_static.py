@@ -22,7 +22,7 @@ from oscar_hf.core.frozen_decoding import StaticDecoding, graphs_unsupported
 from oscar_hf.core.layer import OscarLayer
 from oscar_hf.core.step_reuse import release_captured_steps
 from oscar_hf.core.storage import aligned_rows
-from tests.conftest import forward, generate, tiny_model
+from tests.conftest import TINY, forward, generate, tiny_model
 from tests.test_absorption import random_rotations
 from tests.test_cache_contract import left_pad, prompts
 from tests.test_step_replay import idle_steps
@@ -165,18 +165,8 @@ def test_models_with_sliding_window_layers_decode_eagerly(static_steps):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        max_position_embeddings=512,
-        layer_types=["sliding_attention", "full_attention"],
-    )
+    layer_types = ["sliding_attention", "full_attention"]
+    config = Gemma3TextConfig(**dict(TINY, sliding_window=8, max_position_embeddings=512, layer_types=layer_types))
     model = Gemma3ForCausalLM(config).eval()
     model.set_attn_implementation("oscar")
     ids = prompts([30])[0][None]

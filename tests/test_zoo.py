@@ -28,18 +28,9 @@ from oscar_hf.rotations.resolve import (
     resolve_rotations,
 )
 from oscar_hf.rotations.rotation_set import RotationSet
-from tests.conftest import forward
+from tests.conftest import TINY, forward, tiny_model
 
-HEAD_DIM = 16
-TINY_LLAMA = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=HEAD_DIM,
-)
+HEAD_DIM = TINY["head_dim"]
 QWEN_FOLDER = "Qwen3-8B/seq20000_prompt83_group128"
 
 
@@ -106,10 +97,8 @@ def write_official(
 
 
 def tiny_llama(name_or_path: str = "") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+    model = tiny_model("llama")
     model.config._name_or_path = name_or_path
-    model.set_attn_implementation("oscar")
     return model
 
 
@@ -512,17 +501,8 @@ def test_from_zoo_rejects_mismatched_rotations(tmp_path) -> None:
 
 
 def test_layer_types_select_the_full_attention_layers(tmp_path) -> None:
-    config = Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
-        num_hidden_layers=4,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    )
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = Gemma3TextConfig(**dict(TINY, num_hidden_layers=4, sliding_window=4, layer_types=layer_types))
     assert full_attention_layer_ids(config) == [1, 3]
     sparse = write_official(tmp_path / "gemma", (1, 3))
     assert sorted(resolve_rotations(config, sparse).key) == [1, 3]
@@ -623,7 +603,7 @@ def test_from_zoo_default_model_offline(monkeypatch) -> None:
 
 # --- per-KV-head rotations ------------------------------------------------------------------------
 
-KV_HEADS = TINY_LLAMA["num_key_value_heads"]
+KV_HEADS = TINY["num_key_value_heads"]
 
 
 def per_head_set(layer_ids=(0, 1), kv_heads: int = KV_HEADS) -> RotationSet:
