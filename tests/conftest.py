@@ -60,11 +60,25 @@ def saved_tiny_model(tmp_path):
     model_dir = tmp_path / "model"
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "text.txt"
-    data.write_text(
-        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(200))
+    return model_dir, calibration_text(tmp_path / "text.txt", lines=200)
+
+
+def calibration_text(path, lines: int = 400):
+    """A calibration text of ``lines`` numbered sentences written to ``path``; returns ``path``."""
+    path.write_text(
+        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(lines))
     )
-    return model_dir, data
+    return path
+
+
+def run_calibrate(model, data, tokens: int, seq_len: int, out, *options: str) -> None:
+    """``oscar-hf calibrate --model MODEL --data DATA --tokens N --seq-len L OPTIONS --out OUT``, in this process."""
+    from oscar_hf.cli.main import main
+
+    main(
+        ["calibrate", "--model", str(model), "--data", str(data), "--tokens", str(tokens), "--seq-len", str(seq_len)]
+        + [*options, "--out", str(out)]
+    )
 
 
 def generate(model, input_ids, cache, **kwargs):

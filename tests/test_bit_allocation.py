@@ -14,7 +14,7 @@ from oscar_hf.calibration.bit_allocation import BitAllocation, allocate_bits, wi
 from oscar_hf.calibration.clip_search import CLIP_GRID
 from oscar_hf.calibration.teacher_forcing import position_stats_of_caches
 from oscar_hf.config import METHODS, TensorQuantConfig
-from tests.conftest import saved_tiny_model, tiny_model
+from tests.conftest import run_calibrate, saved_tiny_model, tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 SMALL_K3V2 = METHODS["oscar-k3v2"].with_overrides(sink=4, recent=8, block=2)
@@ -150,32 +150,13 @@ def test_the_allocation_validates_its_inputs():
 def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers):
     """``oscar-hf calibrate --clip-search --allocate-bits 1 --allocate-for METHOD`` on a saved tiny model: widths
     and the method's widths they trade against in the rotation file."""
-    from oscar_hf.cli.main import main
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
     model_dir, data = saved_tiny_model(tmp_path)
     out = tmp_path / "rotations"
-    main(
-        [
-            "calibrate",
-            "--model",
-            str(model_dir),
-            "--data",
-            str(data),
-            "--tokens",
-            "800",
-            "--seq-len",
-            "400",
-            "--clip-search",
-            "--allocate-bits",
-            "1",
-            "--allocate-for",
-            method,
-            "--out",
-            str(out),
-            "--json",
-        ]
+    run_calibrate(
+        model_dir, data, 800, 400, out, "--clip-search", "--allocate-bits", "1", "--allocate-for", method, "--json"
     )
     summary = json.loads(capsys.readouterr().out)
     allocation = summary["bit_allocation"]
@@ -205,7 +186,6 @@ def test_calibrate_command_allocates_bits(tmp_path, capsys, method, value_layers
 def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
     """``--from-rotations DIR --allocate-bits 1 --allocate-for oscar-k3v2``: the saved set's rotations and
     clip ratios unchanged, widths allocated against K3 V2, the recipe and origin recorded."""
-    from oscar_hf.cli.main import main
     from oscar_hf.rotations.files import load_rotation_config, save_rotations
     from oscar_hf.rotations.hub import load_rotations
 
@@ -222,27 +202,8 @@ def test_calibrate_command_allocates_widths_on_a_saved_set(tmp_path, capsys):
     )  # a 2-bit allocation, dropped
     save_rotations(saved, tmp_path / "saved", {"clip": "per-layer (clip search)", "command": "oscar-hf calibrate ..."})
     out = tmp_path / "k3v2"
-    main(
-        [
-            "calibrate",
-            "--model",
-            str(model_dir),
-            "--data",
-            str(data),
-            "--tokens",
-            "800",
-            "--seq-len",
-            "400",
-            "--from-rotations",
-            str(tmp_path / "saved"),
-            "--allocate-bits",
-            "1",
-            "--allocate-for",
-            "oscar-k3v2",
-            "--out",
-            str(out),
-        ]
-    )
+    options = ["--from-rotations", str(tmp_path / "saved"), "--allocate-bits", "1", "--allocate-for", "oscar-k3v2"]
+    run_calibrate(model_dir, data, 800, 400, out, *options)
     printed = capsys.readouterr().out
     assert "| widths" in printed and "C_Q" not in printed  # no covariances were collected
     allocated = load_rotations(out)

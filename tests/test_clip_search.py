@@ -11,7 +11,7 @@ from oscar_hf import OscarCache
 from oscar_hf.calibration.clip_search import CLIP_GRID, search_layers
 from oscar_hf.calibration.covariances import collect_covariances, rotations_from_covariances
 from oscar_hf.config import METHODS
-from tests.conftest import saved_tiny_model, tiny_model
+from tests.conftest import calibration_text, run_calibrate, saved_tiny_model, tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 
@@ -69,31 +69,11 @@ def test_rows_too_short_for_the_window_are_refused():
 
 @pytest.mark.slow
 def test_calibrate_command_on_the_default_model(tmp_path, capsys):
-    from oscar_hf.cli.main import main
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
-    data = tmp_path / "text.txt"
-    data.write_text(
-        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400))
-    )
     out = tmp_path / "rotations"
-    main(
-        [
-            "calibrate",
-            "--model",
-            "default",
-            "--data",
-            str(data),
-            "--tokens",
-            "1200",
-            "--seq-len",
-            "600",
-            "--out",
-            str(out),
-            "--json",
-        ]
-    )  # the clip search is the default
+    run_calibrate("default", calibration_text(tmp_path / "text.txt"), 1200, 600, out, "--json")  # clip search: default
     summary = json.loads(capsys.readouterr().out)
     assert summary["out"] == str(out) and summary["layers"] == 30 and summary["tokens"] == 1200
     assert len(summary["per_layer"]) == 30 and "key" in summary["per_layer"][0]
@@ -122,30 +102,12 @@ def test_per_head_search_picks_per_layer_variants_of_per_head_rotations(searched
 
 def test_calibrate_command_per_head(tmp_path, capsys):
     """``oscar-hf calibrate --per-head --clip-search`` on a saved tiny model with the default model's tokenizer."""
-    from oscar_hf.cli.main import main
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
     model_dir, data = saved_tiny_model(tmp_path)
     out = tmp_path / "rotations"
-    main(
-        [
-            "calibrate",
-            "--model",
-            str(model_dir),
-            "--data",
-            str(data),
-            "--tokens",
-            "800",
-            "--seq-len",
-            "400",
-            "--per-head",
-            "--clip-search",
-            "--out",
-            str(out),
-            "--json",
-        ]
-    )
+    run_calibrate(model_dir, data, 800, 400, out, "--per-head", "--clip-search", "--json")
     summary = json.loads(capsys.readouterr().out)
     assert summary["layers"] == 2 and "key" in summary["per_layer"][0]
     rotations = load_rotations(out)
@@ -157,14 +119,12 @@ def test_the_calibrate_function_makes_what_the_command_makes(tmp_path, capsys):
     """``oscar_hf.calibrate`` with a Recipe is the command's calibration: the same rotations, clips and
     choices from the same data, and a config that records the recipe and the data by file name and hash."""
     import oscar_hf
-    from oscar_hf.cli.main import main
     from oscar_hf.core.models import load_model
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
     model_dir, data = saved_tiny_model(tmp_path)
-    command = ["calibrate", "--model", str(model_dir), "--data", str(data), "--tokens", "800", "--seq-len", "400"]
-    main([*command, "--out", str(tmp_path / "command"), "--json"])
+    run_calibrate(model_dir, data, 800, 400, tmp_path / "command", "--json")
     capsys.readouterr()
     model, tokenizer = load_model(str(model_dir))
     result = oscar_hf.calibrate(model, tokenizer, [data], oscar_hf.Recipe(tokens=800, seq_len=400), progress=False)

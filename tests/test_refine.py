@@ -19,7 +19,7 @@ from oscar_hf.calibration.refine import (
 from oscar_hf.config import METHODS
 from oscar_hf.core.quantize_jobs import roundtrip_rows
 from oscar_hf.rotations.rotation_set import check_orthogonal
-from tests.conftest import tiny_model
+from tests.conftest import calibration_text, run_calibrate, tiny_model
 
 SMALL = METHODS["oscar-int2"].with_overrides(sink=4, recent=8, block=2)
 QUICK = RefineSettings(steps=15, lr=5e-3, queries=16, max_queries=32, clip_offsets=(0.04, -0.04))
@@ -111,32 +111,12 @@ def test_calibrate_refuses_refine_without_the_clip_search(tmp_path):
 def test_calibrate_refine_on_the_default_model(tmp_path, capsys):
     import json
 
-    from oscar_hf.cli.main import main
     from oscar_hf.rotations.files import load_rotation_config
     from oscar_hf.rotations.hub import load_rotations
 
-    data = tmp_path / "text.txt"
-    data.write_text(
-        " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(400))
-    )
     out = tmp_path / "rotations"
-    main(
-        [
-            "calibrate",
-            "--model",
-            "default",
-            "--data",
-            str(data),
-            "--tokens",
-            "1200",
-            "--seq-len",
-            "600",
-            "--clip-search",
-            "--refine",
-            "--out",
-            str(out),
-            "--json",
-        ]
+    run_calibrate(
+        "default", calibration_text(tmp_path / "text.txt"), 1200, 600, out, "--clip-search", "--refine", "--json"
     )
     summary = json.loads(capsys.readouterr().out)
     rotations = load_rotations(out)
