@@ -63,7 +63,7 @@ def saved_tiny_model(tmp_path):
     return model_dir, calibration_text(tmp_path / "text.txt", lines=200)
 
 
-def calibration_text(path, lines: int = 400):
+def calibration_text(path: Path, lines: int = 400) -> Path:
     """A calibration text of ``lines`` numbered sentences written to ``path``; returns ``path``."""
     path.write_text(
         " ".join(f"Line {i}: the harbour, the bridge and the cliffs of the northern coast." for i in range(lines))
@@ -71,7 +71,7 @@ def calibration_text(path, lines: int = 400):
     return path
 
 
-def run_calibrate(model, data, tokens: int, seq_len: int, out, *options: str) -> None:
+def run_calibrate(model: str | Path, data: Path, tokens: int, seq_len: int, out: Path, *options: str) -> None:
     """``oscar-hf calibrate --model MODEL --data DATA --tokens N --seq-len L OPTIONS --out OUT``, in this process."""
     from oscar_hf.cli.main import main
 
