@@ -15,15 +15,15 @@ def to_markdown(result: dict) -> str:
     contexts = [str(c) for c, _ in result["kl_windows"]] if texts else []
     head = ["recipe"] + [f"BPE {_length_label(k)}" for k in bpe_keys]
     head += [f"{t} {tokens_label(int(c))} {m}" for t in texts for c in contexts for m in ("KL", "PPL")]
-    rows = [_row(head), _row(["---"] * len(head))]
+    rows = []
     for label in labels:
         cells = [label] + [f"{memory[label][k]:.3f}" for k in bpe_keys]
         for t in texts:
             for c in contexts:
                 score = result["scores"][t][c][label]
                 cells += [f"{score['kl_from_none']:.4f}", f"{score['perplexity']:.3f}"]
-        rows.append(_row(cells))
-    parts = [result["description"], "\n".join(rows)]
+        rows.append(cells)
+    parts = [result["description"], _table(head, rows)]
     if texts:
         parts.append(
             "KL in nats from BF16 and perplexity, teacher-forced with token-by-token decoding, over positions "
@@ -39,8 +39,9 @@ def _length_label(key: str) -> str:
     return "128K hd128" if "@" in key else tokens_label(int(key))
 
 
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the header, its rule and one line a row of cells."""
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [head, ["---"] * len(head), *rows])
 
 
 def _needle_markdown(result: dict) -> list[str]:
@@ -53,7 +54,7 @@ def _needle_markdown(result: dict) -> list[str]:
         + [f"log p {tokens_label(int(n))}" for n in lengths]
         + ["passes / trial", "s / trial"]
     )
-    rows = [_row(head), _row(["---"] * len(head))]
+    rows = []
     passes = {label: 0.0 for label in result["variants"]}
     for trial in needles["trials"]:
         passes[trial["recipe"]] += trial["passes"] / needles["summary"][trial["recipe"]]["all"]["trials"]
@@ -61,20 +62,18 @@ def _needle_markdown(result: dict) -> list[str]:
         summary, seconds = needles["summary"][label], needles["seconds"][label]
         per_trial = sum(seconds.values()) / summary["all"]["trials"]
         rows.append(
-            _row(
-                [label]
-                + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
-                + [f"{summary['all']['exact_match']:.2f}"]
-                + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
-                + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]
-            )
+            [label]
+            + [f"{summary['by_length'][n]['exact_match']:.2f}" for n in lengths]
+            + [f"{summary['all']['exact_match']:.2f}"]
+            + [f"{summary['by_length'][n]['answer_logprob']:.2f}" for n in lengths]
+            + [f"{passes[label]:.2f}", f"{per_trial:.2f}"]
         )
     depths = [f"{d:g}" for d in settings["depths"]]
-    depth_rows = [_row(["recipe", "length"] + [f"{d}%" for d in depths]), _row(["---"] * (len(depths) + 2))]
+    depth_rows = []
     for label in result["variants"]:
         for n in lengths:
             cells = needles["summary"][label]["by_depth"][n]
-            depth_rows.append(_row([label, tokens_label(int(n))] + [f"{cells[d]:.2f}" for d in depths]))
+            depth_rows.append([label, tokens_label(int(n))] + [f"{cells[d]:.2f}" for d in depths])
     note = (
         f"Needle in a haystack ({settings['haystack']}), {settings['needles']} needle(s) x {len(depths)} depths per "
         "length, teacher-forced under the real schedule (prompt prefilled in one chunk, answer decoded against "
@@ -83,7 +82,8 @@ def _needle_markdown(result: dict) -> list[str]:
         "tokens (nats); a trial takes one pass with the prompt, and one "
         "pass of the answer's rows per greedy detour (passes / trial counts both)."
     )
-    return [note, "\n".join(rows), "Exact match per needle depth (% of the haystack):", "\n".join(depth_rows)]
+    depth_table = _table(["recipe", "length"] + [f"{d}%" for d in depths], depth_rows)
+    return [note, _table(head, rows), "Exact match per needle depth (% of the haystack):", depth_table]
 
 
 def plot(result: dict, path: Path) -> None:
